@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Runs the test suite inside a loopback-only network namespace (Ray and vLLM listen on all
+# interfaces; the namespace keeps every test server unreachable from outside).
+# pytest exit 5 (no tests collected) is a failure here, never a pass.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false VLLM_CPU_KVCACHE_SPACE="${VLLM_CPU_KVCACHE_SPACE:-1}"
+export RAY_AUTH_MODE="${RAY_AUTH_MODE:-disabled}" VLLM_HOST_IP=127.0.0.1
+run_pytest() { .venv/bin/python -m pytest "$@"; }
+if [ -z "${PREFILLSHARE_NETNS:-}" ] && [ "$(id -u)" = 0 ] && unshare -n true 2>/dev/null; then
+  PREFILLSHARE_NETNS=1 exec unshare -n bash -c 'ip link set lo up && exec "$0" "$@"' "$0" "$@"
+fi
+run_pytest "$@"
+rc=$?
+if [ $rc -eq 5 ]; then echo "no tests were collected: failing" >&2; exit 1; fi
+exit $rc
