@@ -1,0 +1,1 @@
+"""vLLM engine wrapper, PrefillShare KV connector, KV pool and transports."""

@@ -1,0 +1,438 @@
+"""One async vLLM engine wrapper, used by prefill and decode servers alike.
+
+API (everything a server needs; nothing here knows about Ray):
+
+    cfg = EngineConfig(model="checkpoints/base", dtype="float32", kv_space_gib=1,
+                       max_model_len=1024, block_size=32, max_num_batched_tokens=256,
+                       omp_threads_bind="0", enforce_eager=True,
+                       kv_transfer_config=connector_config("producer", base_id, pool=PoolSpec(...)))
+    engine = await Engine.start(cfg)              # or Engine(cfg) from sync code (blocks ~20-50 s)
+    async for out in engine.generate(ids, Sampling(max_tokens=16), "req-1", cache_salt="tenant-a"):
+        out.new_token_ids, out.token_ids, out.text, out.finish_reason, out.finished,
+        out.num_prompt_tokens, out.num_cached_tokens, out.kv_transfer_params
+    res = await engine.prefill(ids, "req-2", cache_salt="tenant-a", kv_transfer_params={"fanout": 3})
+    res.num_prompt_tokens, res.num_cached_tokens, res.num_computed_tokens
+    await engine.check_health()                   # raises EngineError if the core is dead / stuck
+    engine.shutdown()                             # idempotent; kills the engine-core process
+
+Errors: every failure of the engine (dead core, bad request, timeout) surfaces as
+:class:`EngineError` (``EngineRequestError`` for a rejected request), never as a hang: each
+request runs under ``request_timeout_s``.
+
+``connector_config(role, prefill_module_id, pool=...)`` builds the ``kv_transfer_config``
+dict that loads :mod:`app.engine.connector` as the engine's KV connector.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import threading
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
+
+__all__ = [
+    "EngineConfig",
+    "Sampling",
+    "EngineOutput",
+    "PrefillResult",
+    "Engine",
+    "EngineError",
+    "EngineRequestError",
+    "PoolSpec",
+    "connector_config",
+    "CONNECTOR_NAME",
+    "CONNECTOR_MODULE",
+]
+
+CONNECTOR_NAME = "PrefillShareConnector"
+CONNECTOR_MODULE = "app.engine.connector"
+
+_ENV_LOCK = threading.Lock()
+
+
+class EngineError(RuntimeError):
+    """The engine failed (dead core, internal error, timeout)."""
+
+
+class EngineRequestError(EngineError, ValueError):
+    """The engine rejected a request (bad prompt, too long, bad sampling)."""
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything needed to start one engine. Validated on construction."""
+
+    model: str
+    dtype: str = "bfloat16"
+    kv_space_gib: float = 1.0
+    max_model_len: int = 1024
+    block_size: int = 32
+    max_num_batched_tokens: int | None = None
+    max_num_seqs: int = 32
+    omp_threads_bind: str | None = None  # VLLM_CPU_OMP_THREADS_BIND for this engine: "0", "1", "0-1", "nobind", "auto"
+    enforce_eager: bool = True
+    enable_prefix_caching: bool = True
+    kv_transfer_config: dict[str, Any] | None = None
+    load_format: str = "auto"
+    skip_tokenizer_init: bool = False
+    tokenizer: str | None = None
+    seed: int = 0
+    request_timeout_s: float = 600.0
+    extra_env: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.model:
+            raise ValueError("EngineConfig.model: a model path is required")
+        if self.load_format != "dummy" and not os.path.isdir(self.model):
+            raise ValueError(f"EngineConfig.model: {self.model!r} is not a directory")
+        if self.dtype not in ("bfloat16", "float16", "float32", "auto"):
+            raise ValueError(f"EngineConfig.dtype: unsupported {self.dtype!r}")
+        if self.kv_space_gib <= 0:
+            raise ValueError("EngineConfig.kv_space_gib must be > 0")
+        if self.block_size <= 0 or self.block_size % 16:
+            raise ValueError("EngineConfig.block_size must be a positive multiple of 16")
+        if self.max_model_len <= 1:
+            raise ValueError("EngineConfig.max_model_len must be > 1")
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < self.block_size:
+            raise ValueError("EngineConfig.max_num_batched_tokens must be >= block_size")
+        if self.request_timeout_s <= 0:
+            raise ValueError("EngineConfig.request_timeout_s must be > 0")
+        if self.kv_transfer_config is not None and not isinstance(self.kv_transfer_config, dict):
+            raise ValueError("EngineConfig.kv_transfer_config must be a dict")
+
+    def engine_args(self):
+        """The vLLM ``AsyncEngineArgs`` for this config."""
+        from vllm.engine.arg_utils import AsyncEngineArgs
+
+        mnbt = self.max_num_batched_tokens
+        kw: dict[str, Any] = dict(
+            model=self.model,
+            tokenizer=self.tokenizer,
+            dtype=self.dtype,
+            max_model_len=self.max_model_len,
+            block_size=self.block_size,
+            enable_prefix_caching=self.enable_prefix_caching,
+            enforce_eager=self.enforce_eager,
+            load_format=self.load_format,
+            skip_tokenizer_init=self.skip_tokenizer_init,
+            seed=self.seed,
+            max_num_seqs=self.max_num_seqs,
+            kv_cache_memory_bytes=int(self.kv_space_gib * (1 << 30)),
+            disable_log_stats=False,
+        )
+        if mnbt is not None:
+            kw["max_num_batched_tokens"] = mnbt
+            kw["enable_chunked_prefill"] = True
+        if self.kv_transfer_config is not None:
+            from vllm.config import KVTransferConfig
+
+            kw["kv_transfer_config"] = KVTransferConfig(**self.kv_transfer_config)
+        return AsyncEngineArgs(**kw)
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """Sampling parameters the project uses; mapped onto vLLM's ``SamplingParams``."""
+
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise ValueError("Sampling.max_tokens must be >= 1")
+        if self.temperature < 0:
+            raise ValueError("Sampling.temperature must be >= 0")
+        if not 0 < self.top_p <= 1:
+            raise ValueError("Sampling.top_p must be in (0, 1]")
+
+    def to_vllm(self, kv_transfer_params: dict[str, Any] | None = None):
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        extra = {"kv_transfer_params": dict(kv_transfer_params)} if kv_transfer_params else None
+        return SamplingParams(
+            max_tokens=self.max_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            seed=self.seed,
+            stop_token_ids=list(self.stop_token_ids),
+            ignore_eos=self.ignore_eos,
+            output_kind=RequestOutputKind.DELTA,
+            extra_args=extra,
+        )
+
+
+@dataclass
+class EngineOutput:
+    """One streamed step of a request."""
+
+    request_id: str
+    new_token_ids: list[int]
+    token_ids: list[int]  # all generated so far
+    text: str  # all generated text so far ("" without a tokenizer)
+    finished: bool
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_cached_tokens: int  # local prefix-cache hits + KV loaded through the connector
+    kv_transfer_params: dict[str, Any] | None = None
+
+
+@dataclass
+class PrefillResult:
+    """What a prefill-only request (max_tokens=1) did."""
+
+    request_id: str
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    num_computed_tokens: int
+    first_token_id: int | None
+    kv_transfer_params: dict[str, Any] | None = None
+
+
+@dataclass(frozen=True)
+class PoolSpec:
+    """Where the connector keeps KV blocks (see :mod:`app.engine.kv_pool`)."""
+
+    path: str  # directory, normally under /dev/shm
+    capacity_bytes: int = 1 << 30
+    lease_timeout_s: float = 60.0
+    transport: Literal["shm", "nixl"] = "shm"
+    nixl_listen: str | None = None  # producer: "host:port" its NIXL block server listens on
+    nixl_peers: tuple[str, ...] = ()  # consumer: producers' "host:port" to pull from
+
+    def __post_init__(self) -> None:
+        if not self.path:
+            raise ValueError("PoolSpec.path is required")
+        if self.capacity_bytes <= 0:
+            raise ValueError("PoolSpec.capacity_bytes must be > 0")
+        if self.lease_timeout_s <= 0:
+            raise ValueError("PoolSpec.lease_timeout_s must be > 0")
+        if self.transport not in ("shm", "nixl"):
+            raise ValueError(f"PoolSpec.transport: {self.transport!r} is not 'shm' or 'nixl'")
+
+
+def connector_config(
+    role: Literal["producer", "consumer"],
+    prefill_module_id: str,
+    pool: PoolSpec,
+    *,
+    incompatible_reason: str | None = None,
+    decoder_manifest: str | None = None,
+) -> dict[str, Any]:
+    """``kv_transfer_config`` for a PrefillShare engine.
+
+    ``role``: "producer" on prefill engines (the base), "consumer" on decode engines.
+    ``prefill_module_id``: the base's id (a decoder takes it from its manifest, never from
+    its own model name). ``incompatible_reason``: set when the decoder must not load the base's
+    KV; the connector then always prefills privately and counts the reason.
+    ``decoder_manifest``: path of the decoder's checkpoint; when app.models.compat exists the
+    connector runs its compatibility check against ``prefill_module_id``.
+    """
+    if role not in ("producer", "consumer"):
+        raise ValueError(f"connector_config role: {role!r} is not 'producer' or 'consumer'")
+    if not prefill_module_id:
+        raise ValueError("connector_config prefill_module_id is required")
+    if not isinstance(pool, PoolSpec):
+        raise ValueError("connector_config pool must be a PoolSpec")
+    extra: dict[str, Any] = {
+        "role": role,
+        "prefill_module_id": prefill_module_id,
+        "pool": asdict(pool),
+    }
+    if incompatible_reason:
+        extra["incompatible_reason"] = incompatible_reason
+    if decoder_manifest:
+        extra["decoder_manifest"] = decoder_manifest
+    return {
+        "kv_connector": CONNECTOR_NAME,
+        "kv_connector_module_path": CONNECTOR_MODULE,
+        "kv_role": "kv_producer" if role == "producer" else "kv_consumer",
+        "kv_connector_extra_config": extra,
+    }
+
+
+@contextlib.contextmanager
+def _engine_env(cfg: EngineConfig):
+    """Env the spawned engine-core process inherits; restored afterwards.
+
+    VLLM_CPU_KVCACHE_SPACE would override ``kv_cache_memory_bytes`` (vLLM's legacy setting),
+    so it is removed while the engine is built.
+    """
+    with _ENV_LOCK:
+        saved = dict(os.environ)
+        try:
+            os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
+            if cfg.omp_threads_bind is not None:
+                os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cfg.omp_threads_bind
+            os.environ.update(cfg.extra_env)
+            yield
+        finally:
+            os.environ.clear()
+            os.environ.update(saved)
+
+
+class Engine:
+    """An ``AsyncLLM`` with typed inputs and outputs and errors that surface."""
+
+    def __init__(self, cfg: EngineConfig):
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        self.cfg = cfg
+        self._closed = False
+        with _engine_env(cfg):
+            try:
+                self._llm = AsyncLLM.from_engine_args(cfg.engine_args())
+            except Exception as e:  # noqa: BLE001 - startup failures of any kind
+                raise EngineError(f"engine for {cfg.model!r} failed to start: {e}") from e
+
+    @classmethod
+    async def start(cls, cfg: EngineConfig) -> "Engine":
+        """Build the engine without blocking the event loop."""
+        return await asyncio.to_thread(cls, cfg)
+
+    @property
+    def llm(self):
+        """The underlying vLLM ``AsyncLLM`` (for metrics and advanced use)."""
+        return self._llm
+
+    def _check_alive(self) -> None:
+        if self._closed or self._llm is None:
+            raise EngineError("engine is shut down")
+        if self._llm.errored:
+            raise EngineError(f"engine is dead: {self._llm.dead_error}")
+
+    async def generate(
+        self,
+        prompt_token_ids: Sequence[int],
+        sampling: Sampling | Any,
+        request_id: str | None = None,
+        cache_salt: str | None = None,
+        kv_transfer_params: dict[str, Any] | None = None,
+    ) -> AsyncIterator[EngineOutput]:
+        """Stream a request's outputs. ``sampling`` is a :class:`Sampling` or vLLM ``SamplingParams``."""
+        from vllm.exceptions import VLLMValidationError
+        from vllm.v1.engine.exceptions import EngineDeadError, EngineGenerateError
+
+        self._check_alive()
+        ids = [int(t) for t in prompt_token_ids]
+        if not ids:
+            raise EngineRequestError("prompt_token_ids is empty")
+        if len(ids) >= self.cfg.max_model_len:
+            raise EngineRequestError(
+                f"prompt_token_ids: {len(ids)} tokens, max_model_len is {self.cfg.max_model_len}"
+            )
+        if isinstance(sampling, Sampling):
+            params = sampling.to_vllm(kv_transfer_params)
+        else:
+            params = sampling
+            if kv_transfer_params:
+                params.extra_args = {**(params.extra_args or {}), "kv_transfer_params": dict(kv_transfer_params)}
+        rid = request_id or uuid.uuid4().hex
+        prompt: dict[str, Any] = {"prompt_token_ids": ids}
+        if cache_salt is not None:
+            prompt["cache_salt"] = cache_salt
+        token_ids: list[int] = []
+        text = ""
+        agen = self._llm.generate(prompt, params, rid)
+        deadline = asyncio.get_running_loop().time() + self.cfg.request_timeout_s
+        try:
+            while True:
+                left = deadline - asyncio.get_running_loop().time()
+                try:
+                    out = await asyncio.wait_for(agen.__anext__(), timeout=max(left, 0.001))
+                except StopAsyncIteration:
+                    return
+                except asyncio.TimeoutError as e:
+                    raise EngineError(f"request {rid} timed out after {self.cfg.request_timeout_s}s") from e
+                comp = out.outputs[0]
+                new = list(comp.token_ids)
+                token_ids.extend(new)
+                text += comp.text or ""
+                yield EngineOutput(
+                    request_id=rid,
+                    new_token_ids=new,
+                    token_ids=list(token_ids),
+                    text=text,
+                    finished=out.finished,
+                    finish_reason=comp.finish_reason,
+                    num_prompt_tokens=len(out.prompt_token_ids or ids),
+                    num_cached_tokens=int(out.num_cached_tokens or 0),
+                    kv_transfer_params=out.kv_transfer_params,
+                )
+                if out.finished:
+                    return
+        except EngineDeadError as e:
+            raise EngineError(f"engine died during request {rid}: {e}") from e
+        except (VLLMValidationError, ValueError) as e:
+            if isinstance(e, EngineError):
+                raise
+            raise EngineRequestError(f"request {rid} rejected: {e}") from e
+        except EngineGenerateError as e:
+            raise EngineError(f"request {rid} failed: {e.__cause__ or e}") from e
+        finally:
+            with contextlib.suppress(Exception):
+                await agen.aclose()
+
+    async def complete(self, prompt_token_ids, sampling, request_id=None, cache_salt=None,
+                       kv_transfer_params=None) -> EngineOutput:
+        """Run a request to the end and return its last output (all tokens)."""
+        last = None
+        async for last in self.generate(prompt_token_ids, sampling, request_id, cache_salt, kv_transfer_params):
+            pass
+        if last is None:
+            raise EngineError("engine returned no output")
+        return last
+
+    async def prefill(
+        self,
+        prompt_token_ids: Sequence[int],
+        request_id: str | None = None,
+        cache_salt: str | None = None,
+        kv_transfer_params: dict[str, Any] | None = None,
+    ) -> PrefillResult:
+        """Compute the prompt's KV (the producer connector saves it); one greedy token."""
+        out = await self.complete(prompt_token_ids, Sampling(max_tokens=1), request_id, cache_salt,
+                                  kv_transfer_params)
+        return PrefillResult(
+            request_id=out.request_id,
+            num_prompt_tokens=out.num_prompt_tokens,
+            num_cached_tokens=out.num_cached_tokens,
+            num_computed_tokens=out.num_prompt_tokens - out.num_cached_tokens,
+            first_token_id=out.token_ids[0] if out.token_ids else None,
+            kv_transfer_params=out.kv_transfer_params,
+        )
+
+    async def check_health(self, timeout_s: float = 10.0) -> None:
+        """Raise :class:`EngineError` unless the engine core answers within ``timeout_s``."""
+        self._check_alive()
+        try:
+            await asyncio.wait_for(self._llm.check_health(), timeout=timeout_s)
+        except asyncio.TimeoutError as e:
+            raise EngineError(f"engine health check timed out after {timeout_s}s") from e
+        except Exception as e:  # noqa: BLE001
+            raise EngineError(f"engine unhealthy: {e}") from e
+
+    def shutdown(self) -> None:
+        """Stop the engine-core process; safe to call twice."""
+        if self._closed:
+            return
+        self._closed = True
+        llm = getattr(self, "_llm", None)
+        if llm is not None:
+            with contextlib.suppress(Exception):
+                llm.shutdown()
+            # Drop the reference now: AsyncLLM.__del__ at interpreter exit is noisy.
+            self._llm = None
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
