@@ -1,0 +1,312 @@
+"""KubeRay manifests, offline: CRD schema (strict, as the API server), Serve schema, drift, capacity."""
+from __future__ import annotations
+
+import copy
+import importlib
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from ray.serve.schema import ServeDeploySchema
+
+from app.kube.capacity import check_capacity
+from app.kube.crd import CrdValidator, ManifestInvalid
+from app.kube.render import (
+    RenderError,
+    SERVE_PORT,
+    merge_patch,
+    parse_ray_resources_param,
+    render_all,
+    render_rayservice,
+    secret_manifest,
+)
+from app.kube.variant import VariantError, load_variant
+
+REPO = Path(__file__).resolve().parent.parent
+CRD_DIR = REPO.parent / "shared" / "kuberay"
+MANIFESTS = sorted((REPO / "k8s").glob("rayservice-*.yaml"))
+VARIANTS = sorted((REPO / "k8s" / "variants").glob("*.yaml"))
+
+
+@pytest.fixture(scope="module")
+def crds() -> CrdValidator:
+    if not (CRD_DIR / "ray.io_rayservices.yaml").is_file():
+        pytest.skip(f"KubeRay CRDs not found at {CRD_DIR} (the shared folder beside the repo is absent)")
+    return CrdValidator.from_dir(CRD_DIR)
+
+
+def _load(path: Path) -> dict:
+    docs = [d for d in yaml.safe_load_all(path.read_text()) if d]
+    assert len(docs) == 1, f"{path}: expected one document"
+    return docs[0]
+
+
+@pytest.fixture(scope="module")
+def gpu_manifest() -> dict:
+    return _load(REPO / "k8s" / "rayservice-gpu.yaml")
+
+
+def test_one_manifest_per_variant():
+    outputs = sorted(REPO / "k8s" / load_variant(v).output for v in VARIANTS)
+    assert outputs == MANIFESTS, "every variant renders one committed manifest and nothing else is there"
+    assert {p.name for p in MANIFESTS} >= {"rayservice-gpu.yaml", "rayservice-cpu.yaml"}
+
+
+# ---- one source of truth ---------------------------------------------------------------------
+
+def test_manifests_match_serve_config():
+    stale = [str(r.output) for r in render_all(REPO, check=True) if not r.up_to_date]
+    assert not stale, f"re-run `prefillshare k8s render`: {stale} drifted from serve_config.yaml"
+
+
+def test_drift_is_detected(tmp_path):
+    """An edit to serve_config.yaml that the manifests do not carry makes the check fail."""
+    src = yaml.safe_load((REPO / "serve_config.yaml").read_text())
+    cfg = src["applications"][0]["args"]["config"]
+    cfg["limits"] = merge_patch(cfg.get("limits") or {}, {"max_agents": 7})
+    edited = tmp_path / "serve_config.yaml"
+    edited.write_text(yaml.safe_dump(src, sort_keys=False))
+    results = render_all(REPO, edited, check=True)
+    assert results and all(not r.up_to_date for r in results)
+    for r in results:  # the re-rendered text carries the edit
+        serve = yaml.safe_load(yaml.safe_load(r.text)["spec"]["serveConfigV2"])
+        assert serve["applications"][0]["args"]["config"]["limits"]["max_agents"] == 7
+
+
+def test_render_check_command_exits_zero_when_current():
+    out = subprocess.run([sys.executable, "-m", "app.kube", "render", "--check"], cwd=REPO,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert out.stdout.count("up to date") == len(MANIFESTS)
+
+
+# ---- Serve config embedded in each manifest ---------------------------------------------------
+
+@pytest.mark.parametrize("path", MANIFESTS, ids=lambda p: p.name)
+def test_serve_config_v2_valid_and_imports(path):
+    doc = _load(path)
+    serve = yaml.safe_load(doc["spec"]["serveConfigV2"])
+    schema = ServeDeploySchema.model_validate(serve)
+    assert schema.http_options.host == "0.0.0.0", "the proxy must listen on the pod IP"
+    assert schema.http_options.port == SERVE_PORT == doc["spec"]["serveService"]["spec"]["ports"][0]["targetPort"]
+    for app in schema.applications:
+        module, _, attr = app.import_path.partition(":")
+        target = importlib.import_module(module)
+        for part in (attr or "app").split("."):
+            target = getattr(target, part)
+        assert callable(target) or target is not None
+        from app.config import load_config
+
+        load_config(app.args["config"])  # the typed app config accepts what the variant produced
+
+
+def test_cpu_variant_models_are_in_the_repo():
+    """The CPU image copies the repo to /app; every model path the manifest names must exist."""
+    from app.config import load_config
+
+    doc = _load(REPO / "k8s" / "rayservice-cpu.yaml")
+    cfg = yaml.safe_load(doc["spec"]["serveConfigV2"])["applications"][0]["args"]["config"]
+    assert cfg["root"] == "/app"
+    app_cfg = load_config({**cfg, "root": str(REPO)})
+    app_cfg.check_paths()
+
+
+# ---- CRD schema, strict -----------------------------------------------------------------------
+
+@pytest.mark.parametrize("path", MANIFESTS, ids=lambda p: p.name)
+def test_manifest_valid_against_crd(crds, path):
+    doc = _load(path)
+    assert crds.knows(doc)
+    assert crds.errors(doc) == []
+
+
+def _mutations():
+    head = ("spec", "rayClusterConfig", "headGroupSpec")
+    w0 = ("spec", "rayClusterConfig", "workerGroupSpecs", 0)
+    c0 = w0 + ("template", "spec", "containers", 0)
+    return [
+        # (id, path, new value or callable, substring expected in the error)
+        ("wrong-type-replicas", w0 + ("replicas",), "3", "replicas: '3' is not of type 'integer'"),
+        ("wrong-type-rayStartParams", head + ("rayStartParams", "num-cpus"), 6, "is not of type 'string'"),
+        ("unknown-field-spec", ("spec", "serveConfig"), "x", "Additional properties are not allowed ('serveConfig'"),
+        ("unknown-field-container", c0 + ("imagePullPolcy",), "Always", "'imagePullPolcy' was unexpected"),
+        ("unknown-field-probe", c0 + ("readinessProbe", "httpGet", "scheme_"), "HTTP", "'scheme_' was unexpected"),
+        ("bad-quantity-space", c0 + ("resources", "limits", "memory"), "64 GB", "limits.memory"),
+        ("bad-quantity-unit", c0 + ("resources", "requests", "memory"), "64GB", "requests.memory"),
+        ("bad-quantity-lowercase", c0 + ("resources", "limits", "cpu"), "8cores", "limits.cpu"),
+        ("int32-overflow", w0 + ("maxReplicas",), 2**31, "maxReplicas"),
+        ("enum", ("spec", "rayClusterConfig", "authOptions", "mode"), "password", "authOptions.mode"),
+        ("bad-name", ("metadata", "name"), "PrefillShare_GPU", "metadata.name"),
+        ("missing-required", w0 + ("groupName",), None, "'groupName' is a required property"),
+        ("duplicate-container-port", c0 + ("ports",), lambda ports: ports + [dict(ports[0])], "duplicate entry"),
+    ]
+
+
+def _set(doc: dict, path: tuple, value) -> None:
+    node = doc
+    for key in path[:-1]:
+        node = node[key]
+    if value is None:
+        del node[path[-1]]
+    elif callable(value):
+        node[path[-1]] = value(node[path[-1]])
+    else:
+        node[path[-1]] = value
+
+
+@pytest.mark.parametrize("case", _mutations(), ids=lambda c: c[0])
+def test_broken_manifest_is_rejected(crds, gpu_manifest, case):
+    name, path, value, expected = case
+    doc = copy.deepcopy(gpu_manifest)
+    _set(doc, path, value)
+    errs = crds.errors(doc)
+    assert errs, f"{name}: accepted a manifest the API server would refuse"
+    assert any(expected in e for e in errs), errs
+    with pytest.raises(ManifestInvalid):
+        crds.validate(doc, name)
+
+
+def test_unknown_kind_is_refused(crds, gpu_manifest):
+    doc = dict(gpu_manifest, apiVersion="ray.io/v2")
+    assert "is not one of" in crds.errors(doc)[0]
+
+
+# ---- cluster shape: GPUs, groups, capacity ----------------------------------------------------
+
+@pytest.mark.parametrize("path", MANIFESTS, ids=lambda p: p.name)
+def test_every_replica_fits_at_full_scale(path):
+    problems, pools = check_capacity(_load(path))
+    assert problems == []
+    placed = {d for p in pools for d in p.placed}
+    assert any(":" in d for d in placed), "engine deployments were counted"
+
+
+def test_gpu_prefill_and_decoders_on_separate_gpu_groups(gpu_manifest):
+    problems, pools = check_capacity(gpu_manifest)
+    assert problems == []
+    by_name = {p.name: p for p in pools}
+    prefill, decode = by_name["prefill"], by_name["decode"]
+    assert prefill.per_pod["GPU"] >= 1 and decode.per_pod["GPU"] >= 1
+    assert set(prefill.placed) and all("/prefill:" in d for d in prefill.placed)
+    assert set(decode.placed) and all("/decode:" in d for d in decode.placed)
+    assert not any("/decode:" in d or "/prefill:" in d for d in by_name["head"].placed)
+    groups = {g["groupName"]: g for g in gpu_manifest["spec"]["rayClusterConfig"]["workerGroupSpecs"]}
+    for name in ("prefill", "decode"):
+        limits = groups[name]["template"]["spec"]["containers"][0]["resources"]["limits"]
+        assert limits["nvidia.com/gpu"] >= 1
+        assert groups[name]["minReplicas"] <= groups[name]["replicas"] <= groups[name]["maxReplicas"]
+
+
+def _with_serve(manifest: dict, edit) -> dict:
+    doc = copy.deepcopy(manifest)
+    serve = yaml.safe_load(doc["spec"]["serveConfigV2"])
+    edit(serve["applications"][0]["args"]["config"])
+    doc["spec"]["serveConfigV2"] = yaml.safe_dump(serve)
+    return doc
+
+
+def test_capacity_catches_too_many_decoder_replicas(gpu_manifest):
+    groups = {g["groupName"]: g for g in gpu_manifest["spec"]["rayClusterConfig"]["workerGroupSpecs"]}
+    too_many = groups["decode"]["maxReplicas"] + 1
+
+    def edit(cfg):
+        cfg["decoders"][0]["placement"]["num_replicas"] = too_many
+
+    problems, _ = check_capacity(_with_serve(gpu_manifest, edit))
+    assert any("does not fit in decode" in p for p in problems), problems
+
+
+def test_capacity_catches_unadvertised_resource_and_unpinned_gpu(gpu_manifest):
+    def edit(cfg):
+        cfg["decoders"][0]["placement"]["placement_group_bundles"] = [{"CPU": 2, "GPU": 1, "decoder_node": 1}]
+        cfg["decoders"][1]["placement"]["placement_group_bundles"] = [{"CPU": 2, "GPU": 1}]
+
+    problems, _ = check_capacity(_with_serve(gpu_manifest, edit))
+    assert any("no node group advertises ['decoder_node']" in p for p in problems), problems
+    assert any("without a group resource" in p for p in problems), problems
+
+
+def test_ray_resources_param_round_trip(gpu_manifest):
+    for g in gpu_manifest["spec"]["rayClusterConfig"]["workerGroupSpecs"]:
+        raw = g["rayStartParams"]["resources"]
+        assert raw.startswith('"{') and raw.endswith('}"'), "KubeRay passes it through a shell: quote the JSON"
+        assert list(parse_ray_resources_param(raw).values()) == [1]
+
+
+def test_probes_and_service(gpu_manifest):
+    spec = gpu_manifest["spec"]
+    assert spec["serveService"]["spec"]["ports"][0]["port"] == SERVE_PORT
+    pods = [spec["rayClusterConfig"]["headGroupSpec"]] + spec["rayClusterConfig"]["workerGroupSpecs"]
+    for g in pods:
+        c = g["template"]["spec"]["containers"][0]
+        assert c["livenessProbe"]["httpGet"]["path"] == "/api/local_raylet_healthz"
+        assert c["readinessProbe"]["httpGet"]["port"] in (8265, SERVE_PORT)
+        declared = {p["containerPort"] for p in c["ports"]}
+        assert c["readinessProbe"]["httpGet"]["port"] in declared
+
+
+def test_models_volume_mounted_where_root_points(gpu_manifest):
+    serve = yaml.safe_load(gpu_manifest["spec"]["serveConfigV2"])
+    root = serve["applications"][0]["args"]["config"]["root"]
+    for g in gpu_manifest["spec"]["rayClusterConfig"]["workerGroupSpecs"]:
+        mounts = g["template"]["spec"]["containers"][0]["volumeMounts"]
+        assert any(m["mountPath"] == root and m["readOnly"] for m in mounts)
+
+
+# ---- auth -------------------------------------------------------------------------------------
+
+def test_token_auth_uses_the_secret_the_cli_prints():
+    out = subprocess.run([sys.executable, "-m", "app.kube", "secret"], cwd=REPO,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    secret = yaml.safe_load(out.stdout)
+    token = secret["stringData"]["auth_token"]
+    assert len(token) >= 32
+    again = yaml.safe_load(subprocess.run([sys.executable, "-m", "app.kube", "secret"], cwd=REPO,
+                                          capture_output=True, text=True, timeout=60).stdout)
+    assert again["stringData"]["auth_token"] != token, "tokens are random, never a shipped constant"
+    for path in MANIFESTS:
+        auth = _load(path)["spec"]["rayClusterConfig"]["authOptions"]
+        assert auth == {"mode": "token", "secretName": secret["metadata"]["name"]}
+    with pytest.raises(ValueError):
+        secret_manifest("x", "short")
+
+
+# ---- variant files and patches ----------------------------------------------------------------
+
+def test_merge_patch_semantics():
+    target = {"a": 1, "b": {"c": 2, "d": 3}, "l": [1, 2]}
+    assert merge_patch(target, {"b": {"c": None, "e": 4}, "l": [9], "a": None}) == {"b": {"d": 3, "e": 4}, "l": [9]}
+    assert target == {"a": 1, "b": {"c": 2, "d": 3}, "l": [1, 2]}, "the input is not modified"
+
+
+@pytest.mark.parametrize(
+    "edit, field",
+    [
+        (lambda v: v.update(imagePullPolcy="Always"), "imagePullPolcy"),
+        (lambda v: v["workerGroups"][0].update(memory="64 GB"), "workerGroups.0.memory"),
+        (lambda v: v["workerGroups"][0].update(replicas=9, maxReplicas=4), "replicas <= maxReplicas"),
+        (lambda v: v["workerGroups"][1].update(rayResource=v["workerGroups"][0]["rayResource"]), "own rayResource"),
+        (lambda v: v["modelStorage"].pop("claimName"), "claimName"),
+    ],
+    ids=["unknown-key", "bad-quantity", "replica-bounds", "shared-resource", "pvc-without-claim"],
+)
+def test_bad_variant_names_the_field(tmp_path, edit, field):
+    raw = yaml.safe_load((REPO / "k8s" / "variants" / "gpu.yaml").read_text())
+    edit(raw)
+    bad = tmp_path / "gpu.yaml"
+    bad.write_text(yaml.safe_dump(raw))
+    with pytest.raises(VariantError, match=field.replace(".", r"\.").replace("<", ".")):
+        load_variant(bad)
+
+
+def test_patch_that_matches_nothing_is_an_error():
+    serve = yaml.safe_load((REPO / "serve_config.yaml").read_text())
+    variant = load_variant(REPO / "k8s" / "variants" / "gpu.yaml")
+    patched = variant.model_copy(
+        update={"serve": variant.serve.model_copy(update={"decoders": {"no-such-decoder": {"placement": {}}}})}
+    )
+    with pytest.raises(RenderError, match="no-such-decoder"):
+        render_rayservice(serve, patched)
