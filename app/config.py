@@ -1,0 +1,258 @@
+"""Typed configuration of the Serve application, validated once at load.
+
+One source of truth for what the app runs: which prefill modules (shared bases) and which
+decoders (task models) exist, how each is placed, the KV pool, request limits and routing.
+`serve_config.yaml` passes it as the application's `args`; errors name the offending field
+so a bad config fails at `serve run`, not on the first request.
+"""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,62}$")
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class EngineSettings(_Strict):
+    """vLLM knobs shared by every engine of one deployment."""
+
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "bfloat16"
+    max_model_len: int = Field(1024, ge=16)
+    kv_cache_gib: float = Field(0.25, gt=0, description="VLLM_CPU_KVCACHE_SPACE per engine (CPU)")
+    gpu_memory_utilization: float = Field(0.85, gt=0, le=1, description="used on GPUs only")
+    block_size: int = Field(16, ge=1)
+    max_num_seqs: int = Field(16, ge=1)
+    enforce_eager: bool = True
+    threads_bind: str = Field(
+        "nobind",
+        description="VLLM_CPU_OMP_THREADS_BIND: 'nobind' gives one unpinned thread per engine, "
+        "'0' / '1' pins to a core; 'auto' reserves every core per engine (slow with several engines)",
+    )
+    seed: int = 0
+
+    @field_validator("threads_bind")
+    @classmethod
+    def _bind(cls, v: str) -> str:
+        if v == "all":
+            raise ValueError("'all' is rejected by vLLM; use a core list such as '0-1'")
+        if v not in ("auto", "nobind") and not re.fullmatch(r"[0-9]+(-[0-9]+)?(,[0-9]+(-[0-9]+)?)*(\|.+)?", v):
+            raise ValueError("expected 'auto', 'nobind' or a core list like '0', '0-1', '0,2'")
+        return v
+
+
+class Placement(_Strict):
+    """Where a deployment's replicas run; maps onto Serve's replica options."""
+
+    num_replicas: int = Field(1, ge=1)
+    num_cpus: float = Field(0.25, ge=0)
+    num_gpus: float = Field(0.0, ge=0)
+    max_ongoing_requests: int = Field(32, ge=1)
+    placement_group_bundles: list[dict[str, float]] | None = Field(
+        None, description="one bundle list per replica; the first bundle holds the replica actor"
+    )
+    placement_group_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
+    env: dict[str, str] = Field(default_factory=dict, description="extra env vars for the replica")
+
+    @model_validator(mode="after")
+    def _bundles_hold_actor(self) -> "Placement":
+        if self.placement_group_bundles is not None:
+            if not self.placement_group_bundles:
+                raise ValueError("placement_group_bundles: give at least one bundle or leave it out")
+            first = self.placement_group_bundles[0]
+            if first.get("CPU", 0.0) < self.num_cpus or first.get("GPU", 0.0) < self.num_gpus:
+                raise ValueError(
+                    "placement_group_bundles[0] must hold the replica itself "
+                    f"(CPU >= num_cpus={self.num_cpus}, GPU >= num_gpus={self.num_gpus})"
+                )
+            for i, b in enumerate(self.placement_group_bundles):
+                for k, v in b.items():
+                    if v < 0:
+                        raise ValueError(f"placement_group_bundles[{i}].{k} must be >= 0")
+        return self
+
+
+class PrefillModuleConfig(_Strict):
+    """A shared frozen base: one PrefillServer deployment, N replicas."""
+
+    name: str
+    model: str = Field(description="HF checkpoint directory of the base")
+    placement: Placement = Field(default_factory=lambda: Placement(num_cpus=0.5))
+    engine: EngineSettings = Field(default_factory=EngineSettings)
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        if not _NAME.match(v):
+            raise ValueError("use letters, digits, '_', '.', '-' (max 63 chars)")
+        return v
+
+
+class DecoderConfig(_Strict):
+    """A task model served under `name` (the OpenAI `model` and the agent name)."""
+
+    name: str
+    model: str = Field(description="HF checkpoint directory with a prefillshare.json manifest")
+    prefill_module: str | None = Field(
+        "auto",
+        description="name of a configured prefill module; 'auto' picks the one whose id the "
+        "manifest names; null forces private prefill",
+    )
+    placement: Placement = Field(
+        default_factory=lambda: Placement(num_cpus=0.25, placement_group_bundles=[{"CPU": 0.25}])
+    )
+    engine: EngineSettings = Field(default_factory=EngineSettings)
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        if not _NAME.match(v):
+            raise ValueError("use letters, digits, '_', '.', '-' (max 63 chars)")
+        return v
+
+
+class PoolConfig(_Strict):
+    """The KV pool behind the connector (shared memory on one node, NIXL across nodes)."""
+
+    path: str = Field("/dev/shm/prefillshare", description="pool directory (shared memory on this node)")
+    capacity_gib: float = Field(0.5, gt=0)
+    transport: Literal["shm", "nixl"] = "shm"
+    fan_out_ttl_s: float = Field(30.0, gt=0, description="blocks stay readable this long for late decoders")
+
+
+class LimitsConfig(_Strict):
+    """Request limits enforced at the ingress (4xx beyond them)."""
+
+    max_tokens_default: int = Field(32, ge=1)
+    max_tokens_cap: int = Field(256, ge=1)
+    max_agents: int = Field(16, ge=1)
+    max_rounds: int = Field(4, ge=1)
+    request_timeout_s: float = Field(120.0, gt=0)
+
+
+class RoutingConfig(_Strict):
+    """Prefix-locality routing of prefill calls."""
+
+    imbalance_threshold: int = Field(
+        4, ge=1, description="leave the locality replica when it has this many more ongoing requests than the least loaded"
+    )
+    max_tracked_prefixes: int = Field(10_000, ge=1)
+
+
+class SmallDeployment(_Strict):
+    num_cpus: float = Field(0.05, ge=0)
+    num_replicas: int = Field(1, ge=1)
+    max_ongoing_requests: int = Field(256, ge=1)
+
+
+class AppConfig(_Strict):
+    """The whole application."""
+
+    tokenizer: str = Field("checkpoints/tokenizer", description="HF fast tokenizer directory")
+    prefill_modules: list[PrefillModuleConfig] = Field(min_length=1)
+    decoders: list[DecoderConfig] = Field(min_length=1)
+    pool: PoolConfig = Field(default_factory=PoolConfig)
+    limits: LimitsConfig = Field(default_factory=LimitsConfig)
+    routing: RoutingConfig = Field(default_factory=RoutingConfig)
+    router: SmallDeployment = Field(default_factory=SmallDeployment)
+    orchestrator: SmallDeployment = Field(default_factory=SmallDeployment)
+    metrics: SmallDeployment = Field(default_factory=SmallDeployment)
+    engine_env: dict[str, str] = Field(
+        default_factory=dict, description="env vars for every engine replica (e.g. VLLM_HOST_IP)"
+    )
+    root: str = Field(
+        "", description="relative model paths resolve against this directory (default: the project root)"
+    )
+
+    @model_validator(mode="after")
+    def _cross_refs(self) -> "AppConfig":
+        names = [p.name for p in self.prefill_modules]
+        dup = {n for n in names if names.count(n) > 1}
+        if dup:
+            raise ValueError(f"prefill_modules: duplicate name(s) {sorted(dup)}")
+        dnames = [d.name for d in self.decoders]
+        dup = {n for n in dnames if dnames.count(n) > 1}
+        if dup:
+            raise ValueError(f"decoders: duplicate name(s) {sorted(dup)}")
+        for i, d in enumerate(self.decoders):
+            if d.prefill_module not in (None, "auto") and d.prefill_module not in names:
+                raise ValueError(
+                    f"decoders[{i}].prefill_module: {d.prefill_module!r} is not a configured "
+                    f"prefill module (have {names})"
+                )
+        return self
+
+    def path(self, p: str) -> Path:
+        """A model/tokenizer path resolved against `root`."""
+        q = Path(p).expanduser()
+        base = Path(self.root).expanduser() if self.root else PROJECT_ROOT
+        return q if q.is_absolute() else (base / q).resolve()
+
+    def check_paths(self) -> None:
+        """Fail with the field name when a checkpoint directory is missing."""
+        problems = []
+        if not self.path(self.tokenizer).is_dir():
+            problems.append(f"tokenizer: no directory {self.path(self.tokenizer)}")
+        for i, p in enumerate(self.prefill_modules):
+            if not (self.path(p.model) / "config.json").is_file():
+                problems.append(f"prefill_modules[{i}].model: no config.json in {self.path(p.model)}")
+        for i, d in enumerate(self.decoders):
+            if not (self.path(d.model) / "config.json").is_file():
+                problems.append(f"decoders[{i}].model: no config.json in {self.path(d.model)}")
+        if problems:
+            raise ConfigError("; ".join(problems))
+
+    def prefill_module(self, name: str) -> PrefillModuleConfig:
+        for p in self.prefill_modules:
+            if p.name == name:
+                return p
+        raise KeyError(name)
+
+    def decoder(self, name: str) -> DecoderConfig:
+        for d in self.decoders:
+            if d.name == name:
+                return d
+        raise KeyError(name)
+
+
+class ConfigError(ValueError):
+    """A config that cannot run; the message names the field."""
+
+
+def _format(err: ValidationError) -> str:
+    parts = []
+    for e in err.errors():
+        loc = ".".join(str(x) for x in e["loc"]) or "(root)"
+        parts.append(f"{loc}: {e['msg']}")
+    return "; ".join(parts)
+
+
+def load_config(source: dict[str, Any] | str | Path) -> AppConfig:
+    """An AppConfig from a dict (Serve `args`) or a YAML file; raises ConfigError naming fields.
+
+    A YAML file may hold the config itself or a Serve config whose first application's
+    `args.config` holds it.
+    """
+    if isinstance(source, (str, Path)):
+        path = Path(source)
+        try:
+            data = yaml.safe_load(path.read_text())
+        except (OSError, yaml.YAMLError) as e:
+            raise ConfigError(f"{path}: {e}") from e
+        if isinstance(data, dict) and "applications" in data:
+            data = data["applications"][0].get("args", {}).get("config", {})
+        data = dict(data or {})
+    else:
+        data = dict(source)
+    try:
+        return AppConfig.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(_format(e)) from None

@@ -1,0 +1,155 @@
+"""Messages between deployments: small plain dataclasses, never engine objects.
+
+They cross process boundaries through Ray, so they hold token ids and numbers only.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class SamplingSpec:
+    """Sampling for one decoder request (mirrors app.engine's Sampling)."""
+
+    max_tokens: int
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class PrefillRequest:
+    """Compute the base KV of ``prompts`` (each a full prompt; the hand-over split is applied
+    by the server). ``shared_prefix`` is computed first when given, so the prompts reuse it
+    through prefix caching. ``locality_keys`` are the block keys the prefix router routes on."""
+
+    request_id: str
+    prompts: tuple[tuple[int, ...], ...]
+    shared_prefix: tuple[int, ...] = ()
+    locality_keys: tuple[str, ...] = ()
+    fanout: int = 1
+    cache_salt: str | None = None
+
+
+@dataclass(frozen=True)
+class PrefillTicket:
+    """What a prefill did; a decoder needs nothing else than its prompt to find the KV."""
+
+    request_id: str
+    prefill_module: str
+    replica_id: str
+    num_prompt_tokens: tuple[int, ...]
+    num_computed_tokens: int
+    num_cached_tokens: int
+    seconds: float
+    kv_transfer_params: tuple[dict[str, Any] | None, ...] = ()
+
+
+@dataclass(frozen=True)
+class DecodeRequest:
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    sampling: SamplingSpec
+    kv_transfer_params: dict[str, Any] | None = None
+    expect_shared_tokens: int = 0
+    cache_salt: str | None = None
+    agent: str = ""
+
+
+@dataclass
+class DecodeChunk:
+    """One streamed step of a decoder: the text/tokens new since the previous chunk."""
+
+    request_id: str
+    model: str
+    delta_text: str
+    delta_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    num_generated_tokens: int = 0
+    ttft_s: float | None = None
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class AgentSpec:
+    """One agent of a fan-out: a decoder, its instruction and its sampling."""
+
+    name: str
+    model: str
+    instruction: str
+    sampling: SamplingSpec
+
+
+@dataclass(frozen=True)
+class AgentRunRequest:
+    request_id: str
+    context: str
+    rounds: tuple[tuple[AgentSpec, ...], ...]
+    join_outputs: bool = True
+
+
+@dataclass
+class AgentEvent:
+    """A streamed event of an agent run: a text delta, an agent's end, or the run's end."""
+
+    kind: str  # "delta" | "agent_done" | "round_done" | "done"
+    round: int = 0
+    agent: str = ""
+    model: str = ""
+    delta_text: str = ""
+    result: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ModulePlan:
+    """A prefill module as the app resolved it at build time."""
+
+    name: str
+    module_id: str
+    block_size: int
+
+
+@dataclass(frozen=True)
+class DecoderPlan:
+    """A decoder as resolved at build time: which prefill module feeds it, or why none does."""
+
+    name: str
+    prefill_module: str | None
+    private_reason: str | None  # short code for metrics, e.g. "incompatible"
+    private_detail: str | None  # readable reason
+    kv_bytes_per_token: int
+    max_model_len: int
+
+
+@dataclass(frozen=True)
+class AppPlan:
+    tokenizer: str
+    modules: tuple[ModulePlan, ...]
+    decoders: tuple[DecoderPlan, ...]
+    max_tokens_default: int
+    max_tokens_cap: int
+    max_agents: int
+    max_rounds: int
+    request_timeout_s: float
+
+    def decoder(self, name: str) -> DecoderPlan | None:
+        return next((d for d in self.decoders if d.name == name), None)
+
+    def module(self, name: str) -> ModulePlan | None:
+        return next((m for m in self.modules if m.name == name), None)
+
+
+@dataclass(frozen=True)
+class CompletionJob:
+    """One OpenAI completion, already tokenized and validated by the ingress."""
+
+    request_id: str
+    model: str
+    prompt_token_ids: tuple[int, ...]
+    sampling: SamplingSpec
+    route: str = "completions"

@@ -1,0 +1,133 @@
+"""Prometheus metrics of the app, gathered in one small deployment.
+
+Prefill, decode and routing happen in different replicas; each reports plain events here
+(fire-and-forget) and `GET /metrics` on the ingress renders this one registry, so a scrape
+sees the whole app without Ray's metrics agent. Every name is documented in docs/serving.md.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from ray import serve
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+
+
+@dataclass(frozen=True)
+class RequestRecord:
+    """One finished decoder request, as the ingress/orchestrator saw it."""
+
+    model: str
+    agent: str
+    route: str  # "completions" | "chat" | "agents"
+    ttft_s: float | None
+    e2e_s: float
+    prompt_tokens: int
+    generated_tokens: int
+    shared_tokens_expected: int  # prompt tokens whose KV should come from the prefill module
+    shared_tokens_loaded: int  # prompt tokens the decoder did not compute (num_cached_tokens)
+    kv_bytes_per_token: int
+    ok: bool = True
+
+
+@dataclass(frozen=True)
+class PrefillRecord:
+    prefill_module: str
+    replica_id: str
+    computed_tokens: int
+    cached_tokens: int
+    seconds: float
+
+
+class AppMetrics:
+    """The registry and its instruments; pure prometheus_client, usable without Ray."""
+
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        ma = ["model", "agent"]
+        self.ttft = Histogram("prefillshare_ttft_seconds", "Time to first token seen by the app",
+                              ma, buckets=_LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("prefillshare_e2e_seconds", "End-to-end request latency", ma,
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.requests = Counter("prefillshare_requests", "Decoder requests by route and outcome",
+                                ["model", "route", "status"], registry=r)
+        self.tokens_in = Counter("prefillshare_prompt_tokens", "Prompt tokens of decoder requests",
+                                 ["model"], registry=r)
+        self.tokens_out = Counter("prefillshare_generation_tokens", "Generated tokens", ["model"], registry=r)
+        self.prefill_computed = Counter(
+            "prefillshare_prefill_tokens_computed",
+            "Prompt tokens whose KV was computed, by stage (prefill: the shared base; decode: the decoder itself)",
+            ["stage", "module"], registry=r)
+        self.prefill_saved = Counter(
+            "prefillshare_prefill_tokens_saved",
+            "Prompt tokens not computed, by stage (prefill: prefix-cache hits; decode: KV loaded from the pool)",
+            ["stage", "module"], registry=r)
+        self.pool_lookup = Counter("prefillshare_kv_pool_lookup_tokens",
+                                   "Prompt tokens decoders looked up in the KV pool", ["model"], registry=r)
+        self.pool_hit = Counter("prefillshare_kv_pool_hit_tokens",
+                                "Looked-up tokens found in the KV pool", ["model"], registry=r)
+        self.pool_hit_ratio = Gauge("prefillshare_kv_pool_hit_ratio",
+                                    "kv_pool_hit_tokens / kv_pool_lookup_tokens over the app's life",
+                                    registry=r)
+        self.bytes_moved = Counter("prefillshare_kv_bytes_moved",
+                                   "Bytes of KV decoders loaded from the pool", ["model"], registry=r)
+        self.fallbacks = Counter("prefillshare_fallbacks", "Fallbacks by reason", ["reason"], registry=r)
+        self.queue = Gauge("prefillshare_queue_length", "Requests in flight in a replica",
+                           ["deployment", "replica"], registry=r)
+        self.prefill_seconds = Histogram("prefillshare_prefill_seconds", "Prefill call latency per module",
+                                         ["module"], buckets=_LATENCY_BUCKETS, registry=r)
+        self._lookup_total = 0
+        self._hit_total = 0
+
+    def request(self, rec: RequestRecord) -> None:
+        self.requests.labels(rec.model, rec.route, "ok" if rec.ok else "error").inc()
+        if not rec.ok:
+            return
+        if rec.ttft_s is not None:
+            self.ttft.labels(rec.model, rec.agent).observe(rec.ttft_s)
+        self.e2e.labels(rec.model, rec.agent).observe(rec.e2e_s)
+        self.tokens_in.labels(rec.model).inc(rec.prompt_tokens)
+        self.tokens_out.labels(rec.model).inc(rec.generated_tokens)
+        loaded = min(rec.shared_tokens_loaded, rec.prompt_tokens)
+        self.prefill_computed.labels("decode", rec.model).inc(rec.prompt_tokens - loaded)
+        self.prefill_saved.labels("decode", rec.model).inc(loaded)
+        if rec.shared_tokens_expected > 0:
+            hit = min(loaded, rec.shared_tokens_expected)
+            self.pool_lookup.labels(rec.model).inc(rec.shared_tokens_expected)
+            self.pool_hit.labels(rec.model).inc(hit)
+            self.bytes_moved.labels(rec.model).inc(hit * rec.kv_bytes_per_token)
+            self._lookup_total += rec.shared_tokens_expected
+            self._hit_total += hit
+            self.pool_hit_ratio.set(self._hit_total / self._lookup_total)
+
+    def prefill(self, rec: PrefillRecord) -> None:
+        self.prefill_computed.labels("prefill", rec.prefill_module).inc(rec.computed_tokens)
+        self.prefill_saved.labels("prefill", rec.prefill_module).inc(rec.cached_tokens)
+        self.prefill_seconds.labels(rec.prefill_module).observe(rec.seconds)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+@serve.deployment(name="Metrics", max_ongoing_requests=1000)
+class MetricsServer:
+    """Holds the app's registry; other deployments send it events."""
+
+    def __init__(self) -> None:
+        self.m = AppMetrics()
+
+    def request(self, rec: RequestRecord) -> None:
+        self.m.request(rec)
+
+    def prefill(self, rec: PrefillRecord) -> None:
+        self.m.prefill(rec)
+
+    def fallback(self, reason: str, n: int = 1) -> None:
+        self.m.fallbacks.labels(reason).inc(n)
+
+    def queue(self, deployment: str, replica: str, n: int) -> None:
+        self.m.queue.labels(deployment, replica).set(n)
+
+    def render(self) -> bytes:
+        return self.m.render()

@@ -1,0 +1,86 @@
+"""PrefillServer: the shared prefill group, one deployment per prefill module.
+
+Each replica runs a vLLM engine on the frozen base with the PrefillShare connector as
+producer: computing a prompt's KV publishes it to the KV pool, where decoders of other
+models load it. For a fan-out the shared context is computed first, so every agent prompt
+afterwards hits the prefix cache and only its own suffix is computed.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+
+from ray import serve
+
+from app.engine.async_engine import Engine, EngineConfig
+from app.handover import split_prompt
+from deployments.messages import PrefillRequest, PrefillTicket
+from deployments.metrics import PrefillRecord
+
+
+@serve.deployment(name="Prefill")
+class PrefillServer:
+    async def __init__(self, module_name: str, engine_config: EngineConfig, metrics=None):
+        self.module = module_name
+        self.engine = await Engine.start(engine_config)
+        self.metrics = metrics
+        self.replica_id = serve.get_replica_context().replica_id.unique_id
+        self.deployment = serve.get_replica_context().deployment
+        self.in_flight = 0
+
+    def _report_queue(self) -> None:
+        if self.metrics is not None:
+            self.metrics.queue.remote(self.deployment, self.replica_id, self.in_flight)
+
+    async def prefill(self, req: PrefillRequest) -> PrefillTicket:
+        """Compute the base KV of every prompt but its last token (the hand-over convention)."""
+        self.in_flight += 1
+        self._report_queue()
+        t0 = time.perf_counter()
+        try:
+            computed = cached = 0
+            if len(req.shared_prefix) > 1:
+                warm = await self.engine.prefill(list(req.shared_prefix), f"{req.request_id}-ctx",
+                                                 cache_salt=req.cache_salt)
+                computed += warm.num_computed_tokens
+                cached += warm.num_cached_tokens
+            shared = [split_prompt(p)[0] for p in req.prompts]
+            params = {"fanout": req.fanout}
+            results = await asyncio.gather(*[
+                self.engine.prefill(s, f"{req.request_id}-{i}", cache_salt=req.cache_salt,
+                                    kv_transfer_params=params)
+                for i, s in enumerate(shared) if s
+            ])
+            for r in results:
+                computed += r.num_computed_tokens
+                cached += r.num_cached_tokens
+            seconds = time.perf_counter() - t0
+            if self.metrics is not None:
+                self.metrics.prefill.remote(PrefillRecord(self.module, self.replica_id, computed, cached, seconds))
+            it = iter(results)
+            return PrefillTicket(
+                request_id=req.request_id,
+                prefill_module=self.module,
+                replica_id=self.replica_id,
+                num_prompt_tokens=tuple(len(s) for s in shared),
+                num_computed_tokens=computed,
+                num_cached_tokens=cached,
+                seconds=seconds,
+                kv_transfer_params=tuple((next(it).kv_transfer_params if s else None) for s in shared),
+            )
+        finally:
+            self.in_flight -= 1
+            self._report_queue()
+
+    async def ready(self) -> dict:
+        await self.engine.check_health()
+        return {"deployment": self.deployment, "replica": self.replica_id, "module": self.module}
+
+    async def check_health(self) -> None:
+        """Serve's periodic probe: a dead engine core marks the replica unhealthy (restarted)."""
+        await self.engine.check_health()
+
+    def __del__(self):
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            engine.shutdown()

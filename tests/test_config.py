@@ -1,0 +1,121 @@
+"""AppConfig validation, serve_config.yaml, and the pure parts of the Serve app (no Ray cluster)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from app.config import AppConfig, ConfigError, load_config
+from deployments.prefix_router import LocalityTable, choose, rendezvous_rank
+from deployments.prompts import common_prefix, locality_keys
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def minimal(**over) -> dict:
+    cfg = {
+        "prefill_modules": [{"name": "base", "model": "checkpoints/base"}],
+        "decoders": [{"name": "lookup", "model": "checkpoints/decoders/lookup"}],
+    }
+    cfg.update(over)
+    return cfg
+
+
+def test_minimal_config_gets_defaults():
+    cfg = load_config(minimal())
+    assert cfg.prefill_modules[0].placement.num_replicas == 1
+    assert cfg.decoders[0].prefill_module == "auto"
+    assert cfg.decoders[0].placement.placement_group_bundles == [{"CPU": 0.25}]
+    assert cfg.path("checkpoints/base") == ROOT / "checkpoints" / "base"
+
+
+@pytest.mark.parametrize("mutate, field", [
+    (lambda c: c["decoders"].append(dict(c["decoders"][0])), "decoders"),
+    (lambda c: c["prefill_modules"].append(dict(c["prefill_modules"][0])), "prefill_modules"),
+    (lambda c: c["decoders"][0].update(prefill_module="nope"), "decoders[0].prefill_module"),
+    (lambda c: c["decoders"][0].update(name="bad name!"), "decoders.0.name"),
+    (lambda c: c["prefill_modules"][0].update(placement={"num_replicas": 0}), "prefill_modules.0.placement.num_replicas"),
+    (lambda c: c["decoders"][0].update(engine={"threads_bind": "all"}), "decoders.0.engine.threads_bind"),
+    (lambda c: c["decoders"][0].update(engine={"kv_cache_gib": -1}), "decoders.0.engine.kv_cache_gib"),
+    (lambda c: c["decoders"][0].update(placement={"num_cpus": 1, "placement_group_bundles": [{"CPU": 0.5}]}),
+     "placement_group_bundles[0]"),
+    (lambda c: c.update(decoders=[]), "decoders"),
+    (lambda c: c.update(unknown_key=1), "unknown_key"),
+    (lambda c: c["pool"].update(transport="carrier-pigeon"), "pool.transport"),
+])
+def test_bad_config_names_the_field(mutate, field):
+    cfg = minimal(pool={})
+    mutate(cfg)
+    with pytest.raises(ConfigError) as e:
+        load_config(cfg)
+    assert field in str(e.value)
+
+
+def test_missing_checkpoint_is_named(tmp_path):
+    cfg = load_config(minimal(root=str(tmp_path), tokenizer=str(ROOT / "checkpoints" / "tokenizer")))
+    with pytest.raises(ConfigError, match=r"prefill_modules\[0\]\.model"):
+        cfg.check_paths()
+
+
+def test_serve_config_yaml_is_valid_for_serve_and_for_the_app():
+    from ray.serve.schema import ServeDeploySchema
+
+    raw = yaml.safe_load((ROOT / "serve_config.yaml").read_text())
+    ServeDeploySchema.model_validate(raw)
+    assert raw["http_options"]["host"] == "127.0.0.1"
+    app = raw["applications"][0]
+    assert app["import_path"] == "app.serve_app:build_app"
+    cfg = load_config(ROOT / "serve_config.yaml")
+    assert isinstance(cfg, AppConfig)
+    assert cfg.prefill_modules[0].placement.num_replicas == 1
+    assert len(cfg.decoders) >= 3
+    engines = sum(p.placement.num_replicas for p in cfg.prefill_modules) + sum(
+        d.placement.num_replicas for d in cfg.decoders)
+    # ~1.35 GiB per engine beyond its KV space (PLATFORM.md): keep the default app small.
+    gib = sum((1.35 + p.engine.kv_cache_gib) * p.placement.num_replicas for p in cfg.prefill_modules) + sum(
+        (1.35 + d.engine.kv_cache_gib) * d.placement.num_replicas for d in cfg.decoders)
+    assert engines >= 4 and gib < 10
+    logical_cpus = sum(p.placement.num_cpus * p.placement.num_replicas for p in cfg.prefill_modules) + sum(
+        d.placement.num_cpus * d.placement.num_replicas for d in cfg.decoders)
+    assert logical_cpus + cfg.router.num_cpus + cfg.orchestrator.num_cpus + cfg.metrics.num_cpus <= 2
+
+
+# --- prefix-locality policy ----------------------------------------------------------------
+def test_rendezvous_is_stable_and_spreads_keys():
+    ids = ["r1", "r2", "r3"]
+    assert rendezvous_rank("k", ids)[0] == rendezvous_rank("k", list(reversed(ids)))[0]
+    firsts = {rendezvous_rank(f"key{i}", ids)[0] for i in range(64)}
+    assert firsts == set(ids)
+
+
+def test_same_context_goes_to_one_replica_across_routers():
+    ids = ["a", "b"]
+    ctx = list(range(100, 164))  # 4 blocks of 16
+    keys_x = locality_keys("pm-1", ctx + [1, 2, 3], 16)
+    keys_y = locality_keys("pm-1", ctx + [7, 8, 9, 10, 11], 16)
+    t1, t2 = LocalityTable(), LocalityTable()  # two callers, no shared state
+    (first1, *_), reason1 = choose(keys_x, ids, lambda r: 0, t1, 4)
+    (first2, *_), reason2 = choose(keys_y, ids, lambda r: 0, t2, 4)
+    assert reason1 is reason2 is None
+    assert first1 == first2 and len(first1) == 1
+
+
+def test_longest_known_prefix_wins_then_overload_falls_back():
+    table = LocalityTable()
+    keys = locality_keys("pm-1", list(range(64)), 16)
+    other = "b" if rendezvous_rank(keys[0], ["a", "b"])[0] == "a" else "a"
+    table.record(keys, other)  # this router saw the context served by `other`
+    tiers, reason = choose(keys, ["a", "b"], lambda r: 0, table, 4)
+    assert tiers[0] == [other] and reason is None
+    load = {other: 9, ("a" if other == "b" else "b"): 1}
+    tiers, reason = choose(keys, ["a", "b"], load.get, table, 4)
+    assert reason == "prefill_overloaded" and tiers[0][0] != other
+
+
+def test_keys_depend_on_module_and_tokens():
+    a = locality_keys("pm-1", list(range(40)), 16)
+    assert len(a) == 2  # only full blocks
+    assert locality_keys("pm-2", list(range(40)), 16) != a
+    assert locality_keys("pm-1", list(range(40)), 16, "tenant") != a
+    assert common_prefix([[1, 2, 3, 4], [1, 2, 5], [1, 2, 3]]) == [1, 2]
