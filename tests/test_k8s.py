@@ -242,7 +242,7 @@ def test_probes_and_service(gpu_manifest):
     for g in pods:
         c = g["template"]["spec"]["containers"][0]
         assert c["livenessProbe"]["httpGet"]["path"] == "/api/local_raylet_healthz"
-        assert c["readinessProbe"]["httpGet"]["port"] in (8265, SERVE_PORT)
+        assert c["readinessProbe"]["httpGet"]["port"] in (8265, 52365)
         declared = {p["containerPort"] for p in c["ports"]}
         assert c["readinessProbe"]["httpGet"]["port"] in declared
 

@@ -124,7 +124,10 @@ def _pod(variant: Variant, shape: PodShape, container: str, component: str, head
     if shape.shm:
         mounts.append({"name": "dshm", "mountPath": "/dev/shm"})
         volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": shape.shm}})
-    ports = [{"containerPort": RAY_METRICS_PORT, "name": "metrics"}]
+    ports = [
+        {"containerPort": RAY_METRICS_PORT, "name": "metrics"},
+        {"containerPort": DASHBOARD_AGENT_PORT, "name": "dashboard-agent"},
+    ]
     if head:
         ports = [
             {"containerPort": 6379, "name": "gcs-server"},
@@ -134,9 +137,14 @@ def _pod(variant: Variant, shape: PodShape, container: str, component: str, head
         ] + ports
     else:
         ports = [{"containerPort": SERVE_PORT, "name": "serve"}] + ports
-    # Liveness: the node's raylet. Readiness: GCS on the head, the Serve proxy on workers
-    # (the same checks KubeRay would inject, spelled out so they are reviewed and tested).
-    readiness = _http_probe(8265, "/api/gcs_healthz", 10, 6) if head else _http_probe(SERVE_PORT, "/-/healthz", 10, 6)
+    # Liveness: the node's raylet. Readiness: GCS on the head, the raylet on workers. Not the
+    # Serve proxy: with proxy_location HeadOnly workers run none, and KubeRay already puts
+    # only pods with a healthy proxy behind the serve Service.
+    readiness = (
+        _http_probe(8265, "/api/gcs_healthz", 10, 6)
+        if head
+        else _http_probe(DASHBOARD_AGENT_PORT, "/api/local_raylet_healthz", 10, 6)
+    )
     c = {
         "name": container,
         "image": variant.image,
