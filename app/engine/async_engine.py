@@ -74,7 +74,9 @@ class EngineConfig:
     max_num_seqs: int = 32
     omp_threads_bind: str | None = None  # VLLM_CPU_OMP_THREADS_BIND for this engine: "0", "1", "0-1", "nobind", "auto"
     enforce_eager: bool = True
-    enable_prefix_caching: bool = True
+    # None: on, except for PrefillShare consumers (their local cache could hold KV they computed
+    # themselves after a fallback, breaking the hand-over convention on a later request).
+    enable_prefix_caching: bool | None = None
     kv_transfer_config: dict[str, Any] | None = None
     load_format: str = "auto"
     skip_tokenizer_init: bool = False
@@ -102,6 +104,21 @@ class EngineConfig:
             raise ValueError("EngineConfig.request_timeout_s must be > 0")
         if self.kv_transfer_config is not None and not isinstance(self.kv_transfer_config, dict):
             raise ValueError("EngineConfig.kv_transfer_config must be a dict")
+        if self.is_consumer and self.enable_prefix_caching:
+            raise ValueError("EngineConfig.enable_prefix_caching must be off for a PrefillShare consumer "
+                             "(its local cache may hold its own KV after a fallback)")
+
+    @property
+    def is_consumer(self) -> bool:
+        ktc = self.kv_transfer_config or {}
+        return (ktc.get("kv_connector") == CONNECTOR_NAME
+                and (ktc.get("kv_connector_extra_config") or {}).get("role") == "consumer")
+
+    @property
+    def prefix_caching(self) -> bool:
+        if self.enable_prefix_caching is None:
+            return not self.is_consumer
+        return self.enable_prefix_caching
 
     def engine_args(self):
         """The vLLM ``AsyncEngineArgs`` for this config."""
@@ -114,7 +131,7 @@ class EngineConfig:
             dtype=self.dtype,
             max_model_len=self.max_model_len,
             block_size=self.block_size,
-            enable_prefix_caching=self.enable_prefix_caching,
+            enable_prefix_caching=self.prefix_caching,
             enforce_eager=self.enforce_eager,
             load_format=self.load_format,
             skip_tokenizer_init=self.skip_tokenizer_init,
@@ -224,7 +241,9 @@ def connector_config(
     pool: PoolSpec,
     *,
     incompatible_reason: str | None = None,
-    decoder_manifest: str | None = None,
+    base_dir: str | None = None,
+    decoder_dir: str | None = None,
+    scope: str | None = None,
 ) -> dict[str, Any]:
     """``kv_transfer_config`` for a PrefillShare engine.
 
@@ -232,8 +251,9 @@ def connector_config(
     ``prefill_module_id``: the base's id (a decoder takes it from its manifest, never from
     its own model name). ``incompatible_reason``: set when the decoder must not load the base's
     KV; the connector then always prefills privately and counts the reason.
-    ``decoder_manifest``: path of the decoder's checkpoint; when app.models.compat exists the
-    connector runs its compatibility check against ``prefill_module_id``.
+    ``base_dir``/``decoder_dir``: checkpoints; for a consumer given both, the compatibility
+    check of :mod:`app.models.compat` runs here and its reasons become ``incompatible_reason``.
+    ``scope``: label under which the pool keeps this engine's counters (e.g. the agent name).
     """
     if role not in ("producer", "consumer"):
         raise ValueError(f"connector_config role: {role!r} is not 'producer' or 'consumer'")
@@ -246,15 +266,26 @@ def connector_config(
         "prefill_module_id": prefill_module_id,
         "pool": asdict(pool),
     }
+    if role == "consumer" and base_dir and decoder_dir and not incompatible_reason:
+        try:
+            from app.models import compat
+        except ImportError:
+            compat = None
+        if compat is not None:
+            verdict = compat.check(base_dir, decoder_dir, prefill_module_id)
+            if not verdict.shared:
+                incompatible_reason = "; ".join(verdict.reasons) or "incompatible"
     if incompatible_reason:
         extra["incompatible_reason"] = incompatible_reason
-    if decoder_manifest:
-        extra["decoder_manifest"] = decoder_manifest
+    if scope:
+        extra["scope"] = scope
     return {
         "kv_connector": CONNECTOR_NAME,
         "kv_connector_module_path": CONNECTOR_MODULE,
         "kv_role": "kv_producer" if role == "producer" else "kv_consumer",
         "kv_connector_extra_config": extra,
+        # A block found damaged while loading is recomputed (private prefill), never a failed request.
+        "kv_load_failure_policy": "recompute",
     }
 
 

@@ -1,0 +1,120 @@
+"""How one engine's paged KV blocks map to bytes in the pool, and back.
+
+vLLM's CPU attention (CPU_ATTN) keeps one tensor per layer, ``[num_blocks, kv_heads,
+block_size, 2*head_size]``; inside each (block, head) the memory holds K transposed
+``[head_size, block_size]`` followed by V ``[block_size, head_size]`` ("vec" ISA; checked
+against the kernel in tests/test_kv_pool.py). The pool stores a block as the raw bytes of that
+block in every layer, ``[layers, kv_heads, block_size, 2*head_size]``, so producer and
+consumer must share the layout: :func:`fingerprint` names it and the consumer refuses others.
+
+Partial blocks (the trailing block of the shared prompt part): only its first ``t`` tokens
+are written into the decoder's block, as strided per-token copies (K columns, V rows) where
+the layout is known; for other layouts (e.g. AMX packing) the whole block is copied, which is
+also correct because the decoder writes its own tokens at positions >= t before reading them.
+CUDA layouts (flash attention, ``[2, num_blocks, block_size, heads, head]``) index the
+block on dim 1 and tokens on dim 2.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["BlockLayout", "fingerprint"]
+
+
+def _isa(dtype: torch.dtype, block_size: int, head_size: int) -> str:
+    try:
+        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+        return _get_attn_isa(dtype, block_size, head_size)
+    except Exception:  # noqa: BLE001 - non-CPU builds lack the backend
+        return "unknown"
+
+
+def fingerprint(device: str, dtype: torch.dtype, num_layers: int, num_kv_heads: int,
+                head_size: int, block_size: int) -> str:
+    """Name of a block layout; two engines can exchange blocks only if theirs are equal."""
+    kind = f"cpu_attn-{_isa(dtype, block_size, head_size)}" if device == "cpu" else f"{device}-flash"
+    dt = str(dtype).replace("torch.", "")
+    return f"{kind}/{dt}/L{num_layers}/H{num_kv_heads}/D{head_size}/B{block_size}"
+
+
+@dataclass
+class BlockLayout:
+    """Gather/scatter of whole or partial blocks across all layers of one engine."""
+
+    caches: list[torch.Tensor]  # one per attention layer, model order
+    block_size: int
+    num_kv_heads: int
+    head_size: int
+    layout: str
+
+    @classmethod
+    def from_caches(cls, caches: list[torch.Tensor], block_size: int, num_kv_heads: int,
+                    head_size: int) -> "BlockLayout":
+        if not caches:
+            raise ValueError("no KV cache tensors registered")
+        t = caches[0]
+        dev = "cpu" if t.device.type == "cpu" else t.device.type
+        return cls(list(caches), block_size, num_kv_heads, head_size,
+                   fingerprint(dev, t.dtype, len(caches), num_kv_heads, head_size, block_size))
+
+    @property
+    def on_cpu(self) -> bool:
+        return self.caches[0].device.type == "cpu"
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.caches[0].dtype
+
+    def _block(self, layer: int, block_id: int) -> torch.Tensor:
+        c = self.caches[layer]
+        return c[block_id] if self.on_cpu else c[:, block_id]
+
+    @property
+    def block_shape(self) -> tuple[int, ...]:
+        return (len(self.caches), *self._block(0, 0).shape)
+
+    @property
+    def block_nbytes(self) -> int:
+        n = 1
+        for s in self.block_shape:
+            n *= s
+        return n * self.caches[0].element_size()
+
+    def gather(self, block_id: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        """All layers of one block as a contiguous ``block_shape`` tensor (on the cache's device)."""
+        if out is None:
+            out = torch.empty(self.block_shape, dtype=self.dtype, device=self.caches[0].device)
+        for i in range(len(self.caches)):
+            out[i].copy_(self._block(i, block_id))
+        return out
+
+    def view_bytes(self, buf) -> torch.Tensor:
+        """A pool buffer (bytes-like) seen as a ``block_shape`` tensor (CPU, no copy)."""
+        t = torch.frombuffer(buf, dtype=torch.uint8)
+        return t.view(self.dtype).view(self.block_shape)
+
+    def scatter(self, src: torch.Tensor, block_id: int, num_tokens: int) -> None:
+        """Write ``src`` (``block_shape``) into block ``block_id``: all of it, or its first tokens."""
+        if src.device != self.caches[0].device:
+            src = src.to(self.caches[0].device, non_blocking=True)
+        full = num_tokens >= self.block_size
+        vec = self.layout.startswith("cpu_attn-vec/") or self.layout.startswith("cpu_attn-vec16/")
+        for i in range(len(self.caches)):
+            dst = self._block(i, block_id)
+            if full:
+                dst.copy_(src[i])
+            elif self.on_cpu and vec:
+                # (heads, bs, 2D) memory = K^T [D, bs] then V [bs, D] per head.
+                h, bs, d = self.num_kv_heads, self.block_size, self.head_size
+                dflat, sflat = dst.view(h, 2 * bs * d), src[i].reshape(h, 2 * bs * d)
+                dk, sk = dflat[:, : d * bs].view(h, d, bs), sflat[:, : d * bs].view(h, d, bs)
+                dv, sv = dflat[:, d * bs :].view(h, bs, d), sflat[:, d * bs :].view(h, bs, d)
+                dk[:, :, :num_tokens].copy_(sk[:, :, :num_tokens])
+                dv[:, :num_tokens, :].copy_(sv[:, :num_tokens, :])
+            elif not self.on_cpu:
+                dst[:, :num_tokens].copy_(src[i][:, :num_tokens])
+            else:
+                dst.copy_(src[i])
