@@ -1,0 +1,34 @@
+"""Python agent SDK for the PrefillShare Serve app: clients, typed results, workflows."""
+from agents.errors import (
+    AgentFailedError,
+    APIConnectionError,
+    APIStatusError,
+    APITimeoutError,
+    BadRequestError,
+    ContextLengthError,
+    ModelNotFoundError,
+    NotFoundError,
+    PrefillShareError,
+    ServerError,
+    ServiceUnavailableError,
+    StreamError,
+    WorkflowError,
+)
+from agents.sdk import AsyncClient, Client, RunStream
+from agents.types import (
+    AgentDelta,
+    AgentDone,
+    AgentResult,
+    Completion,
+    ModelInfo,
+    Readiness,
+    RoundDone,
+    RunDone,
+    RunResult,
+    RunUsage,
+    Timings,
+    Usage,
+)
+from agents.workflow import Agent, Join, Sampling, Workflow, join_lines
+
+__all__ = [n for n in dir() if not n.startswith("_")]
