@@ -1,0 +1,55 @@
+"""A three-round workflow: look something up, let workers act on it, then check the result.
+Round outputs join the shared context of the next round (on the server, one request), or
+with a custom join on the client (one request per round).
+
+    python examples/sdk_workflow.py --url http://127.0.0.1:8000 [--client-join]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from agents import Agent, Client, Sampling, Workflow
+
+CONTEXT = "order\nname:lena\nitem:clock\nqty:5\ncity:lima\nday:wed\nnote:leave at door"
+
+
+def build(models: list[str], client_join: bool) -> Workflow:
+    """First served model looks up, the others work in parallel, the last one checks."""
+    s = Sampling(max_tokens=16)
+    first, *rest = models
+    planner = Agent(first, "what is the {field}?", name="planner", sampling=s)
+    workers = [Agent(m, "call the shipping tool.", name=f"worker-{m}", sampling=s) for m in rest] or \
+              [Agent(first, "what is the item?", name="worker", sampling=s)]
+    checker = Agent(models[-1], "check {field}={expected}. yes or no?", name="checker", sampling=s)
+    if client_join:
+        def notes(context, results):
+            return context + "".join(f"\nnote:{r.name} answered {r.text.strip()}" for r in results if r.ok)
+        return Workflow.pipeline(planner, workers, checker, join=notes)
+    return Workflow.pipeline(planner, workers, checker)
+
+
+def one_line(text: str) -> str:
+    return text.strip().replace("\n", "\\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--url", default=os.environ.get("PREFILLSHARE_URL", "http://127.0.0.1:8000"))
+    p.add_argument("--client-join", action="store_true", help="join round outputs on the client")
+    args = p.parse_args(argv)
+    with Client(args.url, timeout=180) as client:
+        models = [m.id for m in client.models()]
+        wf = build(models, args.client_join)
+        result = client.run_workflow(wf, CONTEXT, variables={"field": "city", "expected": "lima"})
+    for i, round_results in enumerate(result.rounds):
+        for r in round_results:
+            print(f"[{r.name}] round {i}: {one_line(r.text)}" + (f" ERROR {r.error}" if r.error else ""))
+    print(f"final context has {len(result.final_context.splitlines())} lines; "
+          f"{result.usage.cached_tokens}/{result.usage.prompt_tokens} prompt tokens came from shared prefill")
+    return 1 if result.failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

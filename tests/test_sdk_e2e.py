@@ -1,0 +1,228 @@
+"""The SDK and the examples against the real Serve app (real vLLM engines, real connector).
+
+One app for the module: a base (prefill module), two decoders that share its KV ("lookup",
+"tool_call") and one whose KV shape differs ("verify", private prefill). Random weights of
+the shipped shape, float32 so greedy answers are the same on every route. Run through
+scripts/test.sh (loopback-only network namespace).
+"""
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from agents import (
+    Agent,
+    AsyncClient,
+    BadRequestError,
+    Client,
+    ContextLengthError,
+    ModelNotFoundError,
+    Sampling,
+)
+
+pytestmark = [pytest.mark.serve, pytest.mark.engine]
+
+ROOT = Path(__file__).resolve().parent.parent
+TOKENIZER = ROOT / "checkpoints" / "tokenizer"
+CONTEXT = "order\nname:maya\nitem:lamp\nqty:3\ncity:oslo\nday:tue\nnote:please call before noon"
+MAX_NEW = 6
+AGENTS = [
+    Agent("lookup", "what is the city?", sampling=Sampling(max_tokens=MAX_NEW)),
+    Agent("tool_call", "call the shipping tool.", sampling=Sampling(max_tokens=MAX_NEW)),
+    Agent("verify", "check city=oslo. yes or no?", sampling=Sampling(max_tokens=MAX_NEW)),
+]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _make_models(root: Path) -> dict[str, Path]:
+    import torch
+    from transformers import AutoTokenizer, LlamaForCausalLM
+
+    from app.models.checkpoint import save_model
+    from app.models.identity import prefill_module_id, tokenizer_hash
+    from app.models.manifest import DecodeManifest
+    from app.models.shapes import llama_config
+
+    tok = AutoTokenizer.from_pretrained(str(TOKENIZER))
+
+    def model(seed: int, **over):
+        cfg = llama_config(len(tok), tok.bos_token_id, tok.eos_token_id, tok.pad_token_id)
+        cfg.initializer_range = 0.08
+        for k, v in over.items():
+            setattr(cfg, k, v)
+        torch.manual_seed(seed)
+        return LlamaForCausalLM(cfg)
+
+    paths = {"base": save_model(model(0), root / "base", TOKENIZER)}
+    base_id, tok_hash = prefill_module_id(paths["base"]), tokenizer_hash(paths["base"])
+    for seed, name, over in ((1, "lookup", {}), (2, "tool_call", {}), (3, "verify", {"num_key_value_heads": 3})):
+        manifest = DecodeManifest(name, base_id, tok_hash, {"method": "cache_conditioned"})
+        paths[name] = save_model(model(seed, **over), root / name, TOKENIZER, manifest)
+    return paths
+
+
+@pytest.fixture(scope="module")
+def app_url(tmp_path_factory):
+    import ray
+    from ray import serve
+
+    from app.config import load_config
+    from app.serve_app import build
+
+    paths = _make_models(tmp_path_factory.mktemp("models"))
+    pool_dir = f"/dev/shm/ps-sdk-{os.getpid()}"
+    engine = {"dtype": "float32", "max_model_len": 256, "kv_cache_gib": 0.125, "block_size": 16,
+              "max_num_seqs": 8, "threads_bind": "nobind"}
+    dec = lambda name: {"name": name, "model": str(paths[name]), "engine": engine,  # noqa: E731
+                        "placement": {"num_cpus": 0.25, "placement_group_bundles": [{"CPU": 0.25}]}}
+    cfg = load_config({
+        "tokenizer": str(TOKENIZER),
+        "pool": {"path": pool_dir, "capacity_gib": 0.125},
+        "limits": {"max_tokens_default": MAX_NEW, "max_tokens_cap": 64, "max_rounds": 3},
+        "engine_env": {"VLLM_HOST_IP": "127.0.0.1"},
+        "prefill_modules": [{"name": "base", "model": str(paths["base"]), "engine": engine,
+                             "placement": {"num_replicas": 1, "num_cpus": 0.5}}],
+        "decoders": [dec("lookup"), dec("tool_call"), dec("verify")],
+    })
+    tmp = f"/tmp/rsdk{os.getpid()}"
+    os.environ["RAY_TMPDIR"] = tmp
+    ray.init(num_cpus=4, include_dashboard=False, _temp_dir=tmp)
+    port = _free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    serve.run(build(cfg), name="ps-sdk", route_prefix="/")
+    url = f"http://127.0.0.1:{port}"
+    try:
+        with Client(url, retries=5, backoff_s=0.5) as c:
+            c.wait_ready(timeout_s=600, interval_s=2)  # waiting for startup, not a timing assertion
+        yield url
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+        shutil.rmtree(pool_dir, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def client(app_url):
+    with Client(app_url, timeout=300) as c:
+        yield c
+
+
+def test_fan_out_equals_single_completions(client):
+    from app.training.tasks import render_prompt
+
+    models = {m.id: m for m in client.models()}
+    assert set(models) == {"lookup", "tool_call", "verify"}
+    assert models["lookup"].prefill_module == "base" and models["verify"].prefill_module is None
+    res = client.run(CONTEXT, AGENTS).raise_for_errors()
+    for a in AGENTS:
+        single = client.complete(a.model, render_prompt(CONTEXT, a.instruction), max_tokens=MAX_NEW)
+        r = res[a.label]
+        assert r.text == single.text, a.model
+        assert r.usage.completion_tokens == len(r.token_ids) >= 1
+        assert r.usage.prompt_tokens == single.usage.prompt_tokens
+    for shared in ("lookup", "tool_call"):
+        r = res[shared]
+        assert r.shared_prefill and r.prefill.module == "base"
+        assert r.usage.cached_tokens == r.usage.prompt_tokens - 1, "every prompt token but the last came shared"
+    assert not res["verify"].shared_prefill and res["verify"].usage.cached_tokens == 0
+    assert res.usage.shared_prefix_tokens > 0 and res.usage.cached_tokens == sum(
+        res[s].usage.cached_tokens for s in ("lookup", "tool_call"))
+
+
+def test_per_agent_async_streams_equal_the_run(app_url, client):
+    plain = client.run(CONTEXT, AGENTS)
+
+    async def main():
+        async with AsyncClient(app_url, timeout=300) as c:
+            async with c.stream(CONTEXT, AGENTS) as run:
+                async def text(name):
+                    return "".join([t async for t in run.agent(name)])
+
+                texts = await asyncio.gather(*(text(a.label) for a in AGENTS))
+                return texts, await run.result()
+
+    texts, streamed = asyncio.run(main())
+    assert texts == [plain[a.label].text for a in AGENTS]
+    for a in AGENTS:
+        t = streamed[a.label].timings
+        assert t.ttft_s is not None and t.ttft_s <= t.total_s <= streamed.elapsed_s
+
+
+def test_rounds_join_outputs_into_the_context(client):
+    res = client.run(CONTEXT, AGENTS[:2], rounds=2).raise_for_errors()
+    r0 = res.rounds[0]
+    assert res.final_context == CONTEXT + "\n" + "\n".join(f"{r.name}:{r.text.strip()}" for r in r0)
+    for a in AGENTS[:2]:
+        assert res.agent(a.label, round=1).usage.prompt_tokens > res.agent(a.label, round=0).usage.prompt_tokens
+
+
+def test_server_errors_are_typed_with_the_server_message(client):
+    with pytest.raises(ModelNotFoundError) as e:
+        client.run(CONTEXT, [AGENTS[0], Agent("no-such-model", "what is the city?")])
+    assert e.value.param == "agents[1].model" and "lookup" in e.value.message
+    with pytest.raises(ContextLengthError) as e:
+        client.run(CONTEXT * 40, AGENTS[:1])
+    assert e.value.code == "context_length_exceeded"
+    with pytest.raises(BadRequestError) as e:
+        client.run("  ", AGENTS[:1])
+    assert e.value.param == "context"
+    assert client.ready().ready, "the app keeps serving after bad requests"
+
+
+def _example(name: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "examples" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _run_example(name: str, *args: str) -> str:
+    out = subprocess.run([sys.executable, str(ROOT / "examples" / f"{name}.py"), *args],
+                         capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert out.returncode == 0, out.stdout + out.stderr
+    return out.stdout
+
+
+def _one_line(text: str) -> str:
+    return text.strip().replace("\n", "\\n")
+
+
+def _printed(stdout: str) -> dict[str, str]:
+    return {m.group(1): m.group(2) for m in re.finditer(r"^\[([\w.-]+)\](?: round \d+:)? ?(.*)$", stdout, re.M)}
+
+
+def test_examples_print_the_apps_answers(app_url, client):
+    fanout = _example("sdk_fanout")
+    stdout = _run_example("sdk_fanout", "--url", app_url, "--max-tokens", str(MAX_NEW))
+    expected = client.run(fanout.CONTEXT, [Agent(m, fanout.INSTRUCTIONS[m], sampling=Sampling(max_tokens=MAX_NEW))
+                                           for m in ("lookup", "tool_call", "verify")])
+    assert _printed(stdout) == {r.name: _one_line(r.text) for r in expected.results}
+
+    stream = _example("sdk_stream")
+    stdout = _run_example("sdk_stream", "--url", app_url, "--max-tokens", str(MAX_NEW))
+    expected = client.run(stream.CONTEXT, [Agent(m, stream.INSTRUCTIONS[m], sampling=Sampling(max_tokens=MAX_NEW))
+                                           for m in ("lookup", "tool_call", "verify")])
+    assert _printed(stdout) == {r.name: _one_line(r.text) for r in expected.results}
+
+    workflow = _example("sdk_workflow")
+    for flags in ((), ("--client-join",)):
+        stdout = _run_example("sdk_workflow", "--url", app_url, *flags)
+        wf = workflow.build([m.id for m in client.models()], bool(flags))
+        expected = client.run_workflow(wf, workflow.CONTEXT, {"field": "city", "expected": "lima"})
+        assert _printed(stdout) == {r.name: _one_line(r.text) for r in expected.results}
+        assert len(expected.rounds) == 3
