@@ -100,21 +100,40 @@ class PoolStats:
 class KVPool:
     """A byte-capacity LRU store of KV blocks shared by every process on the node."""
 
-    def __init__(self, path: str, capacity_bytes: int = 1 << 30, lease_timeout_s: float = 60.0):
+    def __init__(self, path: str, capacity_bytes: int | None = None, lease_timeout_s: float = 60.0):
+        """Open (creating if needed) the pool at ``path``.
+
+        ``capacity_bytes`` is a property of the pool, kept in its index: given, it is (re)set;
+        None keeps the stored value (1 GiB for a new pool).
+        """
         if not path:
             raise ValueError("KVPool path is required")
-        if capacity_bytes <= 0:
+        if capacity_bytes is not None and capacity_bytes <= 0:
             raise ValueError("KVPool capacity_bytes must be > 0")
         if lease_timeout_s <= 0:
             raise ValueError("KVPool lease_timeout_s must be > 0")
         self.path = os.path.abspath(path)
-        self.capacity_bytes = int(capacity_bytes)
         self.lease_timeout_s = float(lease_timeout_s)
         os.makedirs(os.path.join(self.path, "blocks"), exist_ok=True)
         os.makedirs(os.path.join(self.path, "tmp"), exist_ok=True)
         self._local = threading.local()
         # executescript commits implicitly, so it runs outside _tx; every statement is idempotent.
         self._db().executescript(_SCHEMA)
+        if capacity_bytes is not None:
+            self.set_capacity(capacity_bytes)
+
+    @property
+    def capacity_bytes(self) -> int:
+        r = self._db().execute("SELECT value FROM meta WHERE name = 'capacity_bytes'").fetchone()
+        return int(r[0]) if r else 1 << 30
+
+    def set_capacity(self, capacity_bytes: int) -> None:
+        """Change the byte capacity; later saves evict down to it."""
+        if capacity_bytes <= 0:
+            raise ValueError("KVPool capacity_bytes must be > 0")
+        with self._tx() as db:
+            db.execute("INSERT INTO meta(name, value) VALUES ('capacity_bytes', ?)"
+                       " ON CONFLICT(name) DO UPDATE SET value = excluded.value", (str(int(capacity_bytes)),))
 
     # -- plumbing ---------------------------------------------------------------------------
     def _db(self) -> sqlite3.Connection:
@@ -168,10 +187,11 @@ class KVPool:
                 db.executemany("UPDATE blocks SET last_used = ? WHERE key = ?", [(now, k) for k in held])
         todo = [it for it in items if it.key not in held]
         written: list[tuple[PutItem, int, int]] = []
+        cap = self.capacity_bytes
         for it in todo:
             mv = memoryview(it.data).cast("B")
             n = mv.nbytes
-            if n > self.capacity_bytes:
+            if n > cap:
                 continue
             crc = zlib.crc32(mv)
             tmp = os.path.join(self.path, "tmp", f"{it.key}.{os.getpid()}.{uuid.uuid4().hex[:8]}")
@@ -220,7 +240,8 @@ class KVPool:
     def _make_room(self, db: sqlite3.Connection, nbytes: int, now: float) -> list[str] | None:
         """Evict LRU blocks (not pinned, not leased) until ``nbytes`` fit; None if impossible."""
         held = db.execute("SELECT COALESCE(SUM(nbytes), 0) FROM blocks").fetchone()[0]
-        need = held + nbytes - self.capacity_bytes
+        cap = db.execute("SELECT value FROM meta WHERE name = 'capacity_bytes'").fetchone()
+        need = held + nbytes - (int(cap[0]) if cap else 1 << 30)
         if need <= 0:
             return []
         rows = db.execute(
@@ -339,6 +360,11 @@ class KVPool:
         r = self._db().execute("SELECT key, nbytes, ntokens, checksum, layout FROM blocks WHERE key = ?",
                                (key,)).fetchone()
         return BlockEntry(*r) if r else None
+
+    def pins(self, key: str) -> int:
+        """Live fan-out pins of a block (0 when absent or its pin deadline passed)."""
+        r = self._db().execute("SELECT pins, pin_deadline FROM blocks WHERE key = ?", (key,)).fetchone()
+        return int(r[0]) if r and r[1] >= time.time() else 0
 
     def block_path(self, key: str) -> str:
         """Where a block's bytes live (for transports that map the file)."""
