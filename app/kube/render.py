@@ -214,8 +214,6 @@ def render_rayservice(serve_config: dict, variant: Variant) -> dict:
             # moves once its Serve app is healthy (zero downtime); serveConfigV2-only edits
             # are applied in place to the running cluster.
             "upgradeStrategy": {"type": "NewCluster"},
-            "serviceUnhealthySecondThreshold": 900,
-            "deploymentUnhealthySecondThreshold": 900,
             "serveService": {
                 "metadata": {"name": variant.service_name, "labels": {"app.kubernetes.io/name": "prefillshare"}},
                 "spec": {
