@@ -29,7 +29,7 @@ class EngineSettings(_Strict):
     max_model_len: int = Field(1024, ge=16)
     kv_cache_gib: float = Field(0.25, gt=0, description="VLLM_CPU_KVCACHE_SPACE per engine (CPU)")
     gpu_memory_utilization: float = Field(0.85, gt=0, le=1, description="used on GPUs only")
-    block_size: int = Field(16, ge=1)
+    block_size: int = Field(32, ge=16, multiple_of=16, description="CPU attention needs a multiple of 32")
     max_num_seqs: int = Field(16, ge=1)
     enforce_eager: bool = True
     threads_bind: str = Field(

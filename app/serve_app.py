@@ -137,7 +137,7 @@ def build(cfg: AppConfig):
     prefill = {}
     for p in cfg.prefill_modules:
         pl = p.placement
-        kv = connector_config("producer", module_ids[p.name], pool)
+        kv = connector_config("producer", module_ids[p.name], pool, scope=p.name)
         opts: dict[str, Any] = dict(
             name=f"Prefill-{p.name}", num_replicas=pl.num_replicas, max_ongoing_requests=pl.max_ongoing_requests,
             ray_actor_options=_actor_options(pl, _engine_env(cfg, pl, p.engine)),
@@ -159,8 +159,9 @@ def build(cfg: AppConfig):
         pl = d.placement
         kv = None
         if dp.prefill_module is not None:
-            kv = connector_config("consumer", module_ids[dp.prefill_module], pool,
-                                  decoder_manifest=str(cfg.path(d.model)))
+            base = cfg.prefill_module(dp.prefill_module)
+            kv = connector_config("consumer", module_ids[dp.prefill_module], pool, scope=d.name,
+                                  base_dir=str(cfg.path(base.model)), decoder_dir=str(cfg.path(d.model)))
         opts = dict(
             name=f"Decode-{d.name}", num_replicas=pl.num_replicas, max_ongoing_requests=pl.max_ongoing_requests,
             ray_actor_options=_actor_options(pl, _engine_env(cfg, pl, d.engine)),

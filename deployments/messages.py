@@ -29,7 +29,6 @@ class PrefillRequest:
     prompts: tuple[tuple[int, ...], ...]
     shared_prefix: tuple[int, ...] = ()
     locality_keys: tuple[str, ...] = ()
-    fanout: int = 1
     cache_salt: str | None = None
 
 
@@ -73,6 +72,8 @@ class DecodeChunk:
     num_generated_tokens: int = 0
     ttft_s: float | None = None
     error: str | None = None
+    prefill_module: str | None = None  # set by the orchestrator: who computed the shared KV
+    prefill_replica: str | None = None
 
 
 @dataclass(frozen=True)

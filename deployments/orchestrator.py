@@ -98,7 +98,6 @@ class Orchestrator:
             prompts=tuple(tuple(p) for p in prompts),
             shared_prefix=tuple(shared),
             locality_keys=locality_keys(mp.module_id, route_on, mp.block_size),
-            fanout=len(agents),
         )
         try:
             ticket: PrefillTicket = await self.prefill_handles[module].prefill.remote(req)
@@ -139,6 +138,8 @@ class Orchestrator:
                     a.token_ids.extend(chunk.delta_token_ids)
                     a.num_cached_tokens = chunk.num_cached_tokens
                     a.finish_reason = chunk.finish_reason
+                if a.ticket is not None:
+                    chunk.prefill_module, chunk.prefill_replica = a.ticket.prefill_module, a.ticket.replica_id
                 yield chunk
         except Exception as e:  # noqa: BLE001 - a dead replica fails this agent only
             a.error = f"decoder_unavailable: {type(e).__name__}: {e}"

@@ -33,7 +33,8 @@ class PrefillServer:
             self.metrics.queue.remote(self.deployment, self.replica_id, self.in_flight)
 
     async def prefill(self, req: PrefillRequest) -> PrefillTicket:
-        """Compute the base KV of every prompt but its last token (the hand-over convention)."""
+        """Compute each prompt's base KV; the producer connector publishes every prompt token
+        but the last (the hand-over convention), pinned until that prompt's decoder loaded it."""
         self.in_flight += 1
         self._report_queue()
         t0 = time.perf_counter()
@@ -45,11 +46,11 @@ class PrefillServer:
                 computed += warm.num_computed_tokens
                 cached += warm.num_cached_tokens
             shared = [split_prompt(p)[0] for p in req.prompts]
-            params = {"fanout": req.fanout}
+            # One decoder consumes each prompt's blocks: pin them for one load.
             results = await asyncio.gather(*[
-                self.engine.prefill(s, f"{req.request_id}-{i}", cache_salt=req.cache_salt,
-                                    kv_transfer_params=params)
-                for i, s in enumerate(shared) if s
+                self.engine.prefill(list(p), f"{req.request_id}-{i}", cache_salt=req.cache_salt,
+                                    kv_transfer_params={"fanout": 1})
+                for i, (p, s) in enumerate(zip(req.prompts, shared)) if s
             ])
             for r in results:
                 computed += r.num_computed_tokens

@@ -120,6 +120,20 @@ async def parse(request: Request, schema: type[BaseModel]) -> BaseModel:
         raise ApiError(400, f"{field or 'body'}: {err['msg']}", field or None, "invalid_value") from None
 
 
+def _usage(job: CompletionJob, last) -> dict:
+    prompt = len(job.prompt_token_ids)
+    completion = last.num_generated_tokens if last is not None else 0
+    cached = last.num_cached_tokens if last is not None else 0
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+def _engine_error(error: str) -> JSONResponse:
+    if error.startswith("invalid_request"):
+        return JSONResponse(status_code=400, content=error_body(error, "invalid_request_error", "prompt", "invalid_value"))
+    return JSONResponse(status_code=503, content=error_body(error, "server_error", None, "engine_error"))
+
+
 # --- the ingress -----------------------------------------------------------------------
 api = FastAPI(title="PrefillShare")
 
@@ -259,7 +273,9 @@ class Router:
             choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
             obj = "text_completion"
         return {"id": job.request_id, "object": obj, "created": int(time.time()), "model": job.model,
-                "choices": [choice], "usage": usage}
+                "choices": [choice], "usage": usage,
+                "prefillshare": {"prefill_module": getattr(last, "prefill_module", None),
+                                 "prefill_replica": getattr(last, "prefill_replica", None)}}
 
     async def _sse(self, job: CompletionJob, gen, chat: bool, include_usage: bool):
         created = int(time.time())
@@ -390,17 +406,3 @@ class Router:
     async def metrics_text(self):
         body = await self.metrics.render.remote()
         return Response(content=body, media_type="text/plain; version=0.0.4; charset=utf-8")
-
-
-def _usage(job: CompletionJob, last) -> dict:
-    prompt = len(job.prompt_token_ids)
-    completion = last.num_generated_tokens if last is not None else 0
-    cached = last.num_cached_tokens if last is not None else 0
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": cached}}
-
-
-def _engine_error(error: str) -> JSONResponse:
-    if error.startswith("invalid_request"):
-        return JSONResponse(status_code=400, content=error_body(error, "invalid_request_error", "prompt", "invalid_value"))
-    return JSONResponse(status_code=503, content=error_body(error, "server_error", None, "engine_error"))

@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# Brings the default PrefillShare app (serve_config.yaml) up on this machine and says how to
+# reach it. What `make serve` runs. Ctrl-C stops the app and the local Ray cluster it started.
+#
+# Auth: Ray's ports listen on every interface, so the local cluster keeps Ray's token auth
+# (RAY_AUTH_MODE=token; Ray writes the token to ~/.ray/auth_token). Other shells need the same
+# `export RAY_AUTH_MODE=token` before `serve status` / `serve deploy serve_config.yaml`.
+# The HTTP endpoint itself is bound to 127.0.0.1 (serve_config.yaml: http_options.host).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+export RAY_AUTH_MODE="${RAY_AUTH_MODE:-token}"
+CONFIG="${PREFILLSHARE_SERVE_CONFIG:-serve_config.yaml}"
+PY=.venv/bin/python
+SERVE=.venv/bin/serve
+[ -x "$SERVE" ] || { echo "no .venv: run 'make setup' (or bash scripts/setup.sh) first" >&2; exit 1; }
+
+# Check the config and the shipped checkpoints before starting anything.
+if ! "$PY" - "$CONFIG" <<'EOF'
+import sys
+from app.config import ConfigError, load_config
+try:
+    load_config(sys.argv[1]).check_paths()
+except ConfigError as e:
+    print(f"{sys.argv[1]}: {e}", file=sys.stderr)
+    print("The shipped models live in checkpoints/ (see README: how to rebuild them).", file=sys.stderr)
+    sys.exit(1)
+EOF
+then exit 1; fi
+
+PORT=$("$PY" -c "import yaml,sys; print(yaml.safe_load(open(sys.argv[1]))['http_options'].get('port', 8000))" "$CONFIG")
+URL="http://127.0.0.1:${PORT}"
+
+"$SERVE" run "$CONFIG" &
+SERVE_PID=$!
+stop() { kill -TERM "$SERVE_PID" 2>/dev/null; wait "$SERVE_PID" 2>/dev/null; }
+trap 'stop; exit 130' INT TERM
+
+echo "starting the app (engines take 1-3 minutes on 2 cores); waiting for ${URL}/ready ..." >&2
+for _ in $(seq 1 300); do
+  if ! kill -0 "$SERVE_PID" 2>/dev/null; then echo "serve run exited before the app was ready" >&2; exit 1; fi
+  if curl -fsS "${URL}/ready" >/dev/null 2>&1; then
+    cat <<EOM
+
+PrefillShare is ready at ${URL}
+  models:   curl ${URL}/v1/models
+  complete: curl ${URL}/v1/completions -H 'Content-Type: application/json' \\
+              -d '{"model": "lookup", "prompt": "order\\nitem:lamp\\ncity:oslo\\nQ: what is the city?\\nA:", "max_tokens": 8}'
+  fan-out:  curl ${URL}/v1/agents/run -H 'Content-Type: application/json' \\
+              -d '{"context": "order\\nitem:lamp\\nqty:2\\ncity:oslo\\nday:mon", "agents": [
+                   {"model": "lookup", "instruction": "what is the city?"},
+                   {"model": "tool_call", "instruction": "call the shipping tool."},
+                   {"model": "reschedule", "instruction": "move the delivery one day later. which day?"}]}'
+  metrics:  curl ${URL}/metrics      status: RAY_AUTH_MODE=token .venv/bin/serve status
+  OpenAI SDK: OpenAI(base_url="${URL}/v1", api_key="unused")
+Ctrl-C stops it. See docs/serving.md.
+EOM
+    wait "$SERVE_PID"
+    exit $?
+  fi
+  sleep 2
+done
+echo "the app did not become ready in 10 minutes; see the log above" >&2
+stop
+exit 1
