@@ -1,6 +1,7 @@
 """KubeRay manifests, offline: CRD schema (strict, as the API server), Serve schema, drift, capacity."""
 from __future__ import annotations
 
+import base64
 import copy
 import importlib
 import subprocess
@@ -13,6 +14,7 @@ from ray.serve.schema import ServeDeploySchema
 
 from app.kube.capacity import check_capacity
 from app.kube.crd import CrdValidator, ManifestInvalid
+from app.kube.helm import helm_binary
 from app.kube.render import (
     RenderError,
     SERVE_PORT,
@@ -79,7 +81,7 @@ def test_render_check_command_exits_zero_when_current():
     out = subprocess.run([sys.executable, "-m", "app.kube", "render", "--check"], cwd=REPO,
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stdout + out.stderr
-    assert out.stdout.count("up to date") == len(MANIFESTS)
+    assert out.stdout.count("up to date") == 2 * len(MANIFESTS), "each manifest and its Helm chart copy"
 
 
 # ---- Serve config embedded in each manifest ---------------------------------------------------
@@ -310,3 +312,56 @@ def test_patch_that_matches_nothing_is_an_error():
     )
     with pytest.raises(RenderError, match="no-such-decoder"):
         render_rayservice(serve, patched)
+
+
+# ---- Helm chart (k8s/chart): installs exactly the rendered manifests ----------------------------
+
+CHART = REPO / "k8s" / "chart"
+
+
+def _helm(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([helm_binary(), *args], capture_output=True, text=True, timeout=120)
+
+
+def _template(*sets: str) -> dict[str, dict]:
+    out = _helm("template", "demo", str(CHART), "-n", "team-a", *sum((["--set", s] for s in sets), []))
+    assert out.returncode == 0, out.stderr
+    return {d["kind"]: d for d in yaml.safe_load_all(out.stdout) if d}
+
+
+def test_helm_lint():
+    out = _helm("lint", str(CHART))
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+@pytest.mark.parametrize("variant", [v.stem for v in VARIANTS])
+def test_helm_chart_installs_the_rendered_manifest(variant):
+    docs = _template(f"variant={variant}")
+    got = docs["RayService"]
+    want = _load(REPO / "k8s" / load_variant(REPO / "k8s" / "variants" / f"{variant}.yaml").output)
+    assert got["metadata"]["namespace"] == "team-a"
+    assert got["metadata"]["labels"]["app.kubernetes.io/instance"] == "demo"
+    assert got["spec"] == want["spec"], "the chart must not change what the renderer produced"
+    token = base64.b64decode(docs["Secret"]["data"]["auth_token"]).decode()
+    assert len(token) == 48 and docs["Secret"]["metadata"]["name"] == want["spec"]["rayClusterConfig"]["authOptions"]["secretName"]
+    again = _template(f"variant={variant}")["Secret"]["data"]["auth_token"]
+    assert again != docs["Secret"]["data"]["auth_token"], "a fresh random token per install"
+
+
+def test_helm_overrides_stay_valid(crds):
+    docs = _template("variant=gpu", "image=registry.local/ps:9", "imagePullPolicy=Always",
+                     "serviceType=LoadBalancer", "nameOverride=ps-prod", "authSecret.create=false")
+    assert set(docs) == {"RayService"}
+    doc = docs["RayService"]
+    rc = doc["spec"]["rayClusterConfig"]
+    containers = [c for g in [rc["headGroupSpec"], *rc["workerGroupSpecs"]] for c in g["template"]["spec"]["containers"]]
+    assert {(c["image"], c["imagePullPolicy"]) for c in containers} == {("registry.local/ps:9", "Always")}
+    assert doc["spec"]["serveService"]["spec"]["type"] == "LoadBalancer" and doc["metadata"]["name"] == "ps-prod"
+    assert crds.errors(doc) == []
+    docs = _template("variant=gpu", "nameOverride=PS_Prod")
+    assert any("metadata.name" in e for e in crds.errors(docs["RayService"])), "bad values are caught by the schema"
+
+
+def test_helm_unknown_variant_fails_with_a_reason():
+    out = _helm("template", "demo", str(CHART), "--set", "variant=tpu")
+    assert out.returncode != 0 and "files/rayservice-tpu.yaml" in out.stderr

@@ -272,8 +272,17 @@ class Rendered:
     up_to_date: bool
 
 
+def _sync(target: Path, text: str, check: bool) -> bool:
+    current = target.read_text() if target.is_file() else None
+    if not check and current != text:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(text)
+    return current == text
+
+
 def render_all(repo: str | Path, serve_config_path: str | Path | None = None, check: bool = False) -> list[Rendered]:
-    """Render every k8s/variants/*.yaml; write the outputs unless `check`."""
+    """Render every k8s/variants/*.yaml to k8s/<output> and to the Helm chart's
+    files/rayservice-<variant>.yaml; write them unless `check`."""
     repo = Path(repo)
     src = Path(serve_config_path) if serve_config_path else repo / "serve_config.yaml"
     if not src.is_file():
@@ -286,9 +295,6 @@ def render_all(repo: str | Path, serve_config_path: str | Path | None = None, ch
     for vf in variant_files:
         variant = load_variant(vf)
         text = render_text(serve_config, variant, vf.name, source=src.name)
-        target = repo / "k8s" / variant.output
-        current = target.read_text() if target.is_file() else None
-        if not check and current != text:
-            target.write_text(text)
-        out.append(Rendered(vf, target, text, current == text))
+        for target in (repo / "k8s" / variant.output, repo / "k8s" / "chart" / "files" / f"rayservice-{vf.stem}.yaml"):
+            out.append(Rendered(vf, target, text, _sync(target, text, check)))
     return out
