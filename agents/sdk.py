@@ -200,6 +200,10 @@ class _Settings:
         self.timeout = httpx.Timeout(timeout, connect=connect_timeout)
         self.retries, self.backoff_s, self.max_backoff_s = retries, backoff_s, max_backoff_s
 
+    def per_call(self, timeout: float | None):
+        """A call's own timeout, or the client's (None must not mean 'wait forever')."""
+        return httpx.Timeout(timeout, connect=self.timeout.connect) if timeout else httpx.USE_CLIENT_DEFAULT
+
     def delay(self, attempt: int, response: httpx.Response | None) -> float:
         d = min(self.max_backoff_s, self.backoff_s * (2 ** attempt))
         if response is not None:
@@ -251,9 +255,7 @@ class Client:
         attempt = 0
         while True:
             try:
-                req = self._http.build_request(method, path, json=body,
-                                               timeout=httpx.Timeout(timeout, connect=self._s.timeout.connect)
-                                               if timeout else None)
+                req = self._http.build_request(method, path, json=body, timeout=self._s.per_call(timeout))
                 resp = self._http.send(req, stream=stream)
             except httpx.HTTPError as e:
                 if attempt < self._s.retries and self._s.retry_on_error(e, idempotent):
@@ -515,9 +517,7 @@ class AsyncClient:
         attempt = 0
         while True:
             try:
-                req = self._http.build_request(method, path, json=body,
-                                               timeout=httpx.Timeout(timeout, connect=self._s.timeout.connect)
-                                               if timeout else None)
+                req = self._http.build_request(method, path, json=body, timeout=self._s.per_call(timeout))
                 resp = await self._http.send(req, stream=stream)
             except httpx.HTTPError as e:
                 if attempt < self._s.retries and self._s.retry_on_error(e, idempotent):

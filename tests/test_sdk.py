@@ -218,6 +218,10 @@ def test_timeout(server, client):
     with pytest.raises(APITimeoutError):
         client.run(CONTEXT, AGENTS, timeout=0.3)
     assert len(server.requests) == 1
+    server.faults = [("delay", 1.5)]
+    with Client(server.url, timeout=0.3, retries=0) as c:  # the client's default applies to every call
+        with pytest.raises(APITimeoutError):
+            c.run(CONTEXT, AGENTS)
 
 
 # ---- streaming ---------------------------------------------------------------------------------
