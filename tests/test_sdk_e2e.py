@@ -86,7 +86,7 @@ def app_url(tmp_path_factory):
 
     paths = _make_models(tmp_path_factory.mktemp("models"))
     pool_dir = f"/dev/shm/ps-sdk-{os.getpid()}"
-    engine = {"dtype": "float32", "max_model_len": 256, "kv_cache_gib": 0.125, "block_size": 16,
+    engine = {"dtype": "float32", "max_model_len": 256, "kv_cache_gib": 0.125, "block_size": 32,
               "max_num_seqs": 8, "threads_bind": "nobind"}
     dec = lambda name: {"name": name, "model": str(paths[name]), "engine": engine,  # noqa: E731
                         "placement": {"num_cpus": 0.25, "placement_group_bundles": [{"CPU": 0.25}]}}
