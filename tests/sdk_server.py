@@ -96,6 +96,11 @@ class AppLikeServer:
                         for m, p in MODELS.items()]})
                 if route == ("POST", "/v1/completions"):
                     return self._completion(body)
+                if route == ("POST", "/v1/chat/completions"):
+                    if not isinstance(body, dict) or not body.get("messages"):
+                        return self._send(400, _error("messages: Field required", "messages", "invalid_value"))
+                    last = body["messages"][-1]["content"]
+                    return self._completion({"model": body.get("model"), "prompt": last}, chat=True)
                 if route == ("POST", "/v1/agents/run"):
                     return self._run(body, stream_error_after)
                 return self._send(404, {"detail": "Not Found"})
@@ -103,7 +108,7 @@ class AppLikeServer:
             do_GET = lambda self: self._handle("GET")  # noqa: E731
             do_POST = lambda self: self._handle("POST")  # noqa: E731
 
-            def _completion(self, body):
+            def _completion(self, body, chat: bool = False):
                 if not isinstance(body, dict):
                     return self._send(400, _error("request body is not valid JSON", None, "invalid_json"))
                 if body.get("model") not in MODELS:
@@ -111,8 +116,10 @@ class AppLikeServer:
                                                   "model_not_found"))
                 text = agent_text(body["model"], body["prompt"], 0)
                 n = len(body["prompt"].split())
-                return self._send(200, {"id": "cmpl-1", "object": "text_completion", "model": body["model"],
-                                        "choices": [{"index": 0, "text": text, "finish_reason": "length"}],
+                choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "length"}
+                          if chat else {"index": 0, "text": text, "finish_reason": "length"})
+                return self._send(200, {"id": "cmpl-1", "object": "chat.completion" if chat else "text_completion",
+                                        "model": body["model"], "choices": [choice],
                                         "usage": {"prompt_tokens": n, "completion_tokens": len(text.split()),
                                                   "total_tokens": n + len(text.split()),
                                                   "prompt_tokens_details": {"cached_tokens": n - 1}}})

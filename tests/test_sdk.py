@@ -297,3 +297,25 @@ def test_completion_and_ready(client):
     assert c.usage.cached_tokens == c.usage.prompt_tokens - 1
     ready = client.ready()
     assert ready.ready and ready.engines == 4
+    chat = client.chat("verify", [{"role": "system", "content": "be brief"}, {"role": "user", "content": "Is it late"}])
+    assert chat.text == agent_text("verify", "Is it late", 0) and chat.model == "verify"
+    with pytest.raises(ModelNotFoundError):
+        client.chat("nope", [{"role": "user", "content": "hi"}])
+
+
+def test_workflows_stream_and_async(server, client):
+    wf = Workflow.pipeline(AGENTS[0], AGENTS[1:])
+    events = list(client.stream_workflow(wf, CONTEXT))
+    final = events[-1].result
+    assert [len(r) for r in final.rounds] == [1, 2] and server.requests[-1][2]["stream"] is True
+
+    def tag(context, results):
+        return context + " | " + ",".join(r.name for r in results)
+
+    async def main():
+        async with AsyncClient(server.url) as c:
+            return await c.run_workflow(Workflow(wf.rounds, tag), CONTEXT)
+
+    res = asyncio.run(main())
+    assert res.final_context == CONTEXT + " | lookup | tools,verify"
+    assert [r.text for r in res.results] == [r.text for r in client.run_workflow(Workflow(wf.rounds, tag), CONTEXT).results]
