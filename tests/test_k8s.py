@@ -292,8 +292,9 @@ def test_merge_patch_semantics():
         (lambda v: v["workerGroups"][0].update(replicas=9, maxReplicas=4), "replicas <= maxReplicas"),
         (lambda v: v["workerGroups"][1].update(rayResource=v["workerGroups"][0]["rayResource"]), "own rayResource"),
         (lambda v: v["modelStorage"].pop("claimName"), "claimName"),
+        (lambda v: v["workerGroups"][0].update(shm="4Gi", objectStoreGiB=8), "does not fit in shm 4Gi"),
     ],
-    ids=["unknown-key", "bad-quantity", "replica-bounds", "shared-resource", "pvc-without-claim"],
+    ids=["unknown-key", "bad-quantity", "replica-bounds", "shared-resource", "pvc-without-claim", "store-over-shm"],
 )
 def test_bad_variant_names_the_field(tmp_path, edit, field):
     raw = yaml.safe_load((REPO / "k8s" / "variants" / "gpu.yaml").read_text())

@@ -181,13 +181,19 @@ def parse_ray_resources_param(value: str) -> dict[str, float]:
     return json.loads(text)
 
 
+def _start_params(shape: PodShape, params: dict[str, str]) -> dict[str, str]:
+    if shape.object_store_gib is not None:
+        params["object-store-memory"] = str(int(shape.object_store_gib * 2**30))
+    return params
+
+
 def _worker_group(variant: Variant, g: WorkerGroup) -> dict:
     return {
         "groupName": g.name,
         "replicas": g.replicas,
         "minReplicas": g.min_replicas,
         "maxReplicas": g.max_replicas,
-        "rayStartParams": {"resources": ray_resources_param(g)},
+        "rayStartParams": _start_params(g, {"resources": ray_resources_param(g)}),
         "template": _pod(variant, g, "ray-worker", g.name, head=False),
     }
 
@@ -202,7 +208,7 @@ def render_rayservice(serve_config: dict, variant: Variant) -> dict:
     if variant.namespace:
         metadata["namespace"] = variant.namespace
     head = {
-        "rayStartParams": {"dashboard-host": "0.0.0.0", "num-cpus": str(variant.head.num_cpus)},
+        "rayStartParams": _start_params(variant.head, {"dashboard-host": "0.0.0.0", "num-cpus": str(variant.head.num_cpus)}),
         "template": _pod(variant, variant.head, "ray-head", "head", head=True),
     }
     return {

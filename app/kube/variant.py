@@ -18,6 +18,19 @@ _QUANTITY = r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|(
 _DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 
 
+_SUFFIX = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60,
+           "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15, "E": 10**18, "m": 1e-3, "": 1}
+
+
+def quantity_bytes(q: str) -> float:
+    """A Kubernetes quantity ("16Gi", "500M", "1e9") as a number."""
+    s = str(q)
+    for suffix in sorted(_SUFFIX, key=len, reverse=True):
+        if suffix and s.endswith(suffix):
+            return float(s[: -len(suffix)]) * _SUFFIX[suffix]
+    return float(s)
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
 
@@ -28,7 +41,20 @@ class PodShape(_Strict):
     cpu: str = Field(pattern=_QUANTITY)
     memory: str = Field(pattern=_QUANTITY)
     gpus: int = Field(0, ge=0)
-    shm: str | None = Field(None, pattern=_QUANTITY, description="/dev/shm size (Ray object store)")
+    shm: str | None = Field(None, pattern=_QUANTITY, description="/dev/shm size (Ray object store, KV pool)")
+    object_store_gib: float | None = Field(
+        None, gt=0, alias="objectStoreGiB",
+        description="Ray object store size; must fit in shm (Ray's default, 30% of memory, often does not)",
+    )
+
+    @model_validator(mode="after")
+    def _store_fits_shm(self) -> "PodShape":
+        if self.object_store_gib is not None:
+            if self.shm is None:
+                raise ValueError("objectStoreGiB needs shm (the object store lives in /dev/shm)")
+            if self.object_store_gib * 2**30 > quantity_bytes(self.shm):
+                raise ValueError(f"objectStoreGiB {self.object_store_gib} does not fit in shm {self.shm}")
+        return self
 
 
 class HeadSpec(PodShape):
