@@ -230,11 +230,17 @@ def test_capacity_catches_unadvertised_resource_and_unpinned_gpu(gpu_manifest):
     assert any("without a group resource" in p for p in problems), problems
 
 
-def test_ray_resources_param_round_trip(gpu_manifest):
+def test_ray_resources_param_survives_kubrays_bash_line(gpu_manifest):
+    """KubeRay joins rayStartParams into a bash command (`ray start ... --resources=<value>`);
+    what bash hands to ray start must be the JSON the group means."""
+    import json
+
     for g in gpu_manifest["spec"]["rayClusterConfig"]["workerGroupSpecs"]:
         raw = g["rayStartParams"]["resources"]
-        assert raw.startswith('"{') and raw.endswith('}"'), "KubeRay passes it through a shell: quote the JSON"
-        assert list(parse_ray_resources_param(raw).values()) == [1]
+        out = subprocess.run(["bash", "-c", f"printf '%s' --resources={raw}"], capture_output=True, text=True)
+        arg = out.stdout
+        assert arg.startswith("--resources={"), arg
+        assert json.loads(arg.split("=", 1)[1]) == parse_ray_resources_param(raw) == {f"{g['groupName']}_node": 1}
 
 
 def test_probes_and_service(gpu_manifest):

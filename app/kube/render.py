@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import fnmatch
 import json
+import shlex
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -170,15 +171,15 @@ def _pod(variant: Variant, shape: PodShape, container: str, component: str, head
 
 
 def ray_resources_param(group: WorkerGroup) -> str:
-    """rayStartParams `resources`: a JSON object, quoted once more for KubeRay's shell line."""
-    return '"' + json.dumps({group.ray_resource: group.ray_resource_amount}) + '"'
+    """rayStartParams `resources`: KubeRay pastes `--resources=<value>` into a bash command
+    line, so the JSON goes inside double quotes with its own quotes escaped."""
+    return '"' + json.dumps({group.ray_resource: group.ray_resource_amount}).replace('"', '\\"') + '"'
 
 
 def parse_ray_resources_param(value: str) -> dict[str, float]:
-    text = value.strip()
-    if len(text) >= 2 and text[0] == text[-1] and text[0] in "'\"":
-        text = text[1:-1]
-    return json.loads(text)
+    """What `ray start` receives after bash has parsed `--resources=<value>`."""
+    (arg,) = shlex.split(f"--resources={value}")
+    return json.loads(arg.split("=", 1)[1])
 
 
 def _start_params(shape: PodShape, params: dict[str, str]) -> dict[str, str]:
