@@ -160,7 +160,7 @@ class Router:
         dp = self.plan.decoder(model)
         if dp is None:
             known = ", ".join(d.name for d in self.plan.decoders)
-            raise ApiError(404, f"model {model!r} does not exist; served models: {known}", param,
+            raise ApiError(404, f"{param}: model {model!r} does not exist; served models: {known}", param,
                            "model_not_found")
         return dp
 

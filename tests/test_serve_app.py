@@ -234,13 +234,16 @@ def test_fan_out_matches_reference_and_reports_shared_prompt_tokens(app, referen
         assert r["token_ids"] == _expected(reference, a["model"], prompt_ids), a["name"]
         assert r["usage"]["prompt_tokens"] == len(prompt_ids)
         shared = a["model"] != "gamma"
-        assert r["usage"]["cached_tokens"] == (len(prompt_ids) - 1 if shared else 0), a["name"]
+        if shared:  # every prompt token but the last came from the base through the pool
+            assert r["usage"]["cached_tokens"] == len(prompt_ids) - 1, a["name"]
+        else:  # private prefill: at most whole blocks from the decoder's own prefix cache
+            assert r["usage"]["cached_tokens"] % 32 == 0 and r["usage"]["cached_tokens"] < len(prompt_ids) - 1
         assert (r["prefill"] is not None) == shared
     # one prefill call served every sharing agent, on one replica
     assert len({results[n]["prefill"]["replica"] for n in ("a1", "b1", "a2")}) == 1
     ctx_len = len(tok(CONTEXT)["input_ids"])
     assert out["usage"]["shared_prefix_tokens"] >= ctx_len - 1
-    assert out["usage"]["cached_tokens"] == sum(results[n]["usage"]["cached_tokens"] for n in ("a1", "b1", "a2"))
+    assert out["usage"]["cached_tokens"] == sum(r["usage"]["cached_tokens"] for r in results.values())
 
 
 def test_multi_round_workflow_joins_outputs_and_streams_per_agent(app):
