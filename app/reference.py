@@ -68,3 +68,113 @@ def private_greedy(
 ) -> list[int]:
     """The ordinary path: the model prefills its own prompt."""
     return shared_greedy(model, model, prompt_ids, max_new_tokens, eos_token_id)
+
+
+# --- batched form of the same path (training and eval run many prompts at once) ---
+from dataclasses import dataclass  # noqa: E402
+
+import safetensors.torch  # noqa: E402
+
+
+@dataclass
+class SharedKV:
+    """Base KV of a batch of right-padded prefixes: pads are masked out, never attended to."""
+
+    cache: DynamicCache
+    mask: torch.Tensor     # [B, P] long, 1 = real token
+    lengths: torch.Tensor  # [B] real prefix lengths
+
+
+def pad_right(seqs: Sequence[Sequence[int]], pad_id: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids [B, T], mask [B, T]) with every sequence left-aligned."""
+    width = max(1, max(len(s) for s in seqs))
+    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long, device=device)
+    mask = torch.zeros((len(seqs), width), dtype=torch.long, device=device)
+    for i, s in enumerate(seqs):
+        ids[i, : len(s)] = torch.tensor(list(s), dtype=torch.long)
+        mask[i, : len(s)] = 1
+    return ids, mask
+
+
+def batched_prompt_kv(model: PreTrainedModel, prefixes: Sequence[Sequence[int]], pad_id: int = 0) -> SharedKV:
+    """KV of ``model`` over each prefix (no gradients: the prefill module is frozen)."""
+    ids, mask = pad_right(prefixes, pad_id, model.device)
+    cache = DynamicCache()
+    with torch.no_grad():
+        model(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True)
+    return SharedKV(cache, mask, mask.sum(1))
+
+
+def decode_on_kv(decoder: PreTrainedModel, kv: SharedKV, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Logits of ``decoder`` over right-padded ``ids`` [B, D] placed after each real prefix.
+
+    Appends to ``kv.cache`` (callers that reuse a KV pass a copy). Each row's positions continue
+    from its own prefix length, so padding never shifts RoPE positions.
+    """
+    positions = kv.lengths[:, None] + torch.arange(ids.shape[1], device=ids.device)[None, :]
+    full_mask = torch.cat([kv.mask, mask], dim=1)
+    return decoder(input_ids=ids, attention_mask=full_mask, position_ids=positions,
+                   past_key_values=kv.cache, use_cache=True).logits
+
+
+@torch.no_grad()
+def batched_greedy_from_kv(
+    decoder: PreTrainedModel,
+    kv: SharedKV,
+    own_tokens: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    eos_token_id: int | None = None,
+    pad_id: int = 0,
+) -> list[list[int]]:
+    """Batched :func:`greedy_from_kv`; ``kv`` is copied. Each row stops at its eos."""
+    kv = SharedKV(copy.deepcopy(kv.cache), kv.mask.clone(), kv.lengths.clone())
+    ids, mask = pad_right(own_tokens, pad_id, decoder.device)
+    logits = decode_on_kv(decoder, kv, ids, mask)
+    last = mask.sum(1) - 1
+    nxt = logits[torch.arange(len(own_tokens)), last].argmax(-1)
+    # later steps sit after the padded own block: positions continue from each row's real end
+    kv = SharedKV(kv.cache, torch.cat([kv.mask, mask], 1), kv.lengths + mask.sum(1))
+    out = [[] for _ in own_tokens]
+    done = [False] * len(own_tokens)
+    for step in range(max_new_tokens):
+        for i, t in enumerate(nxt.tolist()):
+            if not done[i]:
+                out[i].append(t)
+                done[i] = eos_token_id is not None and t == eos_token_id
+        if all(done) or step == max_new_tokens - 1:
+            break
+        one = torch.ones((len(out), 1), dtype=torch.long, device=decoder.device)
+        logits = decode_on_kv(decoder, kv, nxt[:, None], one)
+        kv = SharedKV(kv.cache, torch.cat([kv.mask, one], 1), kv.lengths + 1)
+        nxt = logits[:, -1].argmax(-1)
+    return out
+
+
+def shared_greedy_batch(
+    base: PreTrainedModel,
+    decoder: PreTrainedModel,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    eos_token_id: int | None = None,
+    pad_id: int = 0,
+) -> list[list[int]]:
+    """Batched :func:`shared_greedy` (hand-over per :func:`split_prompt`)."""
+    splits = [split_prompt(p) for p in prompts]
+    kv = batched_prompt_kv(base, [s for s, _ in splits], pad_id)
+    return batched_greedy_from_kv(decoder, kv, [o for _, o in splits], max_new_tokens, eos_token_id, pad_id)
+
+
+# --- KV serialization (what travels between a prefill module and a decoder) ---
+def kv_to_bytes(cache: DynamicCache) -> bytes:
+    """Layer-wise keys and values as a safetensors blob."""
+    tensors = {}
+    for i, layer in enumerate(cache.layers):
+        tensors[f"layer{i}.key"] = layer.keys.contiguous()
+        tensors[f"layer{i}.value"] = layer.values.contiguous()
+    return safetensors.torch.save(tensors)
+
+
+def kv_from_bytes(blob: bytes) -> DynamicCache:
+    tensors = safetensors.torch.load(blob)
+    n = len(tensors) // 2
+    return DynamicCache(ddp_cache_data=[(tensors[f"layer{i}.key"], tensors[f"layer{i}.value"]) for i in range(n)])

@@ -1,0 +1,1 @@
+"""Model factorization: prefill modules (frozen bases), decode modules (task decoders), compatibility."""

@@ -1,0 +1,96 @@
+"""Saving and loading the project's checkpoints (HF safetensors, bf16 on disk).
+
+A decoder directory is a complete HF checkpoint that vLLM loads, plus ``prefillshare.json``.
+Layer-split baselines share their lower layers with the base bit for bit, so they store only
+the layers they trained (``upper_layers.safetensors``) and are assembled on load.
+"""
+from __future__ import annotations
+
+import copy
+import os
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM, PreTrainedModel
+
+from app.models.identity import CheckpointError
+from app.models.manifest import DecodeManifest, read_manifest, write_manifest
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+UPPER_LAYERS_FILE = "upper_layers.safetensors"
+
+
+def copy_tokenizer(tokenizer_dir: str | Path, out_dir: str | Path) -> None:
+    """Byte-exact copies, so tokenizer hashes of the base and its decoders agree."""
+    for name in TOKENIZER_FILES:
+        src = Path(tokenizer_dir) / name
+        if src.is_file():
+            shutil.copyfile(src, Path(out_dir) / name)
+
+
+def _staging(out_dir: Path) -> Path:
+    tmp = out_dir.with_name(out_dir.name + ".partial")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    return tmp
+
+
+def _publish(tmp: Path, out_dir: Path) -> None:
+    """Swap a finished staging dir into place: readers never see a half-written checkpoint."""
+    if out_dir.exists():
+        shutil.rmtree(out_dir)
+    os.replace(tmp, out_dir)
+
+
+def save_model(model: PreTrainedModel, out_dir: str | Path, tokenizer_dir: str | Path,
+               manifest: DecodeManifest | None = None) -> Path:
+    out_dir = Path(out_dir)
+    tmp = _staging(out_dir)
+    # a bf16 copy, so that config.json's dtype states what the weights are
+    copy.deepcopy(model).to(torch.bfloat16).save_pretrained(str(tmp), safe_serialization=True)
+    copy_tokenizer(tokenizer_dir, tmp)
+    if manifest is not None:
+        write_manifest(tmp, manifest)
+    _publish(tmp, out_dir)
+    return out_dir
+
+
+def save_upper_layers(model: PreTrainedModel, first_layer: int, out_dir: str | Path, base_dir: str | Path,
+                      manifest: DecodeManifest) -> Path:
+    """Layer-split decoder: only layers >= ``first_layer`` and the final norm, plus the base's config."""
+    out_dir = Path(out_dir)
+    tmp = _staging(out_dir)
+    prefixes = tuple(f"model.layers.{i}." for i in range(first_layer, model.config.num_hidden_layers)) + ("model.norm.",)
+    state = {k: v.detach().to(torch.bfloat16).contiguous() for k, v in model.state_dict().items() if k.startswith(prefixes)}
+    save_file(state, str(tmp / UPPER_LAYERS_FILE))
+    shutil.copyfile(Path(base_dir) / "config.json", tmp / "config.json")
+    copy_tokenizer(base_dir, tmp)
+    write_manifest(tmp, manifest)
+    _publish(tmp, out_dir)
+    return out_dir
+
+
+def load_model(path: str | Path, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise CheckpointError(f"{path}: no config.json (not a checkpoint)")
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
+    model.eval()
+    return model
+
+
+def load_decoder(path: str | Path, base_dir: str | Path, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
+    """A decoder of any kind as a full model (layer-split ones are assembled over the base)."""
+    manifest = read_manifest(path)
+    if manifest.weights != "upper_layers":
+        return load_model(path, dtype)
+    model = load_model(base_dir, dtype)
+    upper = load_file(str(Path(path) / UPPER_LAYERS_FILE))
+    missing = set(upper) - set(model.state_dict())
+    if missing:
+        raise CheckpointError(f"{path}: {UPPER_LAYERS_FILE} has tensors the base lacks: {sorted(missing)[:3]}")
+    model.load_state_dict({k: v.to(dtype) for k, v in upper.items()}, strict=False)
+    return model

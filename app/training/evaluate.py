@@ -1,0 +1,169 @@
+"""The evaluation table: per agent, exact match and answer NLL of five ways to answer.
+
+- ``base``: the prefill module alone, its own prefill (no fine-tuning);
+- ``full_ft``: the Full-FT model, its own prefill (the accuracy to match);
+- ``prefillshare``: base KV of prompt[:-1] + the cache-conditioned decoder (the served path);
+- ``naive_reuse``: base KV + the Full-FT model as decoder (sharing without cache-conditioning);
+- ``layer_split``: lower layers shared with the base, upper layers fine-tuned, own prefill.
+
+"prefill saved" is the share of a decoder's private prompt prefill (token x layer work) that it
+skips because the base's prefill is reused: (n-1)/n of the prompt for base-KV methods, S/L of
+the layers for layer-split, 0 for private prefill.
+"""
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from app.handover import split_prompt
+from app.models import checkpoint
+from app.models.compat import check
+from app.models.identity import CheckpointError
+from app.models.manifest import read_manifest
+from app.reference import batched_prompt_kv, batched_greedy_from_kv
+from app.training import batches, tasks
+from app.training.tokenizer import load_tokenizer
+
+METHODS = ("base", "full_ft", "prefillshare", "naive_reuse", "layer_split")
+
+
+@dataclass(frozen=True)
+class Cell:
+    exact_match: float   # percent
+    answer_nll: float    # mean NLL per answer token (incl. </s>)
+    prefill_saved: float  # share of the decoder's prompt prefill work skipped
+    n: int
+
+
+@dataclass(frozen=True)
+class ModelSet:
+    """Where the checkpoints of one evaluation live (defaults: the shipped layout)."""
+
+    base: Path
+    decoders: Path
+    fullft: Path
+    layersplit: Path
+
+    @classmethod
+    def under(cls, root: str | Path) -> "ModelSet":
+        root = Path(root)
+        return cls(root / "base", root / "decoders", root / "baselines" / "fullft", root / "baselines" / "layersplit")
+
+
+def _agent_models(models: ModelSet, agent: str) -> dict[str, Path]:
+    return {"prefillshare": models.decoders / agent, "full_ft": models.fullft / agent,
+            "layer_split": models.layersplit / agent}
+
+
+def validate(models: ModelSet, agents: Sequence[str]) -> None:
+    """Fail before computing anything: each checkpoint present, with manifest, built on this base."""
+    if not (models.base / "config.json").is_file():
+        raise CheckpointError(f"{models.base}: no base checkpoint (config.json missing)")
+    for agent in agents:
+        for method, path in _agent_models(models, agent).items():
+            if not path.is_dir():
+                raise CheckpointError(f"{path}: no {method} decoder for agent {agent!r}")
+            manifest = read_manifest(path)
+            if manifest.agent != agent:
+                raise CheckpointError(f"{path}: manifest says agent {manifest.agent!r}, expected {agent!r}")
+        verdict = check(models.base, models.decoders / agent)
+        if not verdict.shared:
+            raise CheckpointError(f"{models.decoders / agent}: cannot consume the base's KV: " + "; ".join(verdict.reasons))
+
+
+@torch.no_grad()
+def _answer_text(tok, ids: Sequence[int], eos: int) -> str | None:
+    """The generated answer, or None when the model never ended it with </s>."""
+    if eos not in ids:
+        return None
+    return tasks.parse_response(tok.decode(list(ids[: list(ids).index(eos)])))
+
+
+def _score(tok, base, decoder, enc: Sequence[batches.Encoded], shared: bool, eos: int, pad: int,
+           batch_size: int) -> tuple[float, float]:
+    """(exact match %, mean answer NLL per token) over ``enc``."""
+    correct, nll_sum, tok_count = 0, 0.0, 0
+    for i in range(0, len(enc), batch_size):
+        chunk = enc[i: i + batch_size]
+        if shared:
+            nll, count = batches.shared_nll(base, decoder, chunk, pad)
+        else:
+            nll, count = batches.private_nll(decoder, chunk, pad)
+        nll_sum += float(nll.sum())
+        tok_count += int(count.sum())
+        prefill_model = base if shared else decoder
+        splits = [split_prompt(e.prompt) for e in chunk]
+        kv = batched_prompt_kv(prefill_model, [s for s, _ in splits], pad)
+        max_new = max(len(e.response) for e in chunk) + 2
+        outs = batched_greedy_from_kv(decoder, kv, [o for _, o in splits], max_new, eos, pad)
+        correct += sum(int(_answer_text(tok, o, eos) == tasks.parse_response(tok.decode(e.response[:-1])))
+                       for o, e in zip(outs, chunk))
+    return 100.0 * correct / len(enc), nll_sum / max(1, tok_count)
+
+
+def evaluate(data_path: str | Path, models: ModelSet, batch_size: int = 64, limit: int | None = None) -> dict:
+    """Score every method on every agent of ``data_path``; returns the table as a dict."""
+    known = [p.name for p in sorted(models.decoders.iterdir()) if p.is_dir()] if models.decoders.is_dir() else []
+    examples = tasks.read_jsonl(data_path, known_agents=known)
+    agents = list(tasks.iter_agents(examples))
+    validate(models, agents)
+    tok = load_tokenizer(models.base)
+    base = checkpoint.load_model(models.base)
+    n_layers = base.config.num_hidden_layers
+    table: dict[str, dict[str, Cell]] = {}
+    for agent in agents:
+        data = [e for e in examples if e.agent == agent][:limit]
+        enc = batches.encode(tok, data)
+        saved_share = sum(len(split_prompt(e.prompt)[0]) / len(e.prompt) for e in enc) / len(enc)
+        paths = _agent_models(models, agent)
+        fullft = checkpoint.load_decoder(paths["full_ft"], models.base)
+        cc = checkpoint.load_decoder(paths["prefillshare"], models.base)
+        ls = checkpoint.load_decoder(paths["layer_split"], models.base)
+        shared_layers = read_manifest(paths["layer_split"]).training.get("shared_layers", 0)
+        runs = {
+            "base": (base, False, 0.0),
+            "full_ft": (fullft, False, 0.0),
+            "prefillshare": (cc, True, saved_share),
+            "naive_reuse": (fullft, True, saved_share),
+            "layer_split": (ls, False, shared_layers / n_layers),
+        }
+        row = {}
+        for method, (decoder, shared, saved) in runs.items():
+            em, nll = _score(tok, base, decoder, enc, shared, tok.eos_token_id, tok.pad_token_id, batch_size)
+            row[method] = Cell(round(em, 2), round(nll, 4), round(saved, 4), len(enc))
+        table[agent] = row
+    return {"data": str(data_path), "methods": list(METHODS),
+            "agents": {a: {m: asdict(c) for m, c in row.items()} for a, row in table.items()}}
+
+
+def to_markdown(result: dict) -> str:
+    """Two tables: exact match / NLL per agent and method, and prefill work saved per method."""
+    methods = result["methods"]
+    lines = ["| agent | n | " + " | ".join(f"{m} EM% / NLL" for m in methods) + " |",
+             "|---|---|" + "---|" * len(methods)]
+    for agent, row in result["agents"].items():
+        n = next(iter(row.values()))["n"]
+        cells = [f"{row[m]['exact_match']:.1f} / {row[m]['answer_nll']:.3f}" for m in methods]
+        lines.append(f"| {agent} | {n} | " + " | ".join(cells) + " |")
+    lines += ["", "| method | prefill saved per decoder |", "|---|---|"]
+    for m in methods:
+        vals = [row[m]["prefill_saved"] for row in result["agents"].values()]
+        lines.append(f"| {m} | {100 * sum(vals) / len(vals):.1f}% |")
+    return "\n".join(lines) + "\n"
+
+
+def write_results(result: dict, out_prefix: str | Path) -> tuple[Path, Path]:
+    """``<prefix>.json`` and ``<prefix>.md``, each written whole (temp file + rename)."""
+    out_prefix = Path(out_prefix)
+    out_prefix.parent.mkdir(parents=True, exist_ok=True)
+    paths = (out_prefix.with_suffix(".json"), out_prefix.with_suffix(".md"))
+    for path, text in zip(paths, (json.dumps(result, indent=2) + "\n", to_markdown(result))):
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    return paths

@@ -1,0 +1,90 @@
+"""The full recipe that regenerates every shipped model: ``prefillshare train --recipe all``.
+
+tokenizer -> data -> base (pretrained until the retrieval gate passes) -> per agent: the
+cache-conditioned decoder, the Full-FT baseline and the layer-split baseline (same data, steps,
+learning rate and seed) -> the eval table on the held-out split.
+"""
+from __future__ import annotations
+
+import shutil
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from app.models.manifest import read_manifest
+from app.training import tasks
+from app.training.cache_conditioned import TrainConfig, train_decoder
+from app.training.pretrain import PretrainConfig, pretrain_base
+
+
+@dataclass(frozen=True)
+class Recipe:
+    contexts: int = 3000
+    test_fraction: float = 0.1
+    seed: int = 0
+    agents: tuple[str, ...] = tuple(tasks.AGENTS)
+    pretrain: PretrainConfig = PretrainConfig()
+    decoder: TrainConfig = TrainConfig(steps=300, batch_size=32, lr=1e-3, warmup=20)
+    shared_layers: int = 2
+    baselines: dict = field(default_factory=lambda: {"fullft": "full_ft", "layersplit": "layer_split"})
+
+
+DEFAULT_RECIPE = Recipe()
+QUICK_RECIPE = Recipe(contexts=200, pretrain=PretrainConfig(steps=20, max_steps=20, eval_every=20, gate=0.0,
+                                                            gate_queries=64),
+                      decoder=TrainConfig(steps=5, batch_size=8, lr=1e-3, warmup=2))
+
+
+def _done(path: Path) -> bool:
+    try:
+        read_manifest(path)
+        return True
+    except Exception:
+        return False
+
+
+def run_recipe(which: str, models: Path, work: Path, quick: bool = False, resume: bool = False,
+               progress: bool = True, recipe: Recipe | None = None) -> None:
+    """``which``: "all" or "base". Outputs under ``models`` (checkpoints/), scratch under ``work``."""
+    from app.training.evaluate import ModelSet, evaluate, to_markdown, write_results
+    from app.training.tokenizer import train_tokenizer
+
+    r = recipe or (QUICK_RECIPE if quick else DEFAULT_RECIPE)
+    t0 = time.perf_counter()
+
+    def log(msg: str) -> None:
+        print(f"[recipe {time.perf_counter() - t0:6.0f}s] {msg}", flush=True)
+
+    tok_dir, base_dir = models / "tokenizer", models / "base"
+    if not (resume and (tok_dir / "tokenizer.json").is_file()):
+        train_tokenizer(tok_dir, seed=r.seed)
+        log(f"tokenizer -> {tok_dir}")
+    examples = tasks.make_examples(r.contexts, r.seed, r.agents)
+    train, test = tasks.split_examples(examples, r.test_fraction, r.seed)
+    tasks.write_jsonl(work / "data" / "train.jsonl", train)
+    tasks.write_jsonl(work / "data" / "test.jsonl", test)
+    tasks.write_jsonl(models / "data" / "test.jsonl", test)
+    log(f"data: {len(train)} train / {len(test)} test examples -> {work / 'data'}")
+    if not (resume and (base_dir / "config.json").is_file()):
+        acc = pretrain_base(tok_dir, base_dir, r.pretrain, progress=progress)
+        log(f"base -> {base_dir} (retrieval gate {acc:.3f} >= {r.pretrain.gate})")
+    if which == "base":
+        return
+    targets = [("cache_conditioned", models / "decoders")] + [
+        (method, models / "baselines" / sub) for sub, method in r.baselines.items()]
+    for agent in r.agents:
+        for method, root in targets:
+            out = root / agent
+            if resume and _done(out):
+                log(f"{method}:{agent} exists, skipped")
+                continue
+            cfg = replace(r.decoder, method=method, seed=r.seed, shared_layers=r.shared_layers)
+            train_decoder(base_dir, train, agent, out, cfg, state_dir=work / "state" / f"{method}-{agent}",
+                          resume=resume and (work / "state" / f"{method}-{agent}" / "trainer_state.pt").is_file(),
+                          progress=progress)
+            log(f"{method}:{agent} -> {out}")
+    result = evaluate(models / "data" / "test.jsonl", ModelSet.under(models))
+    json_path, md_path = write_results(result, models / "eval" / "results")
+    print(to_markdown(result))
+    log(f"eval -> {json_path}, {md_path}")
+    shutil.rmtree(work / "state", ignore_errors=True)
