@@ -1,0 +1,84 @@
+"""The rendered GPU RayService's placement, scheduled by real Ray.
+
+A local multi-node Ray cluster mirrors the manifest: one raylet per pod at the group's
+initial `replicas`, each started with the CPUs/GPUs of its pod and the custom resource its
+`rayStartParams` hand to `ray start` (parsed as bash would). Every replica's
+placement-group bundles from the rendered Serve config are then placed by Ray's scheduler:
+all must fit, prefill replicas only on prefill pods, each decoder replica on a GPU of its
+own on a decode pod. GPUs are Ray's logical resources here (no device needed).
+Run through scripts/test.sh (loopback-only network namespace).
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import yaml
+
+from app.kube.capacity import cluster_pools
+from app.config import load_config
+
+pytestmark = pytest.mark.serve
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def gpu_manifest() -> dict:
+    return yaml.safe_load((REPO / "k8s" / "rayservice-gpu.yaml").read_text())
+
+
+@pytest.fixture(scope="module")
+def cluster(gpu_manifest):
+    import ray
+    from ray.cluster_utils import Cluster
+
+    os.environ["RAY_TMPDIR"] = f"/tmp/rk8s{os.getpid()}"
+    pools = {p.name: p for p in cluster_pools(gpu_manifest)}
+    groups = {g["groupName"]: g for g in gpu_manifest["spec"]["rayClusterConfig"]["workerGroupSpecs"]}
+    head = pools["head"].per_pod
+    c = Cluster(initialize_head=True, head_node_args={"num_cpus": int(head["CPU"]), "num_gpus": 0})
+    node_group = {}
+    for name, g in groups.items():
+        per_pod = pools[name].per_pod
+        custom = {k: v for k, v in per_pod.items() if k not in ("CPU", "GPU")}
+        for _ in range(g["replicas"]):
+            node = c.add_node(num_cpus=int(per_pod["CPU"]), num_gpus=int(per_pod["GPU"]), resources=custom)
+            node_group[node.node_id] = name
+    ray.init(address=c.address)
+    c.wait_for_nodes()
+    yield node_group
+    ray.shutdown()
+    c.shutdown()
+
+
+def test_every_replica_lands_on_its_group(gpu_manifest, cluster):
+    from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
+
+    node_group = cluster
+    serve = yaml.safe_load(gpu_manifest["spec"]["serveConfigV2"])
+    cfg = load_config(serve["applications"][0]["args"]["config"])
+    placed: dict[str, list[str]] = {}
+    pgs = []
+    for kind, items in (("prefill", cfg.prefill_modules), ("decode", cfg.decoders)):
+        for item in items:
+            pl = item.placement
+            assert pl.placement_group_bundles, f"{item.name}: GPU placement needs explicit bundles"
+            for _ in range(pl.num_replicas):
+                pg = placement_group(pl.placement_group_bundles, strategy=pl.placement_group_strategy)
+                assert pg.wait(timeout_seconds=60), f"{kind}:{item.name} does not fit the cluster"
+                pgs.append(pg)
+                nodes = set(placement_group_table(pg)["bundles_to_node_id"].values())
+                placed.setdefault(f"{kind}:{item.name}", []).extend(node_group[n] for n in nodes)
+    for name, groups in placed.items():
+        want = "prefill" if name.startswith("prefill:") else "decode"
+        assert set(groups) == {want}, f"{name} placed on {groups}"
+    decode_nodes = [n for pg in pgs for n in placement_group_table(pg)["bundles_to_node_id"].values()
+                    if node_group[n] == "decode"]
+    assert len(decode_nodes) == len(set(decode_nodes)) == sum(d.placement.num_replicas for d in cfg.decoders), \
+        "each decoder replica has a GPU (pod) of its own"
+    extra = placement_group([{"GPU": 1, "decode_node": 1}])
+    assert not extra.wait(timeout_seconds=3), "the decode pods' GPUs are all taken: the cluster is exactly full"
+    for pg in pgs + [extra]:
+        remove_placement_group(pg)
