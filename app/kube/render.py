@@ -199,8 +199,15 @@ def _worker_group(variant: Variant, g: WorkerGroup) -> dict:
     }
 
 
+class _PlainDumper(yaml.SafeDumper):
+    """No `&id001` anchors: serve_config.yaml's YAML aliases are written out in full."""
+
+    def ignore_aliases(self, data):
+        return True
+
+
 def dump_serve_config(cfg: dict) -> str:
-    return yaml.safe_dump(cfg, sort_keys=False, default_flow_style=False, width=100)
+    return yaml.dump(cfg, Dumper=_PlainDumper, sort_keys=False, default_flow_style=False, width=100)
 
 
 def render_rayservice(serve_config: dict, variant: Variant) -> dict:
