@@ -555,6 +555,34 @@ class AsyncClient:
             raise
         return Readiness(bool(d.get("ready")), tuple(d.get("problems") or ()), d.get("engines"))
 
+    async def health(self) -> bool:
+        return (await self._json("GET", "/healthz")).get("status") == "ok"
+
+    async def wait_ready(self, timeout_s: float = 300.0, interval_s: float = 2.0) -> Readiness:
+        deadline = time.monotonic() + timeout_s
+        last: Readiness | PrefillShareError | None = None
+        while time.monotonic() < deadline:
+            try:
+                last = await self.ready()
+                if last.ready:
+                    return last
+            except PrefillShareError as e:
+                last = e
+            await asyncio.sleep(interval_s)
+        raise APITimeoutError(f"app not ready after {timeout_s:.0f} s: {last}")
+
+    async def metrics(self) -> str:
+        return (await self._request("GET", "/metrics")).text
+
+    async def chat(self, model: str, messages: Sequence[Mapping[str, str]], *, max_tokens: int | None = None,
+                   temperature: float = 0.0, timeout: float | None = None) -> Completion:
+        body: dict[str, Any] = {"model": model, "messages": list(messages), "temperature": temperature}
+        if max_tokens is not None:
+            body["max_tokens"] = max_tokens
+        t0 = time.perf_counter()
+        d = await self._json("POST", "/v1/chat/completions", body, timeout)
+        return _parse_completion(d, time.perf_counter() - t0)
+
     async def complete(self, model: str, prompt: str, *, max_tokens: int | None = None, temperature: float = 0.0,
                        timeout: float | None = None) -> Completion:
         body: dict[str, Any] = {"model": model, "prompt": prompt, "temperature": temperature}

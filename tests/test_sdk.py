@@ -316,6 +316,13 @@ def test_workflows_stream_and_async(server, client):
         async with AsyncClient(server.url) as c:
             return await c.run_workflow(Workflow(wf.rounds, tag), CONTEXT)
 
+    async def service():
+        async with AsyncClient(server.url) as c:
+            return (await c.health(), await c.wait_ready(timeout_s=5), await c.chat("lookup", [{"role": "user", "content": "Where"}]),
+                    await c.complete("lookup", "Where"))
+
+    healthy, ready, chat, completion = asyncio.run(service())
+    assert healthy and ready.ready and chat.text == completion.text == agent_text("lookup", "Where", 0)
     res = asyncio.run(main())
     assert res.final_context == CONTEXT + " | lookup | tools,verify"
     assert [r.text for r in res.results] == [r.text for r in client.run_workflow(Workflow(wf.rounds, tag), CONTEXT).results]
