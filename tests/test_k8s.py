@@ -98,7 +98,7 @@ def test_serve_config_v2_valid_and_imports(path):
         target = importlib.import_module(module)
         for part in (attr or "app").split("."):
             target = getattr(target, part)
-        assert callable(target) or target is not None
+        assert callable(target), f"{app.import_path} is not an application builder"
         from app.config import load_config
 
         load_config(app.args["config"])  # the typed app config accepts what the variant produced
