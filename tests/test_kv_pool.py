@@ -177,3 +177,15 @@ def test_partial_block_copy_matches_the_attention_kernel_layout(dtype, ntok):
     for c, r in zip(cons, ref):
         assert torch.equal(c[2], r[2])
         assert torch.equal(c[0], torch.full_like(c[0], 7.0))  # other blocks untouched
+
+
+def test_a_chain_never_evicts_itself_and_shrinks_from_its_tail(pool_dir):
+    pool = KVPool(pool_dir, capacity_bytes=3 * BLOCK)
+    old = [PutItem(it.key, it.data, it.ntokens, it.layout, depth=i) for i, it in enumerate(items(3, tag=5))]
+    pool.put_many(old)
+    new = [PutItem(it.key, it.data, it.ntokens, it.layout, depth=i) for i, it in enumerate(items(2, tag=6))]
+    assert pool.put_many(new) == [True, True]
+    assert [pool.entry(it.key) is not None for it in old] == [True, False, False]  # tail went first
+    longer = items(4, tag=7)
+    assert pool.put_many(longer) == [True, True, True, False]  # the 4th block does not fit
+    assert pool.stats().get("dropped_blocks") == 1

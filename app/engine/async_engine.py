@@ -296,13 +296,17 @@ def _engine_env(cfg: EngineConfig):
     VLLM_CPU_KVCACHE_SPACE would override ``kv_cache_memory_bytes`` (vLLM's legacy setting),
     so it is removed while the engine is built.
     """
+    want = dict(cfg.extra_env)
+    if cfg.omp_threads_bind is not None:
+        want["VLLM_CPU_OMP_THREADS_BIND"] = cfg.omp_threads_bind
+    if "VLLM_CPU_KVCACHE_SPACE" not in os.environ and all(os.environ.get(k) == v for k, v in want.items()):
+        yield  # nothing to change: engines can start concurrently
+        return
     with _ENV_LOCK:
         saved = dict(os.environ)
         try:
             os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
-            if cfg.omp_threads_bind is not None:
-                os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cfg.omp_threads_bind
-            os.environ.update(cfg.extra_env)
+            os.environ.update(want)
             yield
         finally:
             os.environ.clear()

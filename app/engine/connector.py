@@ -289,11 +289,11 @@ class PrefillShareConnector(KVConnectorBase_V1):
             t0 = time.perf_counter()
             try:
                 items = []
-                for key, nt, bid in zip(spec.keys, spec.ntokens, spec.block_ids, strict=True):
+                for depth, (key, nt, bid) in enumerate(zip(spec.keys, spec.ntokens, spec.block_ids, strict=True)):
                     blk = self._layout.gather(bid)
                     if blk.device.type != "cpu":
                         blk = blk.cpu()
-                    items.append(PutItem(key, blk.view(torch.uint8).numpy(), nt, self._layout.layout))
+                    items.append(PutItem(key, blk.view(torch.uint8).numpy(), nt, self._layout.layout, depth))
                 ok = self.pool.put_many(items, pins=spec.pins, scope=self.scope)
                 self.pool.count_map(self.scope, {"saves": 1, "save_seconds": time.perf_counter() - t0,
                                                  "save_dropped": len(ok) - sum(ok)})

@@ -34,7 +34,8 @@ _SCHEMA = """
 CREATE TABLE IF NOT EXISTS blocks (
   key TEXT PRIMARY KEY, nbytes INTEGER NOT NULL, ntokens INTEGER NOT NULL,
   checksum INTEGER NOT NULL, layout TEXT NOT NULL, created REAL NOT NULL,
-  last_used REAL NOT NULL, pins INTEGER NOT NULL DEFAULT 0, pin_deadline REAL NOT NULL DEFAULT 0);
+  last_used REAL NOT NULL, pins INTEGER NOT NULL DEFAULT 0, pin_deadline REAL NOT NULL DEFAULT 0,
+  depth INTEGER NOT NULL DEFAULT 0);
 CREATE INDEX IF NOT EXISTS blocks_lru ON blocks(last_used);
 CREATE TABLE IF NOT EXISTS leases (lease TEXT NOT NULL, key TEXT NOT NULL, deadline REAL NOT NULL,
   PRIMARY KEY (lease, key));
@@ -72,6 +73,7 @@ class PutItem:
     data: object  # bytes, bytearray, memoryview, numpy array (C-contiguous)
     ntokens: int
     layout: str
+    depth: int = 0  # block index in its chain: eviction takes deeper blocks first
 
 
 @dataclass
@@ -204,19 +206,23 @@ class KVPool:
         stored: set[str] = set(held)
         evicted_files: list[str] = []
         with self._tx() as db:
+            full = False
             for it, n, crc in written:
                 if self._existing(db, [it.key]):  # another writer won the race: same content
                     stored.add(it.key)
                     continue
-                victims = self._make_room(db, n, now)
+                # Blocks of this put never evict each other, and once one does not fit the rest
+                # of the chain is dropped too (a chain with a hole is useless to a decoder).
+                victims = None if full else self._make_room(db, n, now, protect=stored)
                 if victims is None:
+                    full = True
                     self._bump(db, scope, {"dropped_blocks": 1})
                     continue
                 evicted_files.extend(victims)
                 db.execute(
                     "INSERT INTO blocks(key, nbytes, ntokens, checksum, layout, created, last_used,"
-                    " pins, pin_deadline) VALUES (?,?,?,?,?,?,?,?,?)",
-                    (it.key, n, it.ntokens, crc, it.layout, now, now, pins, deadline))
+                    " pins, pin_deadline, depth) VALUES (?,?,?,?,?,?,?,?,?,?)",
+                    (it.key, n, it.ntokens, crc, it.layout, now, now, pins, deadline, it.depth))
                 stored.add(it.key)
                 self._bump(db, scope, {"saved_blocks": 1, "saved_bytes": n})
         for it, _, _ in written:
@@ -237,8 +243,13 @@ class KVPool:
             out.update(r[0] for r in db.execute(q, chunk))
         return out
 
-    def _make_room(self, db: sqlite3.Connection, nbytes: int, now: float) -> list[str] | None:
-        """Evict LRU blocks (not pinned, not leased) until ``nbytes`` fit; None if impossible."""
+    def _make_room(self, db: sqlite3.Connection, nbytes: int, now: float,
+                   protect: set[str] = frozenset()) -> list[str] | None:
+        """Evict LRU blocks (not pinned, not leased, not in ``protect``) until ``nbytes`` fit.
+
+        Among equally recent blocks the deepest go first, so a chain shrinks from its tail and
+        its prefix stays usable. Returns the files to unlink, or None if it cannot fit.
+        """
         held = db.execute("SELECT COALESCE(SUM(nbytes), 0) FROM blocks").fetchone()[0]
         cap = db.execute("SELECT value FROM meta WHERE name = 'capacity_bytes'").fetchone()
         need = held + nbytes - (int(cap[0]) if cap else 1 << 30)
@@ -247,11 +258,13 @@ class KVPool:
         rows = db.execute(
             "SELECT b.key, b.nbytes FROM blocks b WHERE (b.pins <= 0 OR b.pin_deadline < ?)"
             " AND NOT EXISTS (SELECT 1 FROM leases l WHERE l.key = b.key AND l.deadline >= ?)"
-            " ORDER BY b.last_used", (now, now)).fetchall()
+            " ORDER BY b.last_used, b.depth DESC", (now, now)).fetchall()
         victims, freed = [], 0
         for key, n in rows:
             if freed >= need:
                 break
+            if key in protect:
+                continue
             victims.append(key)
             freed += n
         if freed < need:

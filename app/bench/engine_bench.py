@@ -1,0 +1,283 @@
+"""`prefillshare bench engine`: one shared prefill + N decoders loading its KV, vs N private prefills.
+
+Three real vLLM engines on a random-weight Llama (~100M parameters by default, vLLM's
+``load_format="dummy"``): the producer (base, connector role producer), a consumer decoder
+(connector role consumer) and a private decoder (no connector, no prefix caching). The N
+decoders of a fan-out are N sequential requests to the decoder engine: prompt-processing work
+per decoder does not depend on its weights, and one engine per decoder would not fit 2 cores.
+
+Per case (prompt length L, fan-out N) it measures, each decoder request alone on its engine:
+  private: decoder time-to-first-token = prefill of all L tokens;
+  shared:  base prefill once, then per decoder time-to-first-token = load of L-1 tokens' KV
+           from the pool + compute of the last prompt token;
+plus KV load time per token and bytes moved (pool counters), and CPU seconds of all engine
+processes in each phase (psutil). Prints a table, writes JSON.
+
+    python -m app.bench.engine_bench --quick          # smoke test (small model, one case)
+    python -m app.bench.engine_bench --out runs/bench/engine.json
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+from dataclasses import asdict, dataclass, field
+
+__all__ = ["BenchConfig", "CaseResult", "run_bench", "configure", "main"]
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    lengths: tuple[int, ...] = (512, 1024, 2048, 4096)
+    fanouts: tuple[int, ...] = (2, 4, 8)
+    hidden: int = 1024
+    layers: int = 8
+    heads: int = 16
+    kv_heads: int = 4
+    intermediate: int = 2816
+    vocab: int = 8192
+    dtype: str = "bfloat16"
+    block_size: int = 32
+    max_num_batched_tokens: int = 2048
+    kv_space_gib: float = 0.5
+    binds: tuple[str, str, str] = ("0", "1", "1")  # producer, consumer, private decoder
+    out: str = "runs/bench/engine.json"
+    progress: bool = True
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.lengths or min(self.lengths) < 2:
+            raise ValueError("--lengths: prompt lengths must be >= 2")
+        if not self.fanouts or min(self.fanouts) < 1:
+            raise ValueError("--fanouts: fan-outs must be >= 1")
+        if self.hidden % self.heads or self.heads % self.kv_heads:
+            raise ValueError("--hidden/--heads/--kv-heads: hidden must divide by heads, heads by kv heads")
+
+    @property
+    def max_model_len(self) -> int:
+        return max(self.lengths) + 64
+
+    @property
+    def params(self) -> int:
+        hd = self.hidden // self.heads
+        attn = self.hidden * (self.heads * hd) * 2 + self.hidden * (self.kv_heads * hd) * 2
+        mlp = 3 * self.hidden * self.intermediate
+        return self.layers * (attn + mlp) + self.vocab * self.hidden
+
+
+@dataclass
+class CaseResult:
+    prompt_tokens: int
+    fanout: int
+    private_prompt_s: float  # mean decoder prompt-processing time, private prefill
+    shared_prompt_s: float  # mean decoder prompt-processing time, loading the base's KV
+    ratio: float  # private / shared
+    base_prefill_s: float  # the one shared prefill
+    private_total_s: float  # N private prefills
+    shared_total_s: float  # one base prefill + N loads
+    kv_load_s_per_token: float
+    kv_bytes_moved: int  # bytes copied from the pool into the decoder, all N decoders
+    kv_bytes_per_token: float
+    cpu_s_private: float
+    cpu_s_shared: float
+    cached_tokens_ok: bool  # every shared decoder reported L-1 cached tokens
+    extra: dict = field(default_factory=dict)
+
+
+def _write_model_config(path: str, cfg: BenchConfig) -> None:
+    from transformers import LlamaConfig
+
+    LlamaConfig(vocab_size=cfg.vocab, hidden_size=cfg.hidden, num_hidden_layers=cfg.layers,
+                num_attention_heads=cfg.heads, num_key_value_heads=cfg.kv_heads,
+                intermediate_size=cfg.intermediate, max_position_embeddings=cfg.max_model_len,
+                tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, dtype=cfg.dtype).save_pretrained(path)
+
+
+def _children_cpu() -> float:
+    import psutil
+
+    total = 0.0
+    for p in psutil.Process().children(recursive=True):
+        try:
+            t = p.cpu_times()
+            total += t.user + t.system
+        except psutil.Error:
+            pass
+    return total
+
+
+async def _ttft(engine, ids, salt, params=None) -> tuple[float, int]:
+    from app.engine.async_engine import Sampling
+
+    t0 = time.perf_counter()
+    async for out in engine.generate(ids, Sampling(max_tokens=1, ignore_eos=True), None, salt, params):
+        if out.new_token_ids:
+            return time.perf_counter() - t0, out.num_cached_tokens
+    return time.perf_counter() - t0, 0
+
+
+async def _run(cfg: BenchConfig) -> list[CaseResult]:
+    from tqdm import tqdm
+
+    from app.engine.async_engine import Engine, EngineConfig, PoolSpec, connector_config
+    from app.engine.kv_pool import KVPool
+
+    work = tempfile.mkdtemp(prefix="ps-bench-")
+    pool_dir = f"/dev/shm/ps-bench-{uuid.uuid4().hex[:8]}"
+    model = os.path.join(work, "model")
+    _write_model_config(model, cfg)
+    spec = PoolSpec(path=pool_dir, capacity_bytes=4 << 30, lease_timeout_s=600)
+    common = dict(model=model, dtype=cfg.dtype, kv_space_gib=cfg.kv_space_gib, max_model_len=cfg.max_model_len,
+                  block_size=cfg.block_size, max_num_batched_tokens=cfg.max_num_batched_tokens,
+                  load_format="dummy", skip_tokenizer_init=True, enforce_eager=True, max_num_seqs=8)
+    engines = []
+    results: list[CaseResult] = []
+    try:
+        t0 = time.perf_counter()
+        prod = Engine(EngineConfig(**common, omp_threads_bind=cfg.binds[0],
+                                   kv_transfer_config=connector_config("producer", "bench-base", spec)))
+        engines.append(prod)
+        cons = Engine(EngineConfig(**common, omp_threads_bind=cfg.binds[1],
+                                   kv_transfer_config=connector_config("consumer", "bench-base", spec,
+                                                                       scope="bench-decoder")))
+        engines.append(cons)
+        priv = Engine(EngineConfig(**common, omp_threads_bind=cfg.binds[2], enable_prefix_caching=False))
+        engines.append(priv)
+        print(f"engines up in {time.perf_counter() - t0:.0f}s (model ~{cfg.params / 1e6:.0f}M params, "
+              f"{cfg.dtype}, block {cfg.block_size})", flush=True)
+        pool = KVPool(pool_dir)
+        rng = random.Random(cfg.seed)
+        # warm each engine once (first-request costs are not what we measure)
+        warm = [rng.randrange(3, cfg.vocab) for _ in range(64)]
+        await prod.prefill(warm, cache_salt="warm")
+        await _ttft(cons, warm, "warm")
+        await _ttft(priv, warm, "warm")
+        cases = [(L, n) for L in cfg.lengths for n in cfg.fanouts]
+        for i, (L, n) in enumerate(tqdm(cases, desc="bench engine", disable=not cfg.progress)):
+            ids = [rng.randrange(3, cfg.vocab) for _ in range(L)]
+            salt = f"case-{i}"
+            cpu0 = _children_cpu()
+            priv_times = [(await _ttft(priv, ids, salt))[0] for _ in range(n)]
+            cpu1 = _children_cpu()
+            st0 = pool.stats(scope="bench-decoder")
+            tb = time.perf_counter()
+            await prod.prefill(ids, cache_salt=salt, kv_transfer_params={"fanout": n})
+            base_s = time.perf_counter() - tb
+            shared = [await _ttft(cons, ids, salt) for _ in range(n)]
+            cpu2 = _children_cpu()
+            st1 = pool.stats(scope="bench-decoder")
+            moved = st1.get("bytes_moved") - st0.get("bytes_moved")
+            toks = st1.get("load_tokens") - st0.get("load_tokens")
+            load_s = st1.get("load_seconds") - st0.get("load_seconds")
+            p_mean = statistics.mean(priv_times)
+            s_mean = statistics.mean(t for t, _ in shared)
+            results.append(CaseResult(
+                prompt_tokens=L, fanout=n, private_prompt_s=p_mean, shared_prompt_s=s_mean,
+                ratio=p_mean / s_mean if s_mean else float("inf"), base_prefill_s=base_s,
+                private_total_s=sum(priv_times), shared_total_s=base_s + sum(t for t, _ in shared),
+                kv_load_s_per_token=load_s / toks if toks else 0.0, kv_bytes_moved=int(moved),
+                kv_bytes_per_token=moved / toks if toks else 0.0,
+                cpu_s_private=cpu1 - cpu0, cpu_s_shared=cpu2 - cpu1,
+                cached_tokens_ok=all(c == L - 1 for _, c in shared),
+                extra={"fallbacks": pool.stats(scope="bench-decoder").fallbacks}))
+    finally:
+        for e in engines:
+            e.shutdown()
+        shutil.rmtree(pool_dir, ignore_errors=True)
+        shutil.rmtree(work, ignore_errors=True)
+    return results
+
+
+def format_table(results: list[CaseResult]) -> str:
+    head = (f"{'L':>5} {'N':>2} | {'dec prompt private':>18} {'shared':>8} {'ratio':>6} | {'base prefill':>12} "
+            f"| {'total private':>13} {'shared':>8} | {'load/tok':>9} {'KV moved':>9} | {'CPU s priv':>10} "
+            f"{'shared':>7} | ok")
+    lines = [head, "-" * len(head)]
+    for r in results:
+        lines.append(
+            f"{r.prompt_tokens:>5} {r.fanout:>2} | {r.private_prompt_s * 1e3:>15.1f} ms {r.shared_prompt_s * 1e3:>5.1f} ms"
+            f" {r.ratio:>5.1f}x | {r.base_prefill_s * 1e3:>9.1f} ms | {r.private_total_s:>11.2f} s"
+            f" {r.shared_total_s:>6.2f} s | {r.kv_load_s_per_token * 1e6:>6.2f} us {r.kv_bytes_moved / 2**20:>5.0f} MiB"
+            f" | {r.cpu_s_private:>10.2f} {r.cpu_s_shared:>7.2f} | {'yes' if r.cached_tokens_ok else 'NO'}")
+    return "\n".join(lines)
+
+
+def run_bench(cfg: BenchConfig) -> list[CaseResult]:
+    results = asyncio.run(_run(cfg))
+    print(format_table(results))
+    if cfg.out:
+        os.makedirs(os.path.dirname(os.path.abspath(cfg.out)), exist_ok=True)
+        with open(cfg.out, "w") as f:
+            json.dump({"config": asdict(cfg), "params": cfg.params, "results": [asdict(r) for r in results],
+                       "host": {"cpus": os.cpu_count()}, "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())},
+                      f, indent=2)
+        print(f"wrote {cfg.out}")
+    return results
+
+
+QUICK = dict(lengths=(300,), fanouts=(2,), hidden=256, layers=2, heads=4, kv_heads=2, intermediate=512,
+             vocab=1024, kv_space_gib=0.25, max_num_batched_tokens=256)
+
+
+def _ints(s: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in s.split(",") if x)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {s!r}") from None
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    """Arguments of `prefillshare bench engine`."""
+    parser.add_argument("--quick", action="store_true", help="smoke test: small model, one case")
+    parser.add_argument("--lengths", type=_ints, help="prompt lengths, e.g. 512,1024,2048,4096")
+    parser.add_argument("--fanouts", type=_ints, help="decoders per prefill, e.g. 2,4,8")
+    parser.add_argument("--hidden", type=int)
+    parser.add_argument("--layers", type=int)
+    parser.add_argument("--dtype", choices=["bfloat16", "float32"])
+    parser.add_argument("--block-size", type=int)
+    parser.add_argument("--binds", help="VLLM_CPU_OMP_THREADS_BIND for producer,consumer,private (default 0,1,1)")
+    parser.add_argument("--out", help="JSON output path (default runs/bench/engine.json)")
+    parser.add_argument("--no-progress", action="store_true")
+    parser.set_defaults(func=_cli)
+
+
+def _cli(args: argparse.Namespace) -> int:
+    kw: dict = dict(QUICK) if args.quick else {}
+    if args.quick:
+        kw["out"] = "runs/bench/engine_quick.json"
+    for name in ("lengths", "fanouts", "hidden", "layers", "dtype", "block_size", "out"):
+        v = getattr(args, name)
+        if v is not None:
+            kw[name] = v
+    if args.binds:
+        binds = tuple(args.binds.split(","))
+        if len(binds) != 3:
+            raise SystemExit("--binds: give three values (producer,consumer,private)")
+        kw["binds"] = binds
+    kw["progress"] = not args.no_progress
+    try:
+        cfg = BenchConfig(**kw)
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
+    results = run_bench(cfg)
+    return 0 if all(r.cached_tokens_ok for r in results) else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="prefillshare bench engine", description=__doc__.splitlines()[0])
+    configure(parser)
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    sys.exit(main())
