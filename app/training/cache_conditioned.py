@@ -96,8 +96,13 @@ def train_decoder(
     state_dir: str | Path | None = None,
     resume: bool = False,
     progress: bool = True,
-) -> Path:
-    """Train one decode module for ``agent`` on top of the prefill module at ``base_dir``."""
+    stop_after: int | None = None,
+) -> Path | None:
+    """Train one decode module for ``agent`` on top of the prefill module at ``base_dir``.
+
+    ``stop_after``: leave after that many steps in this call, with resumable state saved in
+    ``state_dir`` and nothing exported (returns None), as an interrupted run would.
+    """
     base_dir, out_dir = Path(base_dir), Path(out_dir)
     data = [e for e in examples if e.agent == agent]
     if not data:
@@ -131,7 +136,8 @@ def train_decoder(
         order = st["order"]
     bar = tqdm(total=cfg.steps, initial=step, desc=f"{cfg.method}:{agent}", disable=not progress,
                dynamic_ncols=True, mininterval=1.0)
-    t0, tokens = time.perf_counter(), 0
+    t0, tokens, steps_this_call = time.perf_counter(), 0, 0
+    loss = torch.tensor(float("nan"))
     while step < cfg.steps:
         if len(order) < cfg.batch_size:
             perm = list(range(len(enc)))
@@ -151,16 +157,21 @@ def train_decoder(
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         step += 1
+        steps_this_call += 1
         tokens += sum(len(e.prompt) + len(e.response) for e in batch)
         bar.set_postfix(loss=f"{loss.item():.4f}", tok_s=f"{tokens / (time.perf_counter() - t0):.0f}", refresh=False)
         bar.update(1)
-        if state_dir and cfg.save_every and (step % cfg.save_every == 0) and step < cfg.steps:
+        interrupted = stop_after is not None and steps_this_call >= stop_after and step < cfg.steps
+        if state_dir and ((cfg.save_every and step % cfg.save_every == 0 and step < cfg.steps) or interrupted):
             state_dir.mkdir(parents=True, exist_ok=True)
             tmp = _state_path(state_dir).with_suffix(".tmp")
             torch.save({"config": asdict(cfg), "agent": agent, "step": step, "decoder": decoder.state_dict(),
                         "optimizer": opt.state_dict(), "rng": rng.getstate(), "torch_rng": torch.get_rng_state(),
                         "order": order}, tmp)
             tmp.replace(_state_path(state_dir))
+        if interrupted:
+            bar.close()
+            return None
     bar.close()
 
     if cfg.lora:

@@ -62,6 +62,7 @@ def configure_train(p: argparse.ArgumentParser) -> None:
     p.add_argument("--models", default="checkpoints", help="recipe output root (default: checkpoints)")
     p.add_argument("--work", default="runs/recipe", help="recipe scratch dir: data, trainer states, logs")
     p.add_argument("--quick", action="store_true", help="recipe with tiny step counts (a smoke test, not the shipped models)")
+    p.add_argument("--jobs", type=int, default=2, help="recipe: decoders trained in parallel processes (default 2)")
     p.add_argument("--base", help="prefill module checkpoint the decoder builds on")
     p.add_argument("--data", help="training JSONL (fields: agent, context, instruction, answer)")
     p.add_argument("--agent", help="which agent's examples to train on")
@@ -90,7 +91,7 @@ def run_train(args) -> int:
     try:
         if args.recipe:
             run_recipe(args.recipe, Path(args.models), Path(args.work), quick=args.quick, resume=args.resume,
-                       progress=not args.no_progress)
+                       progress=not args.no_progress, jobs=max(1, args.jobs), threads=max(1, args.threads))
             return 0
         missing = [f"--{k}" for k in ("base", "data", "agent", "out") if not getattr(args, k)]
         if missing:

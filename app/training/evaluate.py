@@ -76,7 +76,6 @@ def validate(models: ModelSet, agents: Sequence[str]) -> None:
             raise CheckpointError(f"{models.decoders / agent}: cannot consume the base's KV: " + "; ".join(verdict.reasons))
 
 
-@torch.no_grad()
 def _answer_text(tok, ids: Sequence[int], eos: int) -> str | None:
     """The generated answer, or None when the model never ended it with </s>."""
     if eos not in ids:
@@ -84,6 +83,7 @@ def _answer_text(tok, ids: Sequence[int], eos: int) -> str | None:
     return tasks.parse_response(tok.decode(list(ids[: list(ids).index(eos)])))
 
 
+@torch.no_grad()
 def _score(tok, base, decoder, enc: Sequence[batches.Encoded], shared: bool, eos: int, pad: int,
            batch_size: int) -> tuple[float, float]:
     """(exact match %, mean answer NLL per token) over ``enc``."""

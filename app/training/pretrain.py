@@ -29,15 +29,16 @@ class GateError(RuntimeError):
 
 @dataclass(frozen=True)
 class PretrainConfig:
-    steps: int = 1200
-    max_steps: int = 3000      # keep training past ``steps`` until the gate passes, up to here
+    steps: int = 200           # at least this many steps; then stop at the first eval that passes the gate
+    max_steps: int = 1200      # keep training past ``steps`` until the gate passes, up to here
     batch_size: int = 32
-    lr: float = 3e-3
-    warmup: int = 50
+    lr: float = 5e-3
+    warmup: int = 30
     seed: int = 0
-    gate: float = 0.95          # retrieval accuracy required
-    eval_every: int = 200
+    gate: float = 0.97          # retrieval accuracy required
+    eval_every: int = 100
     gate_queries: int = 400
+    answers_only: bool = True   # loss on query answers only: record values are random, their loss is noise
 
 
 @torch.no_grad()
@@ -80,10 +81,16 @@ def pretrain_base(tokenizer_dir: str | Path, out_dir: str | Path, cfg: PretrainC
             lr = cfg.lr * 0.3
         for g in opt.param_groups:
             g["lr"] = lr
-        docs = [tasks.pretrain_text(rng)[0] for _ in range(cfg.batch_size)]
-        ids, mask = pad_right(tok(docs)["input_ids"], tok.pad_token_id, device)
+        docs = [tasks.pretrain_text(rng) for _ in range(cfg.batch_size)]
+        ids, mask = pad_right(tok([d for d, _ in docs])["input_ids"], tok.pad_token_id, device)
         logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1]
         labels = ids[:, 1:].masked_fill(mask[:, 1:] == 0, -100)
+        if cfg.answers_only:
+            keep = torch.zeros_like(labels, dtype=torch.bool)
+            for row, (_, pairs) in enumerate(docs):
+                for n in map(len, tok([p for p, _ in pairs])["input_ids"]):
+                    keep[row, n - 1] = True  # logits at n-1 predict the answer token at n
+            labels = labels.masked_fill(~keep, -100)
         loss = F.cross_entropy(logits.transpose(1, 2), labels, ignore_index=-100)
         opt.zero_grad(set_to_none=True)
         loss.backward()

@@ -6,8 +6,10 @@ learning rate and seed) -> the eval table on the held-out split.
 """
 from __future__ import annotations
 
+import multiprocessing
 import shutil
 import time
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -20,11 +22,11 @@ from app.training.pretrain import PretrainConfig, pretrain_base
 @dataclass(frozen=True)
 class Recipe:
     contexts: int = 3000
-    test_fraction: float = 0.1
+    test_fraction: float = 0.07
     seed: int = 0
     agents: tuple[str, ...] = tuple(tasks.AGENTS)
     pretrain: PretrainConfig = PretrainConfig()
-    decoder: TrainConfig = TrainConfig(steps=300, batch_size=32, lr=1e-3, warmup=20)
+    decoder: TrainConfig = TrainConfig(steps=150, batch_size=32, lr=1.5e-3, warmup=15)
     shared_layers: int = 2
     baselines: dict = field(default_factory=lambda: {"fullft": "full_ft", "layersplit": "layer_split"})
 
@@ -43,8 +45,18 @@ def _done(path: Path) -> bool:
         return False
 
 
+def _train_one(base_dir, train, agent, out, cfg, state, resume, progress, threads) -> str:
+    import torch
+
+    torch.set_num_threads(threads)
+    t0 = time.perf_counter()
+    train_decoder(base_dir, train, agent, out, cfg, state_dir=state, resume=resume, progress=progress)
+    loss = read_manifest(out).training.get("final_loss")
+    return f"{cfg.method}:{agent} -> {out} ({time.perf_counter() - t0:.0f}s, final loss {loss})"
+
+
 def run_recipe(which: str, models: Path, work: Path, quick: bool = False, resume: bool = False,
-               progress: bool = True, recipe: Recipe | None = None) -> None:
+               progress: bool = True, recipe: Recipe | None = None, jobs: int = 2, threads: int = 1) -> None:
     """``which``: "all" or "base". Outputs under ``models`` (checkpoints/), scratch under ``work``."""
     from app.training.evaluate import ModelSet, evaluate, to_markdown, write_results
     from app.training.tokenizer import train_tokenizer
@@ -72,6 +84,7 @@ def run_recipe(which: str, models: Path, work: Path, quick: bool = False, resume
         return
     targets = [("cache_conditioned", models / "decoders")] + [
         (method, models / "baselines" / sub) for sub, method in r.baselines.items()]
+    jobs_args = []
     for agent in r.agents:
         for method, root in targets:
             out = root / agent
@@ -79,10 +92,17 @@ def run_recipe(which: str, models: Path, work: Path, quick: bool = False, resume
                 log(f"{method}:{agent} exists, skipped")
                 continue
             cfg = replace(r.decoder, method=method, seed=r.seed, shared_layers=r.shared_layers)
-            train_decoder(base_dir, train, agent, out, cfg, state_dir=work / "state" / f"{method}-{agent}",
-                          resume=resume and (work / "state" / f"{method}-{agent}" / "trainer_state.pt").is_file(),
-                          progress=progress)
-            log(f"{method}:{agent} -> {out}")
+            state = work / "state" / f"{method}-{agent}"
+            jobs_args.append((base_dir, train, agent, out, cfg, state,
+                              resume and (state / "trainer_state.pt").is_file(), progress and jobs == 1, threads))
+    if jobs == 1:
+        for a in jobs_args:
+            log(_train_one(*a))
+    else:  # independent runs in parallel processes, one torch thread each
+        ctx = multiprocessing.get_context("spawn")
+        with ProcessPoolExecutor(max_workers=jobs, mp_context=ctx) as pool:
+            for fut in as_completed([pool.submit(_train_one, *a) for a in jobs_args]):
+                log(fut.result())
     result = evaluate(models / "data" / "test.jsonl", ModelSet.under(models))
     json_path, md_path = write_results(result, models / "eval" / "results")
     print(to_markdown(result))

@@ -46,10 +46,10 @@ def render_prompt(context: str, instruction: str) -> str:
 def render_response(answer: str) -> str:
     """Text the model generates after the prompt (eos is appended as a token, not text).
 
-    No leading space: values follow ``:``/``=``/``"`` everywhere (context lines, instructions,
-    JSON), so a value is the same single token wherever it appears.
+    A leading space: values are written " value" everywhere (context lines, instructions,
+    tool calls), so a value is the same single token wherever it appears.
     """
-    return answer
+    return f" {answer}"
 
 
 def parse_response(text: str) -> str:
@@ -81,8 +81,8 @@ class Record:
         return dict(self.fields).get(field)
 
     def text(self) -> str:
-        lines = [f"{f}:{v}" for f, v in self.fields]
-        lines.append("note:" + " ".join(self.note))
+        lines = [f"{f}: {v}" for f, v in self.fields]
+        lines.append("note: " + " ".join(self.note))
         return "order\n" + "\n".join(lines)
 
 
@@ -102,9 +102,8 @@ def _lookup(rec: Record, rng: random.Random) -> tuple[str, str]:
 
 
 def _tool_call(rec: Record, rng: random.Random) -> tuple[str, str]:
-    call = {"tool": "ship", "item": rec.value("item"), "qty": int(rec.value("qty") or 0),
-            "city": rec.value("city")}
-    return "call the shipping tool.", json.dumps(call, separators=(",", ":"))
+    call = f"ship --item {rec.value('item')} --qty {rec.value('qty')} --city {rec.value('city')}"
+    return "call the shipping tool.", call
 
 
 def _reschedule(rec: Record, rng: random.Random) -> tuple[str, str]:
@@ -114,12 +113,12 @@ def _reschedule(rec: Record, rng: random.Random) -> tuple[str, str]:
 def _verify(rec: Record, rng: random.Random) -> tuple[str, str]:
     field, value = rng.choice(rec.fields)
     asked = value if rng.random() < 0.5 else rng.choice([v for v in FIELDS[field] if v != value])
-    return f"check {field}={asked}. yes or no?", "yes" if asked == value else "no"
+    return f"is the {field} {asked}? yes or no.", "yes" if asked == value else "no"
 
 
 AGENTS = {
     "lookup": _lookup,          # retrieve the value of a named field
-    "tool_call": _tool_call,    # emit a JSON tool call built from three fields
+    "tool_call": _tool_call,    # emit a command-line tool call built from three fields
     "reschedule": _reschedule,  # retrieve the day, then map it to the next day
     "verify": _verify,          # compare a field with a value named in the instruction
 }
@@ -165,8 +164,8 @@ def pretrain_text(rng: random.Random) -> tuple[str, list[tuple[str, str]]]:
     text = rec.text() + "\n"
     pairs = []
     for f, v in fields:
-        pairs.append((text + f"{f}=", v))
-        text += f"{f}={v}\n"
+        pairs.append((text + f, f" {v}"))
+        text += f"{f} {v}\n"
     return text, pairs
 
 

@@ -25,7 +25,7 @@ def corpus(num_docs: int, seed: int) -> list[str]:
         docs.append(e.prompt + tasks.render_response(e.answer))
     # every value word in every position it can take, so each becomes one token
     for values in tasks.FIELDS.values():
-        docs.extend(f"{v} :{v} ={v} \"{v}\"" for v in values)
+        docs.extend(f"{v}: {v} {v}? {v}." for v in values)
     return docs
 
 
