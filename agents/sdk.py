@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from dataclasses import replace
 from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any, Mapping
 
@@ -46,7 +47,7 @@ from agents.types import (
     parse_run,
     parse_run_usage,
 )
-from agents.workflow import Agent, Join, Workflow
+from agents.workflow import Agent, Join, Sampling, Workflow
 
 AgentLike = Agent | Mapping[str, Any]
 _RETRY_STATUS = {429, 502, 503, 504}
@@ -60,8 +61,6 @@ def _agent(a: AgentLike) -> Agent:
     if isinstance(a, Mapping):
         d = dict(a)
         sampling_keys = {"max_tokens", "temperature", "top_p", "seed"}
-        from agents.workflow import Sampling
-
         sampling = Sampling(**{k: d.pop(k) for k in list(d) if k in sampling_keys})
         try:
             return Agent(sampling=sampling, **d)
@@ -181,8 +180,6 @@ def _merge_rounds(parts: list[RunResult], final_context: str, elapsed: float) ->
 
 
 def _with_round(res: AgentResult, r: int) -> AgentResult:
-    from dataclasses import replace
-
     return replace(res, round=r)
 
 
