@@ -19,6 +19,13 @@ import torch
 
 pytestmark = pytest.mark.engine
 
+try:
+    import nixl._api  # noqa: F401
+
+    NIXL = True
+except ImportError:  # the NIXL wheels are optional (scripts/setup.sh installs them)
+    NIXL = False
+
 N_NEW = 8
 BS = 32
 
@@ -83,6 +90,18 @@ def stack(model_dirs):
     for name in "BCD":
         cfgs[name] = EngineConfig(model=model_dirs[name], **common,
                                   kv_transfer_config=connector_config("consumer", "base-A", spec, scope=f"dec-{name}"))
+    # "Another node": decoder B's weights on an engine whose pool is a different folder, filled
+    # from the producer's pool through a NIXL block server in its own process (loopback UCX).
+    server = remote_spec = None
+    if NIXL:
+        from test_nixl import start_server
+
+        KVPool(pool_dir, capacity_bytes=spec.capacity_bytes)
+        server, addr = start_server(pool_dir)
+        remote_spec = PoolSpec(path=pool_dir + "-node2", capacity_bytes=256 << 20, transport="nixl",
+                               nixl_peers=(addr,))
+        cfgs["E"] = EngineConfig(model=model_dirs["B"], **common,
+                                 kv_transfer_config=connector_config("consumer", "base-A", remote_spec, scope="dec-E"))
     # Same env for every engine, so they can start concurrently (startup dominates this file).
     os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
     os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
@@ -103,7 +122,11 @@ def stack(model_dirs):
         for e in engines.values():
             e.shutdown()
         loop.close()
+        if server is not None:
+            server.terminate()
+            server.wait(30)
         shutil.rmtree(pool_dir, ignore_errors=True)
+        shutil.rmtree(pool_dir + "-node2", ignore_errors=True)
 
 
 def prompt(seed: int, n: int) -> list[int]:
@@ -256,3 +279,19 @@ def test_engine_errors_surface(stack):
     with pytest.raises(EngineRequestError, match="empty"):
         loop.run(eng["B"].complete([], Sampling(max_tokens=2)))
     loop.run(eng["B"].check_health())
+
+
+@pytest.mark.skipif(not NIXL, reason="nixl is not installed")
+def test_decoder_on_another_node_pulls_kv_through_nixl(stack, hf):
+    from app.engine.kv_pool import KVPool
+
+    loop, eng, pool = stack
+    p = prompt(60, 181)
+    loop.run(eng["A"].prefill(p, cache_salt="tenant-1", kv_transfer_params={"fanout": 1}))
+    o = decode(loop, eng["E"], p)
+    assert o.num_cached_tokens == len(p) - 1
+    assert o.token_ids == shared_ref(hf, "A", "B", p)
+    node2 = KVPool(pool.path + "-node2").stats()
+    assert node2.get("nixl_pulls") >= 1 and node2.get("nixl_bytes") > 0
+    print(f"\nNIXL pull for a {len(p)}-token prompt: {node2.get('nixl_bytes') / 2**20:.1f} MiB in "
+          f"{node2.get('nixl_seconds') * 1e3:.1f} ms")

@@ -54,6 +54,10 @@ log = logging.getLogger(__name__)
 __all__ = ["PrefillShareConnector", "PrefillShareMeta", "LoadSpec", "SaveSpec", "open_pool"]
 
 
+class _LayoutMismatch(ValueError):
+    """A stored block was written by an engine with another KV layout."""
+
+
 @dataclass
 class LoadSpec:
     """Consumer: copy these pool blocks into these engine blocks before the forward."""
@@ -124,7 +128,9 @@ class PrefillShareConnector(KVConnectorBase_V1):
             return None
         group = kv_cache_config.kv_cache_groups[0]
         spec = group.kv_cache_spec
-        dev = "cpu" if vllm_config.device_config.device_type == "cpu" else vllm_config.device_config.device_type
+        dev = vllm_config.device_config.device_type
+        if dev != "cpu":
+            return None  # other devices: the worker names the layout once it sees the cache tensors
         return fingerprint(dev, spec.dtype, len(group.layer_names), spec.num_kv_heads, spec.head_size,
                            spec.block_size)
 
@@ -235,7 +241,8 @@ class PrefillShareConnector(KVConnectorBase_V1):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]):
         spec = self._kv_cache_config.kv_cache_groups[0].kv_cache_spec
         self._layout = BlockLayout.from_caches(list(kv_caches.values()), self.block_size,
-                                               spec.num_kv_heads, spec.head_size)
+                                               spec.num_kv_heads, spec.head_size,
+                                               getattr(self._kv_cache_config, "num_blocks", None))
         if self.layout_name and self._layout.layout != self.layout_name:
             log.warning("PrefillShare: cache layout %s differs from planned %s", self._layout.layout,
                         self.layout_name)
@@ -254,12 +261,15 @@ class PrefillShareConnector(KVConnectorBase_V1):
         moved = tokens = 0
         try:
             for entry, block_id in zip(spec.entries, spec.block_ids, strict=True):
+                if entry.layout != self._layout.layout:
+                    raise _LayoutMismatch(f"{entry.layout} != {self._layout.layout}")
                 buf = self.pool.read(entry)
                 self._layout.scatter(self._layout.view_bytes(buf), block_id, entry.ntokens)
                 moved += entry.nbytes
                 tokens += entry.ntokens
         except (BlockDamaged, BlockMissing, ValueError, RuntimeError) as e:
-            kind = "damaged" if isinstance(e, BlockDamaged) else "missing"
+            kind = ("damaged" if isinstance(e, BlockDamaged) else
+                    "layout" if isinstance(e, _LayoutMismatch) else "missing")
             log.warning("PrefillShare: load for %s failed (%s: %s); prefilling privately", spec.req_id, kind, e)
             # Every block of the request is reported: vLLM recomputes the prompt from token 0,
             # a clean private prefill rather than a mix of base and decoder KV.

@@ -11,8 +11,9 @@ Partial blocks (the trailing block of the shared prompt part): only its first ``
 are written into the decoder's block, as strided per-token copies (K columns, V rows) where
 the layout is known; for other layouts (e.g. AMX packing) the whole block is copied, which is
 also correct because the decoder writes its own tokens at positions >= t before reading them.
-CUDA layouts (flash attention, ``[2, num_blocks, block_size, heads, head]``) index the
-block on dim 1 and tokens on dim 2.
+On other devices the block and token dims are found from the tensor's shape (flash
+attention ``[2, num_blocks, block_size, heads, head]``, Triton ``[num_blocks, 2, block_size,
+heads, head]``, ...): a block is the slice at ``block_dim``, a partial block narrows ``token_dim``.
 """
 from __future__ import annotations
 
@@ -49,16 +50,28 @@ class BlockLayout:
     num_kv_heads: int
     head_size: int
     layout: str
+    block_dim: int = 0  # where the block index is, in a cache tensor
+    token_dim: int = 1  # where the token index is, in one block's slice (non-CPU layouts)
 
     @classmethod
     def from_caches(cls, caches: list[torch.Tensor], block_size: int, num_kv_heads: int,
-                    head_size: int) -> "BlockLayout":
+                    head_size: int, num_blocks: int | None = None) -> "BlockLayout":
         if not caches:
             raise ValueError("no KV cache tensors registered")
         t = caches[0]
         dev = "cpu" if t.device.type == "cpu" else t.device.type
+        name = fingerprint(dev, t.dtype, len(caches), num_kv_heads, head_size, block_size)
+        if dev == "cpu":
+            return cls(list(caches), block_size, num_kv_heads, head_size, name)
+        shape = list(t.shape)
+        nb = num_blocks if num_blocks is not None else max(s for s in shape[:2])
+        block_dim = shape.index(nb) if nb in shape[:2] else 0
+        rest = shape[:block_dim] + shape[block_dim + 1 :]
+        if block_size not in rest:
+            raise ValueError(f"cannot find the token dim of KV cache shape {tuple(shape)}")
+        token_dim = rest.index(block_size)
         return cls(list(caches), block_size, num_kv_heads, head_size,
-                   fingerprint(dev, t.dtype, len(caches), num_kv_heads, head_size, block_size))
+                   f"{name}/shape{'x'.join(map(str, rest))}", block_dim, token_dim)
 
     @property
     def on_cpu(self) -> bool:
@@ -70,7 +83,7 @@ class BlockLayout:
 
     def _block(self, layer: int, block_id: int) -> torch.Tensor:
         c = self.caches[layer]
-        return c[block_id] if self.on_cpu else c[:, block_id]
+        return c[block_id] if self.on_cpu else c.select(self.block_dim, block_id)
 
     @property
     def block_shape(self) -> tuple[int, ...]:
@@ -115,6 +128,6 @@ class BlockLayout:
                 dk[:, :, :num_tokens].copy_(sk[:, :, :num_tokens])
                 dv[:, :num_tokens, :].copy_(sv[:, :num_tokens, :])
             elif not self.on_cpu:
-                dst[:, :num_tokens].copy_(src[i][:, :num_tokens])
+                dst.narrow(self.token_dim, 0, num_tokens).copy_(src[i].narrow(self.token_dim, 0, num_tokens))
             else:
                 dst.copy_(src[i])

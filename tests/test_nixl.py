@@ -1,0 +1,97 @@
+"""NIXL transport between two processes over loopback: a decoder node pulls a producer node's blocks."""
+import os
+import shutil
+import subprocess
+import sys
+import uuid
+
+import pytest
+
+pytest.importorskip("nixl._api")
+
+from app.engine.kv_keys import block_keys  # noqa: E402
+from app.engine.kv_pool import KVPool, PutItem  # noqa: E402
+from app.engine.nixl_transport import NixlPool  # noqa: E402
+
+BLOCK = 256 << 10
+
+
+def start_server(pool_path: str) -> tuple[subprocess.Popen, str]:
+    """`python -m app.engine.nixl_transport serve` in its own process; returns it and its address."""
+    proc = subprocess.Popen([sys.executable, "-m", "app.engine.nixl_transport", "serve", "--pool", pool_path,
+                             "--listen", "127.0.0.1:0", "--staging-mib", "64"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    for line in proc.stdout:
+        if "listening on" in line:
+            return proc, line.split()[-1]
+    raise RuntimeError("NIXL block server did not start")
+
+
+@pytest.fixture
+def nodes():
+    tag = uuid.uuid4().hex[:8]
+    src, dst = f"/dev/shm/ps-nixl-src-{tag}", f"/dev/shm/ps-nixl-dst-{tag}"
+    producer_pool = KVPool(src, capacity_bytes=256 << 20)
+    proc, addr = start_server(src)
+    try:
+        yield producer_pool, dst, addr
+    finally:
+        proc.terminate()
+        proc.wait(30)
+        shutil.rmtree(src, ignore_errors=True)
+        shutil.rmtree(dst, ignore_errors=True)
+
+
+def blocks(n, salt="t"):
+    keys = block_keys("base", salt, list(range(n * 32 - 5)), 32)
+    return [PutItem(k.key, os.urandom(BLOCK), k.num_tokens, "L", i) for i, k in enumerate(keys)]
+
+
+def test_pull_moves_exact_bytes_and_counts_the_fanout_load(nodes):
+    producer_pool, dst, addr = nodes
+    its = blocks(12)
+    producer_pool.put_many(its, pins=1)
+    pool = NixlPool({"path": dst, "capacity_bytes": 256 << 20, "nixl_peers": [addr]})
+    entries, lease = pool.lookup([it.key for it in its])
+    assert [e.key for e in entries] == [it.key for it in its]
+    assert all(bytes(pool.read(e)) == it.data for e, it in zip(entries, its))
+    assert entries[-1].ntokens == 27  # the partial block travels too
+    pool.release(lease)
+    st = pool.stats()
+    assert st.get("nixl_pulls") == 1 and st.get("nixl_bytes") == len(its) * BLOCK
+    assert [producer_pool.pins(it.key) for it in its] == [0] * len(its)  # the remote load was counted
+    print(f"\nNIXL pull of {len(its) * BLOCK >> 20} MiB: {st.get('nixl_seconds') * 1e3:.1f} ms "
+          f"({len(its) * BLOCK / st.get('nixl_seconds') / 1e9:.2f} GB/s incl. staging)")
+    # a second lookup is served by the node-local pool: no new pull
+    pool.release(pool.lookup([it.key for it in its])[1])
+    assert pool.stats().get("nixl_pulls") == 1
+
+
+def test_damaged_remote_block_is_a_miss_not_an_error(nodes):
+    producer_pool, dst, addr = nodes
+    its = blocks(4, salt="d")
+    producer_pool.put_many(its)
+    with open(producer_pool.block_path(its[2].key), "r+b") as f:
+        f.write(b"\x00" * 64)
+    pool = NixlPool({"path": dst, "nixl_peers": [addr]})
+    entries, lease = pool.lookup([it.key for it in its])
+    assert len(entries) < len(its)
+    pool.release(lease)
+
+
+def test_unreachable_peer_is_a_counted_miss(tmp_path):
+    dst = f"/dev/shm/ps-nixl-none-{uuid.uuid4().hex[:8]}"
+    try:
+        pool = NixlPool({"path": dst, "nixl_peers": ["127.0.0.1:9"]})
+        assert pool.lookup([it.key for it in blocks(2)]) == ([], None)
+        assert pool.stats().get("nixl_errors") == 1
+    finally:
+        shutil.rmtree(dst, ignore_errors=True)
+
+
+def test_config_errors_are_named():
+    with pytest.raises(ValueError, match="nixl_peers"):
+        NixlPool({"path": "/dev/shm/ps-nixl-bad", "nixl_peers": []})
+    with pytest.raises(ValueError, match="host:port"):
+        NixlPool({"path": "/dev/shm/ps-nixl-bad", "nixl_peers": ["nohost"]})
+    shutil.rmtree("/dev/shm/ps-nixl-bad", ignore_errors=True)
