@@ -157,7 +157,9 @@ class AppConfig(_Strict):
     """The whole application."""
 
     tokenizer: str = Field("checkpoints/tokenizer", description="HF fast tokenizer directory")
-    prefill_modules: list[PrefillModuleConfig] = Field(min_length=1)
+    prefill_modules: list[PrefillModuleConfig] = Field(
+        min_length=0, description="may be empty: every decoder then prefills privately (a colocated deployment)"
+    )
     decoders: list[DecoderConfig] = Field(min_length=1)
     pool: PoolConfig = Field(default_factory=PoolConfig)
     limits: LimitsConfig = Field(default_factory=LimitsConfig)

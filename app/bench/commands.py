@@ -1,0 +1,21 @@
+"""`prefillshare bench {serve,engine}`: the benchmark group of the command line.
+
+Each benchmark module keeps its own ``configure(parser)``; this only wires them under one
+``bench`` command and imports a module when its subcommand is chosen.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+
+BENCHES = {
+    "serve": ("app.bench.serve_bench", "PrefillShare vs per-model P/D vs colocated through the Serve app's HTTP API"),
+    "engine": ("app.bench.engine_bench", "engine level: one shared prefill + N decoders vs N private prefills"),
+}
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="bench", metavar="BENCH", required=True)
+    for name, (module, help_) in BENCHES.items():
+        p = sub.add_parser(name, help=help_, description=help_)
+        importlib.import_module(module).configure(p)

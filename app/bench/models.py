@@ -1,0 +1,188 @@
+"""Checkpoint directories the serving benchmark deploys.
+
+Speed does not depend on weight values, so one random-weight Llama of realistic shape
+(~90M parameters by default) is written once (bf16 safetensors, cached by shape) and every
+model directory links to that one file. Directories differ in a config tag, which changes
+their prefill-module identity (app.models.identity), so KV pool keys of different "models"
+never collide. The EOS row of the (tied) embedding is zero: its logit is then 0 while the
+best random logit is positive, so greedy decoding never stops early and every agent
+generates exactly O tokens in every system.
+
+Views per system:
+  base/                 the shared prefill module (system a)
+  dec-<i>/              decoder i, manifest names base (system a; system c ignores manifests)
+  own-<i>/              decoder i for system b: its manifest names its OWN identity, so a
+                        prefill module on the same directory is "its own model's prefill engine"
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+TAG_KEY = "prefillshare_bench_model"
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    hidden: int = 1024
+    layers: int = 8
+    heads: int = 16
+    kv_heads: int = 4
+    intermediate: int = 2816
+    max_position: int = 8192
+
+    def __post_init__(self) -> None:
+        if self.hidden % self.heads or self.heads % self.kv_heads:
+            raise ValueError("--hidden/--heads/--kv-heads: hidden must divide by heads, heads by kv heads")
+
+    def params(self, vocab: int) -> int:
+        hd = self.hidden // self.heads
+        attn = 2 * self.hidden * self.heads * hd + 2 * self.hidden * self.kv_heads * hd
+        return self.layers * (attn + 3 * self.hidden * self.intermediate) + vocab * self.hidden
+
+    def kv_bytes_per_token(self, dtype_bytes: int = 2) -> int:
+        return 2 * self.layers * self.kv_heads * (self.hidden // self.heads) * dtype_bytes
+
+    @property
+    def key(self) -> str:
+        return f"h{self.hidden}-l{self.layers}-a{self.heads}-k{self.kv_heads}-i{self.intermediate}-p{self.max_position}"
+
+
+SMALL = ModelShape(hidden=256, layers=2, heads=4, kv_heads=2, intermediate=512, max_position=4096)
+
+
+def _random_source(root: Path, shape: ModelShape, tokenizer_dir: Path) -> Path:
+    """The one weights file (+ config), written once per shape."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoTokenizer, LlamaConfig
+
+    src = root / f"src-{shape.key}"
+    if (src / "model.safetensors").is_file() and (src / "config.json").is_file():
+        return src
+    tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=shape.hidden, num_hidden_layers=shape.layers,
+                      num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads,
+                      head_dim=shape.hidden // shape.heads, intermediate_size=shape.intermediate,
+                      max_position_embeddings=shape.max_position, tie_word_embeddings=True,
+                      bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+                      rms_norm_eps=1e-5, rope_theta=10000.0, dtype="bfloat16")
+    cfg.architectures = ["LlamaForCausalLM"]
+    gen = torch.Generator().manual_seed(1234)
+    hd = shape.hidden // shape.heads
+
+    def rnd(*dims):
+        return (torch.randn(*dims, generator=gen) * 0.02).to(torch.bfloat16)
+
+    state = {"model.embed_tokens.weight": rnd(len(tok), shape.hidden), "model.norm.weight": torch.ones(
+        shape.hidden, dtype=torch.bfloat16)}
+    state["model.embed_tokens.weight"][tok.eos_token_id] = 0
+    for i in range(shape.layers):
+        p = f"model.layers.{i}."
+        state.update({
+            p + "self_attn.q_proj.weight": rnd(shape.heads * hd, shape.hidden),
+            p + "self_attn.k_proj.weight": rnd(shape.kv_heads * hd, shape.hidden),
+            p + "self_attn.v_proj.weight": rnd(shape.kv_heads * hd, shape.hidden),
+            p + "self_attn.o_proj.weight": rnd(shape.hidden, shape.heads * hd),
+            p + "mlp.gate_proj.weight": rnd(shape.intermediate, shape.hidden),
+            p + "mlp.up_proj.weight": rnd(shape.intermediate, shape.hidden),
+            p + "mlp.down_proj.weight": rnd(shape.hidden, shape.intermediate),
+            p + "input_layernorm.weight": torch.ones(shape.hidden, dtype=torch.bfloat16),
+            p + "post_attention_layernorm.weight": torch.ones(shape.hidden, dtype=torch.bfloat16),
+        })
+    tmp = src.with_name(src.name + ".partial")
+    tmp.mkdir(parents=True, exist_ok=True)
+    save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    cfg.save_pretrained(str(tmp))
+    if src.exists():
+        shutil.rmtree(src)
+    os.replace(tmp, src)
+    return src
+
+
+def _view(src: Path, dst: Path, tag: str, tokenizer_dir: Path) -> Path:
+    """A model directory linking ``src``'s weights, with its own config tag."""
+    from app.models.checkpoint import copy_tokenizer
+
+    dst.mkdir(parents=True, exist_ok=True)
+    for f in src.glob("*.safetensors"):
+        link = dst / f.name
+        if not link.exists():
+            link.symlink_to(f.resolve())
+    cfg = json.loads((src / "config.json").read_text())
+    cfg[TAG_KEY] = tag
+    (dst / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True))
+    copy_tokenizer(tokenizer_dir, dst)
+    return dst
+
+
+@dataclass(frozen=True)
+class ModelSet:
+    """Directories for the three systems, decoders indexed 0..n-1."""
+
+    base: str
+    shared: tuple[str, ...]   # system a decoders (manifest -> base); also system c
+    own: tuple[str, ...]      # system b decoders (manifest -> themselves)
+    kv_bytes_per_token: int
+    params: int
+    description: str
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _manifest(d: Path, agent: str, module_id: str, tok_hash: str) -> None:
+    from app.models.manifest import DecodeManifest, write_manifest
+
+    write_manifest(d, DecodeManifest(agent, module_id, tok_hash, {"method": "cache_conditioned",
+                                                                  "note": "benchmark: random weights"}))
+
+
+def random_models(root: str | Path, n: int, shape: ModelShape, tokenizer_dir: str | Path) -> ModelSet:
+    """Base + n shared-prefill decoders + n own-prefill decoders over one random weight file."""
+    from app.models.identity import prefill_module_id, tokenizer_hash
+
+    root, tokenizer_dir = Path(root), Path(tokenizer_dir)
+    src = _random_source(root, shape, tokenizer_dir)
+    base = _view(src, root / "base", "base", tokenizer_dir)
+    base_id, tok_hash = prefill_module_id(base), tokenizer_hash(base)
+    shared, own = [], []
+    for i in range(n):
+        d = _view(src, root / f"dec-{i}", f"dec-{i}", tokenizer_dir)
+        _manifest(d, f"agent{i}", base_id, tok_hash)
+        shared.append(str(d))
+        o = _view(src, root / f"own-{i}", f"own-{i}", tokenizer_dir)
+        _manifest(o, f"agent{i}", prefill_module_id(o), tok_hash)
+        own.append(str(o))
+    from transformers import AutoTokenizer
+
+    vocab = len(AutoTokenizer.from_pretrained(str(tokenizer_dir)))
+    params = shape.params(vocab)
+    return ModelSet(str(base), tuple(shared), tuple(own), shape.kv_bytes_per_token(), params,
+                    f"random-weight Llama {params / 1e6:.0f}M (hidden {shape.hidden}, {shape.layers} layers, "
+                    f"{shape.heads} heads, {shape.kv_heads} KV heads), bf16")
+
+
+def shipped_models(root: str | Path, checkpoints: str | Path, n: int) -> ModelSet:
+    """The shipped base and its first n decoders; system b gets own-identity views of them."""
+    from app.models.identity import prefill_module_id, tokenizer_hash
+
+    root, ck = Path(root), Path(checkpoints)
+    base = ck / "base"
+    decs = sorted(p for p in (ck / "decoders").glob("*") if (p / "prefillshare.json").is_file())
+    if not (base / "config.json").is_file() or len(decs) < n:
+        raise ValueError(f"--models shipped: need {ck}/base and >= {n} decoders under {ck}/decoders "
+                         f"(found {len(decs)}); train them with `prefillshare train` or use --models random")
+    own = []
+    for i, d in enumerate(decs[:n]):
+        o = _view(d, root / f"own-{i}", f"own-{i}", base)
+        _manifest(o, d.name, prefill_module_id(o), tokenizer_hash(o))
+        own.append(str(o))
+    cfg = json.loads((base / "config.json").read_text())
+    hd = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    bpt = 2 * cfg["num_hidden_layers"] * cfg.get("num_key_value_heads", cfg["num_attention_heads"]) * hd * 2
+    return ModelSet(str(base), tuple(str(d) for d in decs[:n]), tuple(own), bpt, 0,
+                    f"shipped checkpoints ({ck}): base + {', '.join(d.name for d in decs[:n])}")

@@ -1,0 +1,75 @@
+"""PNG plots of a serving-benchmark run (matplotlib, Agg: no display needed)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from app.bench.report import PointResult
+from app.bench.systems import SYSTEMS
+
+_STYLE = {"a": ("tab:green", "o"), "b": ("tab:red", "s"), "c": ("tab:blue", "^")}
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def p95_vs_load(points: list[PointResult], path: str | Path, title: str = "") -> Path:
+    """One panel per (N, L, R): p95 fan-out latency against offered load, a line per system."""
+    plt = _plt()
+    groups = sorted({(p.fanout, p.context_tokens, p.rounds) for p in points})
+    fig, axes = plt.subplots(1, len(groups), figsize=(4.2 * len(groups), 3.6), squeeze=False)
+    for ax, (n, L, R) in zip(axes[0], groups):
+        for s in SYSTEMS:
+            ps = sorted([p for p in points if (p.system, p.fanout, p.context_tokens, p.rounds) == (s, n, L, R)
+                         and p.fanout_latency["p95"] is not None], key=lambda p: p.load)
+            if ps:
+                c, m = _STYLE[s]
+                ax.plot([p.load for p in ps], [p.fanout_latency["p95"] for p in ps], marker=m, color=c,
+                        label=f"{s} {SYSTEMS[s]}")
+        mode = next((p.mode for p in points if (p.fanout, p.context_tokens, p.rounds) == (n, L, R)), "rate")
+        ax.set_xlabel("offered load (sessions/s)" if mode == "rate" else "concurrent sessions")
+        ax.set_ylabel("p95 fan-out latency (s)")
+        ax.set_title(f"N={n} L={L} R={R}", fontsize=10)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    if title:
+        fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def throughput_vs_n(points: list[PointResult], path: str | Path, title: str = "") -> Path:
+    """Best achieved output tokens/s against fan-out N, one panel per (L, R), a line per system."""
+    plt = _plt()
+    groups = sorted({(p.context_tokens, p.rounds) for p in points})
+    fig, axes = plt.subplots(1, len(groups), figsize=(4.2 * len(groups), 3.6), squeeze=False)
+    for ax, (L, R) in zip(axes[0], groups):
+        for s in SYSTEMS:
+            ns = sorted({p.fanout for p in points if (p.system, p.context_tokens, p.rounds) == (s, L, R)})
+            best = [max(p.output_tok_per_s for p in points
+                        if (p.system, p.fanout, p.context_tokens, p.rounds) == (s, n, L, R)) for n in ns]
+            if ns:
+                c, m = _STYLE[s]
+                ax.plot(ns, best, marker=m, color=c, label=f"{s} {SYSTEMS[s]}")
+        ax.set_xlabel("fan-out N (decoders per round)")
+        ax.set_ylabel("best output tokens/s")
+        ax.set_title(f"L={L} R={R}", fontsize=10)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    if title:
+        fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -1,0 +1,249 @@
+"""Figures of the serving benchmark: per-point statistics, the work bound, ratios, Markdown.
+
+Everything here is pure (no Ray, no HTTP) so it is tested on made-up inputs.
+"""
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import asdict, dataclass, field
+
+from app.bench.client import SessionResult
+from app.bench.systems import SYSTEMS
+
+
+def percentile(xs: list[float], q: float) -> float | None:
+    """Linear-interpolated percentile (q in [0, 100]); None for no data."""
+    if not xs:
+        return None
+    s = sorted(xs)
+    k = (len(s) - 1) * q / 100
+    lo, hi = math.floor(k), math.ceil(k)
+    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+
+def pcts(xs: list[float]) -> dict[str, float | None]:
+    return {"p50": percentile(xs, 50), "p95": percentile(xs, 95), "p99": percentile(xs, 99)}
+
+
+# --- Prometheus text -----------------------------------------------------------------
+_LINE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)$")
+
+
+def parse_metrics(text: str) -> dict[tuple[str, tuple], float]:
+    out: dict[tuple[str, tuple], float] = {}
+    for line in text.splitlines():
+        m = _LINE.match(line.strip())
+        if not m:
+            continue
+        labels = tuple(sorted(re.findall(r'(\w+)="([^"]*)"', m.group(2) or "")))
+        try:
+            out[(m.group(1), labels)] = float(m.group(3))
+        except ValueError:
+            continue
+    return out
+
+
+def metric_sum(m: dict, name: str, **labels) -> float:
+    return sum(v for (n, lab), v in m.items() if n == name and all((k, x) in lab for k, x in labels.items()))
+
+
+def metric_delta(after: dict, before: dict, name: str, **labels) -> float:
+    return metric_sum(after, name, **labels) - metric_sum(before, name, **labels)
+
+
+# --- one load point ------------------------------------------------------------------
+@dataclass
+class PointResult:
+    system: str
+    fanout: int
+    context_tokens: int
+    rounds: int
+    output_tokens: int
+    mode: str                    # "rate" (Poisson, sessions/s) or "concurrency"
+    load: float
+    sent: int
+    ok: int
+    wall_s: float
+    fanout_latency: dict         # p50/p95/p99 (s) of one round's fan-out, all rounds
+    session_latency: dict        # p50/p95/p99 (s) of a whole session (all rounds)
+    ttft: dict                   # p50/p95/p99 (s) per agent
+    sessions_per_s: float
+    output_tok_per_s: float
+    prefill_tokens_computed_per_session: float
+    cache_hit_ratio: float | None     # prompt tokens served from a cache (prefix cache or pool) / all
+    pool_hit_ratio: float | None      # of tokens decoders expected from the pool, found
+    pool_peak_bytes: float
+    decoder_kv_peak_bytes: float      # modelled: in-flight agents' (prompt + output) tokens x bytes/token
+    cpu_s_per_session: float | None
+    errors: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def summarize(system: str, spec, mode: str, load: float, results: list[SessionResult], t0: float, t_end: float,
+              before: dict, after: dict, pool_peak: float, kv_bytes_per_token: int,
+              cpu_s: float | None) -> PointResult:
+    ok = [r for r in results if r.ok]
+    agents = [a for r in ok for a in r.agents]
+    wall = max(t_end - t0, 1e-9)
+    computed = metric_delta(after, before, "prefillshare_prefill_tokens_computed_total")
+    saved = metric_delta(after, before, "prefillshare_prefill_tokens_saved_total")
+    lookup = metric_delta(after, before, "prefillshare_kv_pool_lookup_tokens_total")
+    hit = metric_delta(after, before, "prefillshare_kv_pool_hit_tokens_total")
+    # modelled decoder-resident KV: sweep over agent intervals
+    events = []
+    for a in agents:
+        if a.e2e_s is None:
+            continue
+        b = (a.prompt_tokens + a.completion_tokens) * kv_bytes_per_token
+        events += [(a.start, b), (a.start + a.e2e_s, -b)]
+    peak = cur = 0.0
+    for _, b in sorted(events, key=lambda e: (e[0], e[1])):
+        cur += b
+        peak = max(peak, cur)
+    errs = sorted({(r.error or next((a.error for a in r.agents if a.error), "?"))[:160] for r in results if not r.ok})
+    return PointResult(
+        system=system, fanout=spec.fanout, context_tokens=spec.context_tokens, rounds=spec.rounds,
+        output_tokens=spec.output_tokens, mode=mode, load=load, sent=len(results), ok=len(ok), wall_s=wall,
+        fanout_latency=pcts([x for r in ok for x in r.rounds_s]),
+        session_latency=pcts([r.latency_s for r in ok]),
+        ttft=pcts([a.ttft_s for a in agents if a.ttft_s is not None]),
+        sessions_per_s=len(ok) / wall,
+        output_tok_per_s=sum(a.completion_tokens for a in agents) / wall,
+        prefill_tokens_computed_per_session=computed / len(ok) if ok else 0.0,
+        cache_hit_ratio=saved / (saved + computed) if saved + computed else None,
+        pool_hit_ratio=hit / lookup if lookup else None,
+        pool_peak_bytes=pool_peak, decoder_kv_peak_bytes=peak,
+        cpu_s_per_session=(cpu_s / len(ok)) if (cpu_s is not None and ok) else None,
+        errors=errs,
+    )
+
+
+# --- bound from per-phase costs ------------------------------------------------------
+@dataclass(frozen=True)
+class PhaseCosts:
+    """Unloaded costs of one system at one context length, measured one request at a time.
+
+    first_s:    time to first token of one agent over a fresh context (the full prefill path)
+    marginal_s: time to first token of one more agent over a context already prefilled
+                (system a: prefix-cache hit on the base + KV load; b and c: no cross-model
+                sharing, so a fresh prefill again: equals first_s)
+    decode_s:   generation time of the O output tokens after the first, one agent alone
+    """
+
+    first_s: float
+    marginal_s: float
+    decode_s: float
+
+    def work(self, n: int) -> float:
+        """Serial seconds of one round of an n-agent fan-out, if every phase ran alone."""
+        return self.first_s + (n - 1) * self.marginal_s + n * self.decode_s
+
+
+def throughput_bound(costs: dict[str, PhaseCosts], n: int, baseline: str) -> float | None:
+    """Upper bound on max-throughput(a) / max-throughput(baseline) when the CPU is the limit."""
+    if "a" not in costs or baseline not in costs:
+        return None
+    return costs[baseline].work(n) / costs["a"].work(n)
+
+
+# --- cross-system comparison ---------------------------------------------------------
+def max_sustainable(points: list[PointResult], slo_s: float) -> float | None:
+    """Largest offered rate (sessions/s) whose p95 fan-out latency meets the SLO and whose
+    sessions all finished; for closed-loop points, the achieved rate instead."""
+    good = [p for p in points if p.ok == p.sent and p.fanout_latency["p95"] is not None
+            and p.fanout_latency["p95"] <= slo_s]
+    if not good:
+        return None
+    return max(p.load if p.mode == "rate" else p.sessions_per_s for p in good)
+
+
+@dataclass
+class Comparison:
+    label: str
+    baseline: str
+    slo_s: float | None
+    max_rate: dict                # system -> max sustainable sessions/s (or None)
+    max_throughput: dict          # system -> best achieved sessions/s
+    throughput_ratio: float | None   # max_throughput[a] / max_throughput[baseline]
+    throughput_bound: float | None
+    p95_ratios: list              # [(load, p95(baseline)/p95(a))]
+    p95_at_2x_unloaded: float | None  # ratio at the first load where baseline p95 >= 2x its unloaded p95
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def compare(points: list[PointResult], costs: dict[str, PhaseCosts], baseline: str, slo_s: float | None
+            ) -> Comparison | None:
+    by = {s: sorted([p for p in points if p.system == s], key=lambda p: p.load) for s in SYSTEMS}
+    if not by["a"] or not by[baseline]:
+        return None
+    p0 = by["a"][0]
+    maxtp = {s: max((p.sessions_per_s for p in ps), default=None) for s, ps in by.items() if ps}
+    ratios = []
+    a_at = {p.load: p for p in by["a"]}
+    for p in by[baseline]:
+        q = a_at.get(p.load)
+        if q and q.fanout_latency["p95"] and p.fanout_latency["p95"]:
+            ratios.append((p.load, p.fanout_latency["p95"] / q.fanout_latency["p95"]))
+    at2 = None
+    base_unloaded = by[baseline][0].fanout_latency["p95"]
+    if base_unloaded:
+        for p in by[baseline]:
+            if p.fanout_latency["p95"] and p.fanout_latency["p95"] >= 2 * base_unloaded:
+                at2 = next((r for load, r in ratios if load == p.load), None)
+                break
+    tr = (maxtp["a"] / maxtp[baseline]) if maxtp.get("a") and maxtp.get(baseline) else None
+    return Comparison(
+        label=f"N={p0.fanout} L={p0.context_tokens} R={p0.rounds}", baseline=baseline, slo_s=slo_s,
+        max_rate={s: (max_sustainable(ps, slo_s) if slo_s else None) for s, ps in by.items() if ps},
+        max_throughput=maxtp, throughput_ratio=tr, throughput_bound=throughput_bound(costs, p0.fanout, baseline),
+        p95_ratios=ratios, p95_at_2x_unloaded=at2)
+
+
+# --- Markdown ------------------------------------------------------------------------
+def _f(x, fmt="{:.2f}") -> str:
+    return "-" if x is None else fmt.format(x)
+
+
+def points_table(points: list[PointResult]) -> str:
+    head = ("| system | N | L | R | load | ok/sent | fan-out p50/p95/p99 s | TTFT p50/p95/p99 s | sessions/s | "
+            "out tok/s | prefill tok/session | cache hit | pool peak MiB | dec KV peak MiB | CPU s/session |")
+    rows = [head, "|" + "---|" * (head.count("|") - 1)]
+    for p in points:
+        fl, tt = p.fanout_latency, p.ttft
+        load = f"{p.load:g}/s" if p.mode == "rate" else f"c={p.load:g}"
+        rows.append(
+            f"| {p.system} {SYSTEMS[p.system]} | {p.fanout} | {p.context_tokens} | {p.rounds} | {load} | {p.ok}/{p.sent} | "
+            f"{_f(fl['p50'])}/{_f(fl['p95'])}/{_f(fl['p99'])} | {_f(tt['p50'])}/{_f(tt['p95'])}/{_f(tt['p99'])} | "
+            f"{p.sessions_per_s:.3f} | {p.output_tok_per_s:.1f} | {p.prefill_tokens_computed_per_session:.0f} | "
+            f"{_f(p.cache_hit_ratio)} | {p.pool_peak_bytes / 2**20:.1f} | {p.decoder_kv_peak_bytes / 2**20:.1f} | "
+            f"{_f(p.cpu_s_per_session)} |")
+    return "\n".join(rows)
+
+
+def comparison_table(comps: list[Comparison]) -> str:
+    head = ("| point | vs | max throughput a / base (sessions/s) | ratio | bound | ratio / bound | "
+            "p95(base)/p95(a) per load | at base 2x unloaded | max rate under SLO a / base |")
+    rows = [head, "|" + "---|" * (head.count("|") - 1)]
+    for c in comps:
+        a, b = c.max_throughput.get("a"), c.max_throughput.get(c.baseline)
+        frac = c.throughput_ratio / c.throughput_bound if c.throughput_ratio and c.throughput_bound else None
+        p95s = ", ".join(f"{load:g}: {r:.2f}x" for load, r in c.p95_ratios) or "-"
+        rows.append(
+            f"| {c.label} | {c.baseline} {SYSTEMS[c.baseline]} | {_f(a, '{:.3f}')} / {_f(b, '{:.3f}')} | "
+            f"{_f(c.throughput_ratio)}x | {_f(c.throughput_bound)}x | {_f(frac, '{:.0%}')} | {p95s} | "
+            f"{_f(c.p95_at_2x_unloaded)}x | {_f(c.max_rate.get('a'), '{:g}')} / {_f(c.max_rate.get(c.baseline), '{:g}')} |")
+    return "\n".join(rows)
+
+
+def costs_table(costs: dict) -> str:
+    """costs: {L: {system: PhaseCosts}}"""
+    rows = ["| L | system | first-agent TTFT s | next-agent TTFT s | decode O tokens s |", "|---|---|---|---|---|"]
+    for L, per in sorted(costs.items()):
+        for s, c in sorted(per.items()):
+            rows.append(f"| {L} | {s} {SYSTEMS[s]} | {c.first_s:.3f} | {c.marginal_s:.3f} | {c.decode_s:.3f} |")
+    return "\n".join(rows)

@@ -1,0 +1,523 @@
+"""`prefillshare bench serve`: PrefillShare vs per-model P/D vs colocated, through one HTTP door.
+
+One Ray cluster, one Serve HTTP proxy; the systems (app/bench/systems.py) are deployed one
+after another as the same Serve application with different configs, so every system runs on
+the same machine in the same run and answers the same seeded sessions. Per system:
+  1. deploy, wait for /ready, one warm-up session;
+  2. per context length, unloaded phase costs (one request at a time) for the work bound;
+  3. per (N, L, R) and load point, sessions at Poisson rate lambda (or fixed concurrency);
+     /metrics is read before and after (prefill tokens, cache hits, pool bytes), CPU seconds of
+     every process of the cluster are summed;
+  4. the application is deleted (its engines exit) before the next system starts.
+Then: Markdown + JSON + PNG plots, ratios beside the bound (app/bench/report.py).
+
+Inside a loopback-only namespace (Ray listens on every interface):
+  unshare -n bash -c 'ip link set lo up; RAY_AUTH_MODE=disabled prefillshare bench serve --quick'
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import shutil
+import socket
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+from app.bench.models import SMALL, ModelShape
+from app.bench.systems import SYSTEMS, Topology
+from app.bench.workload import WorkloadSpec
+
+PROJECT = Path(__file__).resolve().parents[2]
+GIB_PER_ENGINE = 1.4  # beyond its KV space (docs/PLATFORM measurements)
+
+
+@dataclass(frozen=True)
+class ServeBenchConfig:
+    systems: tuple[str, ...] = ("a", "b", "c")
+    fanouts: tuple[int, ...] = (2,)
+    lengths: tuple[int, ...] = (1024,)
+    rounds: tuple[int, ...] = (1,)
+    output_tokens: int = 32
+    rates: tuple[float, ...] = (0.05, 0.1, 0.2)
+    concurrency: tuple[int, ...] = ()      # closed loop instead of rates when given
+    duration_s: float = 40.0               # arrivals (or closed-loop sending) per point
+    max_sessions: int = 200
+    session_timeout_s: float = 300.0
+    warmup: int = 1
+    probes: int = 2
+    seed: int = 0
+    models: str = "random"                 # "random" | "shipped"
+    shape: ModelShape = ModelShape()
+    topology: Topology = Topology()
+    max_engines: int = 8
+    slo_s: float | None = None             # default: slo_factor x baseline b's lowest-load p95
+    slo_factor: float = 2.0
+    out: str = "runs/bench/serve"
+    model_dir: str = "runs/bench/serve-models"
+    tokenizer: str = "checkpoints/tokenizer"
+    checkpoints: str = "checkpoints"
+    ready_timeout_s: float = 900.0
+
+    def __post_init__(self) -> None:
+        bad = [s for s in self.systems if s not in SYSTEMS]
+        if bad or not self.systems:
+            raise ValueError(f"--systems: unknown {bad} (choose from {','.join(SYSTEMS)})")
+        if not self.fanouts or min(self.fanouts) < 1:
+            raise ValueError("--fanouts: give fan-outs >= 1")
+        if not self.rates and not self.concurrency:
+            raise ValueError("--rates or --concurrency: give at least one load point")
+        if any(c < 1 for c in self.concurrency):
+            raise ValueError("--concurrency: values must be >= 1")
+        if self.models not in ("random", "shipped"):
+            raise ValueError("--models: 'random' or 'shipped'")
+        if self.duration_s <= 0:
+            raise ValueError("--duration must be > 0 seconds")
+        for L in self.lengths:
+            WorkloadSpec(L, 1, self.output_tokens, 1)
+
+    @property
+    def mode(self) -> str:
+        return "concurrency" if self.concurrency else "rate"
+
+    @property
+    def loads(self) -> tuple[float, ...]:
+        return tuple(float(c) for c in self.concurrency) if self.concurrency else tuple(self.rates)
+
+    def specs(self, n_max: int) -> list[WorkloadSpec]:
+        return [WorkloadSpec(L, n, self.output_tokens, r) for n in self.fanouts if n <= n_max
+                for L in self.lengths for r in self.rounds]
+
+
+def _max_model_len(cfg: ServeBenchConfig, limit: int) -> int:
+    """Room for the largest context, R rounds of joined outputs, instructions and O new tokens."""
+    need = max(cfg.lengths) + max(cfg.rounds) * max(cfg.fanouts) * (cfg.output_tokens + 24) + 64
+    need = int(math.ceil(need / cfg.topology.block_size) * cfg.topology.block_size)
+    if need > limit:
+        raise ValueError(f"--lengths/--rounds/--fanouts/--output-tokens: sessions need {need} tokens of context, "
+                         f"the model allows {limit}")
+    return need
+
+
+# --- cluster helpers -----------------------------------------------------------------
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _cluster_cpu_s() -> float:
+    """User + system CPU seconds of every process this driver started (Ray, replicas, engines)."""
+    import psutil
+
+    total = 0.0
+    for p in psutil.Process().children(recursive=True):
+        try:
+            t = p.cpu_times()
+            total += t.user + t.system + t.children_user + t.children_system
+        except psutil.Error:
+            pass
+    return total
+
+
+def _get(url: str, timeout: float = 30.0) -> tuple[int, str]:
+    import httpx
+
+    try:
+        r = httpx.get(url, timeout=timeout)
+        return r.status_code, r.text
+    except httpx.HTTPError as e:
+        return 0, f"{type(e).__name__}: {e}"
+
+
+def _wait_ready(url: str, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    last = ""
+    while time.monotonic() < deadline:
+        status, last = _get(url + "/ready", timeout=30)
+        if status == 200:
+            return
+        time.sleep(3)
+    raise RuntimeError(f"/ready not 200 after {timeout_s:.0f}s: {last[:500]}")
+
+
+def _metrics(url: str) -> dict:
+    from app.bench.report import parse_metrics
+
+    status, text = _get(url + "/metrics")
+    if status != 200:
+        raise RuntimeError(f"/metrics answered {status}: {text[:200]}")
+    return parse_metrics(text)
+
+
+async def _sample_pool(url: str, stop: asyncio.Event, period_s: float = 2.0) -> float:
+    """Peak of the pool's held bytes while a point runs."""
+    import httpx
+
+    from app.bench.report import metric_sum, parse_metrics
+
+    peak = 0.0
+    async with httpx.AsyncClient(timeout=10) as c:
+        while not stop.is_set():
+            try:
+                r = await c.get(url + "/metrics")
+                peak = max(peak, metric_sum(parse_metrics(r.text), "prefillshare_kv_pool_held_bytes"))
+            except httpx.HTTPError:
+                pass
+            try:
+                await asyncio.wait_for(stop.wait(), period_s)
+            except TimeoutError:
+                pass
+    return peak
+
+
+# --- measuring one system ------------------------------------------------------------
+def _probe_costs(url: str, cfg: ServeBenchConfig, maker, L: int, n: int, system_seed: int):
+    """Unloaded phase costs at context length L (medians over cfg.probes repeats), one request
+    at a time: first agent on a fresh context, next agent (another decoder) on the same
+    context, and the decode time of O tokens."""
+    import httpx
+
+    from app.bench.client import run_session
+    from app.bench.report import PhaseCosts
+    from app.bench.workload import Session, make_sessions
+
+    one, full = WorkloadSpec(L, 1, 1, 1), WorkloadSpec(L, 1, cfg.output_tokens, 1)
+    other = ["agent1" if n > 1 else "agent0"]
+
+    async def probe(k: int):
+        async with httpx.AsyncClient(timeout=cfg.session_timeout_s) as c:
+            s = make_sessions(one, 1, 10_000 + system_seed * 100 + k, maker)[0]
+            r1 = await run_session(c, url, s, one, 0.0, cfg.session_timeout_s)
+            s2 = Session(s.index, s.context, (s.instructions[0] + " again",))
+            r2 = await run_session(c, url, s2, one, 0.0, cfg.session_timeout_s, models=other)
+            d = make_sessions(full, 1, 20_000 + system_seed * 100 + k, maker)[0]
+            r3 = await run_session(c, url, d, full, 0.0, cfg.session_timeout_s)
+        return r1, r2, r3
+
+    first, marginal, decode = [], [], []
+    for k in range(max(1, cfg.probes)):
+        r1, r2, r3 = asyncio.run(probe(k))
+        if r1.ok:
+            first.append(r1.agents[0].ttft_s)
+        if r2.ok:
+            marginal.append(r2.agents[0].ttft_s)
+        if r3.ok:
+            decode.append(r3.agents[0].e2e_s - r3.agents[0].ttft_s)
+    if not (first and marginal and decode):
+        return None
+    return PhaseCosts(statistics.median(first), statistics.median(marginal), statistics.median(decode))
+
+
+def _run_point(url: str, cfg: ServeBenchConfig, system: str, spec: WorkloadSpec, load: float, maker,
+               kv_bytes_per_token: int):
+    from app.bench.client import closed_loop, open_loop
+    from app.bench.report import summarize
+    from app.bench.workload import make_sessions, poisson_arrivals
+
+    if cfg.mode == "rate":
+        arrivals = poisson_arrivals(load, cfg.duration_s, cfg.seed, cfg.max_sessions)
+        sessions = make_sessions(spec, len(arrivals), cfg.seed, maker)
+    else:
+        sessions = make_sessions(spec, cfg.max_sessions, cfg.seed, maker)
+    before, cpu0 = _metrics(url), _cluster_cpu_s()
+
+    async def go():
+        stop = asyncio.Event()
+        sampler = asyncio.create_task(_sample_pool(url, stop))
+        try:
+            if cfg.mode == "rate":
+                return await open_loop(url, sessions, spec, arrivals, cfg.session_timeout_s)
+            return await closed_loop(url, sessions, spec, int(load), cfg.duration_s, cfg.session_timeout_s)
+        finally:
+            stop.set()
+            peak_box.append(await sampler)
+
+    peak_box: list[float] = []
+    results, t0, t_end = asyncio.run(go())
+    cpu = _cluster_cpu_s() - cpu0
+    after = _metrics(url)
+    return summarize(system, spec, cfg.mode, load, results, t0, t_end, before, after, peak_box[0],
+                     kv_bytes_per_token, cpu)
+
+
+def _deployable_n(cfg: ServeBenchConfig, system: str) -> int:
+    """Largest fan-out of the sweep whose engines fit --max-engines."""
+    fits = [n for n in cfg.fanouts if cfg.topology.engines(system, n) <= cfg.max_engines]
+    return max(fits, default=0)
+
+
+def run(cfg: ServeBenchConfig, log=print) -> dict:
+    """Measure every system; returns (and writes) the result document."""
+    import ray
+    from ray import serve
+
+    from app.bench import models as bm
+    from app.bench.report import compare
+    from app.bench.systems import app_config
+    from app.bench.workload import ContextMaker, make_sessions
+    from app.bench.client import open_loop
+    from app.config import load_config
+    from app.serve_app import build
+
+    tokenizer = str((PROJECT / cfg.tokenizer).resolve()) if not os.path.isabs(cfg.tokenizer) else cfg.tokenizer
+    n_max = max(cfg.fanouts)
+    model_root = Path(cfg.model_dir) if os.path.isabs(cfg.model_dir) else PROJECT / cfg.model_dir
+    if cfg.models == "random":
+        mset = bm.random_models(model_root, n_max, cfg.shape, tokenizer)
+        limit = cfg.shape.max_position
+    else:
+        mset = bm.shipped_models(model_root / "shipped", PROJECT / cfg.checkpoints, n_max)
+        limit = json.loads((Path(mset.base) / "config.json").read_text())["max_position_embeddings"]
+    topo = replace(cfg.topology, max_model_len=_max_model_len(cfg, limit),
+                   max_tokens_cap=max(cfg.topology.max_tokens_cap, cfg.output_tokens),
+                   max_agents=max(cfg.topology.max_agents, n_max), max_rounds=max(cfg.topology.max_rounds, max(cfg.rounds)))
+    log(f"models: {mset.description}; max_model_len {topo.max_model_len}")
+    maker = ContextMaker(tokenizer)
+
+    tmp = os.environ.get("RAY_TMPDIR") or f"/tmp/ray-bench-{os.getpid()}"
+    os.environ.setdefault("RAY_TMPDIR", tmp)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    ray.init(num_cpus=32, include_dashboard=False, _temp_dir=tmp, log_to_driver=False,
+             runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+                                       "PYTHONPATH": str(PROJECT)}})
+    port = _free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    url = f"http://127.0.0.1:{port}"
+    points, costs, skipped, deploy_s = [], {}, [], {}
+    try:
+        for si, system in enumerate(cfg.systems):
+            n = _deployable_n(cfg, system)
+            too_big = [m for m in cfg.fanouts if m > n]
+            if too_big:
+                skipped.append(f"{system} {SYSTEMS[system]} N={too_big}: needs "
+                               f"{[cfg.topology.engines(system, m) for m in too_big]} engines (~{GIB_PER_ENGINE} GiB "
+                               f"+ {topo.kv_cache_gib} GiB KV each) > --max-engines {cfg.max_engines}")
+                log("skip: " + skipped[-1])
+            if n == 0:
+                continue
+            pool = f"/dev/shm/ps-bench-{os.getpid()}-{system}"
+            app_cfg = load_config(app_config(system, mset, n, topo, tokenizer, pool))
+            t0 = time.perf_counter()
+            log(f"[{system} {SYSTEMS[system]}] deploying {topo.engines(system, n)} engines ...")
+            serve.run(build(app_cfg), name=f"bench-{system}", route_prefix="/", blocking=False)
+            try:
+                _wait_ready(url, cfg.ready_timeout_s)
+                deploy_s[system] = time.perf_counter() - t0
+                log(f"[{system}] ready in {deploy_s[system]:.0f}s")
+                for w in range(cfg.warmup):
+                    spec = WorkloadSpec(min(cfg.lengths), n, cfg.output_tokens, 1)
+                    s = make_sessions(spec, 1, 90_000 + w, maker)
+                    res, _, _ = asyncio.run(open_loop(url, s, spec, [0.0], cfg.session_timeout_s))
+                    if not res[0].ok:
+                        log(f"[{system}] warm-up session failed: {res[0].error or [a.error for a in res[0].agents]}")
+                for L in cfg.lengths:
+                    c = _probe_costs(url, cfg, maker, L, n, si)
+                    if c is not None:
+                        costs.setdefault(L, {})[system] = c
+                        log(f"[{system}] L={L} unloaded: first {c.first_s:.3f}s next {c.marginal_s:.3f}s "
+                            f"decode {c.decode_s:.3f}s")
+                for spec in cfg.specs(n):
+                    for load in cfg.loads:
+                        p = _run_point(url, cfg, system, spec, load, maker, mset.kv_bytes_per_token)
+                        points.append(p)
+                        log(f"[{system}] {spec.label} load {load:g}: ok {p.ok}/{p.sent} fan-out p95 "
+                            f"{p.fanout_latency['p95'] or float('nan'):.2f}s {p.sessions_per_s:.3f} sess/s "
+                            f"{p.output_tok_per_s:.1f} tok/s" + (f" errors {p.errors[:2]}" if p.errors else ""))
+            finally:
+                serve.delete(f"bench-{system}")
+                shutil.rmtree(pool, ignore_errors=True)
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+    comps = []
+    for spec in cfg.specs(n_max):
+        pts = [p for p in points if (p.fanout, p.context_tokens, p.rounds) == (spec.fanout, spec.context_tokens,
+                                                                              spec.rounds)]
+        ref = [p for p in pts if p.system == "b"] or pts
+        slo = cfg.slo_s
+        if slo is None and ref:
+            lowest = min(ref, key=lambda p: p.load)
+            slo = cfg.slo_factor * lowest.fanout_latency["p95"] if lowest.fanout_latency["p95"] else None
+        for base in ("b", "c"):
+            if base in cfg.systems:
+                c = compare(pts, costs.get(spec.context_tokens, {}), base, slo)
+                if c is not None:
+                    comps.append(c)
+    doc = {
+        "config": _jsonable(asdict(cfg)),
+        "machine": _machine(),
+        "models": mset.to_dict(),
+        "topology": asdict(topo),
+        "deploy_seconds": deploy_s,
+        "skipped": skipped,
+        "phase_costs": {str(L): {s: asdict(c) for s, c in per.items()} for L, per in costs.items()},
+        "points": [p.to_dict() for p in points],
+        "comparisons": [c.to_dict() for c in comps],
+    }
+    write_outputs(doc, points, comps, costs, cfg.out, log)
+    return doc
+
+
+def _jsonable(x):
+    return json.loads(json.dumps(x, default=str))
+
+
+def _machine() -> dict:
+    import platform
+
+    load = os.getloadavg()
+    mem = None
+    try:
+        import psutil
+
+        mem = round(psutil.virtual_memory().total / 2**30, 1)
+    except ImportError:
+        pass
+    return {"cpus": os.cpu_count(), "memory_gib": mem, "platform": platform.platform(),
+            "loadavg_at_end": [round(x, 1) for x in load], "time_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime())}
+
+
+def render_markdown(doc: dict, points, comps, costs) -> str:
+    from app.bench.report import comparison_table, costs_table, points_table
+
+    m, t = doc["machine"], doc["topology"]
+    lines = [
+        "# prefillshare bench serve",
+        "",
+        f"Machine: {m['cpus']} CPUs, {m['memory_gib']} GiB, load average at end {m['loadavg_at_end']} "
+        f"({m['time_utc']} UTC). Models: {doc['models']['description']}. Engines: KV space "
+        f"{t['kv_cache_gib']} GiB, block {t['block_size']}, threads {t['threads_bind']}, "
+        f"max_model_len {t['max_model_len']}; system a uses {t['prefill_replicas']} shared prefill replica(s).",
+        "",
+        "## Per load point",
+        points_table(points),
+        "",
+        "## Ratios (PrefillShare a vs baseline) beside the work bound",
+        comparison_table(comps),
+        "",
+        "## Unloaded phase costs (bound inputs)",
+        costs_table(costs),
+    ]
+    if doc["skipped"]:
+        lines += ["", "## Not run", *[f"- {s}" for s in doc["skipped"]]]
+    return "\n".join(lines) + "\n"
+
+
+def write_outputs(doc: dict, points, comps, costs, out: str, log=print) -> None:
+    from app.bench.plots import p95_vs_load, throughput_vs_n
+
+    out_dir = Path(out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "results.json").write_text(json.dumps(doc, indent=2))
+    md = render_markdown(doc, points, comps, costs)
+    (out_dir / "results.md").write_text(md)
+    if points:
+        title = f"{doc['models']['description']}; {doc['machine']['cpus']} CPUs"
+        p95_vs_load(points, out_dir / "p95_vs_load.png", title)
+        throughput_vs_n(points, out_dir / "throughput_vs_n.png", title)
+    log(md)
+    log(f"wrote {out_dir}/results.json, results.md, p95_vs_load.png, throughput_vs_n.png")
+
+
+# --- command line --------------------------------------------------------------------
+def _ints(s: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in s.split(",") if x)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {s!r}") from None
+
+
+def _floats(s: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(x) for x in s.split(",") if x)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {s!r}") from None
+
+
+QUICK = dict(fanouts=(2,), lengths=(128,), rounds=(1,), output_tokens=4, rates=(0.5,), duration_s=4.0,
+             probes=1, max_sessions=8, out="runs/bench/serve-quick")
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    """Arguments of `prefillshare bench serve`."""
+    a = parser.add_argument
+    a("--quick", action="store_true", help="smoke run: small random model, N=2, L=128, one short load point")
+    a("--systems", help="comma list of a (prefillshare), b (disagg per-model P/D), c (colocated); default a,b,c")
+    a("--fanouts", type=_ints, help="N agents per round, e.g. 2,4,8")
+    a("--lengths", type=_ints, help="shared context tokens L, e.g. 1024,2048,4096")
+    a("--rounds", type=_ints, help="R rounds per session, e.g. 1,3")
+    a("--output-tokens", type=int, help="O tokens per agent (default 32)")
+    a("--rates", type=_floats, help="Poisson session arrival rates (sessions/s), e.g. 0.05,0.1,0.2")
+    a("--concurrency", type=_ints, help="closed loop instead: concurrent sessions, e.g. 1,2,4")
+    a("--duration", type=float, dest="duration_s", help="seconds of arrivals per load point (default 40)")
+    a("--max-sessions", type=int, help="cap on sessions per load point (default 200)")
+    a("--session-timeout", type=float, dest="session_timeout_s", help="seconds before a session counts as failed")
+    a("--warmup", type=int, help="warm-up sessions per system (default 1)")
+    a("--probes", type=int, help="repeats of each unloaded phase-cost probe (default 2)")
+    a("--seed", type=int)
+    a("--models", choices=["random", "shipped"], help="random-weight Llama (default) or the shipped checkpoints")
+    a("--hidden", type=int), a("--layers", type=int), a("--heads", type=int), a("--kv-heads", type=int)
+    a("--intermediate", type=int)
+    a("--kv-cache-gib", type=float, help="KV space per engine (default 0.25)")
+    a("--prefill-replicas", type=int, help="shared prefill replicas in system a (default 2: one per core)")
+    a("--threads-bind", help="VLLM_CPU_OMP_THREADS_BIND for every engine (default nobind)")
+    a("--max-engines", type=int, help="skip (and report) systems needing more engines (default 8)")
+    a("--slo", type=float, dest="slo_s", help="p95 fan-out latency SLO in s (default 2x baseline b unloaded)")
+    a("--slo-factor", type=float)
+    a("--out", help="output directory (default runs/bench/serve)")
+    a("--model-dir", help="where benchmark checkpoints are written (default runs/bench/serve-models)")
+    parser.set_defaults(func=_cli)
+
+
+def config_from_args(args: argparse.Namespace) -> ServeBenchConfig:
+    kw: dict = dict(QUICK) if args.quick else {}
+    if args.quick:
+        kw["shape"] = SMALL
+        kw["topology"] = Topology(kv_cache_gib=0.125, prefill_replicas=1)
+        kw["model_dir"] = "runs/bench/serve-models-quick"
+    for name in ("fanouts", "lengths", "rounds", "output_tokens", "rates", "concurrency", "duration_s",
+                 "max_sessions", "session_timeout_s", "warmup", "probes", "seed", "models", "max_engines",
+                 "slo_s", "slo_factor", "out", "model_dir"):
+        v = getattr(args, name, None)
+        if v is not None:
+            kw[name] = v
+    if args.concurrency:
+        kw["rates"] = ()
+    if args.systems:
+        kw["systems"] = tuple(s.strip() for s in args.systems.split(",") if s.strip())
+    shape = kw.get("shape", ModelShape())
+    over = {k: getattr(args, k) for k in ("hidden", "layers", "heads", "kv_heads", "intermediate")
+            if getattr(args, k, None) is not None}
+    topo = kw.get("topology", Topology())
+    tover = {k: getattr(args, k) for k in ("kv_cache_gib", "prefill_replicas", "threads_bind")
+             if getattr(args, k, None) is not None}
+    kw["shape"] = replace(shape, **over)
+    kw["topology"] = replace(topo, **tover)
+    return ServeBenchConfig(**kw)
+
+
+def _cli(args: argparse.Namespace) -> int:
+    try:
+        cfg = config_from_args(args)
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
+    doc = run(cfg)
+    return 0 if doc["points"] and all(p["ok"] > 0 for p in doc["points"]) else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="prefillshare bench serve", description=__doc__.splitlines()[0])
+    configure(parser)
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

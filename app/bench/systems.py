@@ -1,0 +1,83 @@
+"""The three systems the serving benchmark compares, each an ordinary AppConfig.
+
+All three are the same Serve application (Router -> Orchestrator -> engines) behind the same
+HTTP routes with decoders named ``agent0..agent{n-1}``; only the topology differs:
+
+  a  prefillshare   one shared prefill module (frozen base, ``prefill_replicas`` replicas)
+                    + n decoders loading its KV through the connector;
+  b  disagg         per-model P/D: decoder i's prompts are prefilled by a prefill module on
+                    decoder i's own model (n prefill modules, one per decoder), KV handed
+                    over through the same connector; nothing is shared across models;
+  c  colocated      n engines that prefill and decode their own prompts, prefix caching on,
+                    no prefill module and no connector.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from app.bench.models import ModelSet
+
+SYSTEMS = {"a": "prefillshare", "b": "disagg", "c": "colocated"}
+
+
+@dataclass(frozen=True)
+class Topology:
+    """Engine and placement knobs shared by every system of a run (fair comparison)."""
+
+    kv_cache_gib: float = 0.25
+    max_model_len: int = 2048
+    block_size: int = 32
+    max_num_seqs: int = 16
+    threads_bind: str = "nobind"
+    dtype: str = "bfloat16"
+    prefill_replicas: int = 2      # system a: one shared prefill replica per core
+    pool_gib: float = 0.5
+    max_tokens_cap: int = 256
+    max_agents: int = 16
+    max_rounds: int = 4
+    request_timeout_s: float = 600.0
+
+    def engines(self, system: str, n: int) -> int:
+        return {"a": self.prefill_replicas + n, "b": 2 * n, "c": n}[system]
+
+
+def decoder_names(n: int) -> list[str]:
+    return [f"agent{i}" for i in range(n)]
+
+
+def app_config(system: str, models: ModelSet, n: int, topo: Topology, tokenizer: str, pool_path: str) -> dict:
+    """The AppConfig dict (app/config.py) of ``system`` with ``n`` decoders."""
+    if system not in SYSTEMS:
+        raise ValueError(f"--systems: unknown system {system!r} (choose from {', '.join(SYSTEMS)})")
+    if n > len(models.shared):
+        raise ValueError(f"--fanouts: {n} decoders asked, {len(models.shared)} model directories prepared")
+    engine = {"dtype": topo.dtype, "max_model_len": topo.max_model_len, "kv_cache_gib": topo.kv_cache_gib,
+              "block_size": topo.block_size, "max_num_seqs": topo.max_num_seqs, "threads_bind": topo.threads_bind}
+    dec_place = {"num_cpus": 0.1, "placement_group_bundles": [{"CPU": 0.1}], "max_ongoing_requests": 64}
+    pf_place = {"num_cpus": 0.1, "max_ongoing_requests": 64}
+    names = decoder_names(n)
+    if system == "a":
+        prefill = [{"name": "base", "model": models.base, "engine": engine,
+                    "placement": {**pf_place, "num_replicas": topo.prefill_replicas}}]
+        decoders = [{"name": nm, "model": models.shared[i], "prefill_module": "base", "engine": engine,
+                     "placement": dec_place} for i, nm in enumerate(names)]
+    elif system == "b":
+        prefill = [{"name": f"own-{nm}", "model": models.own[i], "engine": engine, "placement": pf_place}
+                   for i, nm in enumerate(names)]
+        decoders = [{"name": nm, "model": models.own[i], "prefill_module": f"own-{nm}", "engine": engine,
+                     "placement": dec_place} for i, nm in enumerate(names)]
+    else:
+        prefill = []
+        decoders = [{"name": nm, "model": models.shared[i], "prefill_module": None, "engine": engine,
+                     "placement": dec_place} for i, nm in enumerate(names)]
+    return {
+        "tokenizer": tokenizer,
+        "prefill_modules": prefill,
+        "decoders": decoders,
+        "pool": {"path": pool_path, "capacity_gib": topo.pool_gib},
+        "limits": {"max_tokens_default": 16, "max_tokens_cap": topo.max_tokens_cap, "max_agents": topo.max_agents,
+                   "max_rounds": topo.max_rounds, "request_timeout_s": topo.request_timeout_s},
+        "router": {"num_cpus": 0.05, "max_ongoing_requests": 1024},
+        "orchestrator": {"num_cpus": 0.05, "max_ongoing_requests": 1024},
+        "engine_env": {"VLLM_HOST_IP": "127.0.0.1"},
+    }
