@@ -11,13 +11,13 @@ import sys
 
 from agents import Agent, Client, Sampling
 
-CONTEXT = "order\nname:maya\nitem:lamp\nqty:3\ncity:oslo\nday:tue\nnote:please call before noon"
+CONTEXT = "order\nname: maya\nitem: lamp\nqty: 3\ncity: oslo\nday: tue\nnote: please call before noon"
 # Instructions in the format the shipped decoders were trained on (app/training/tasks.py).
 INSTRUCTIONS = {
     "lookup": "what is the city?",
     "tool_call": "call the shipping tool.",
     "reschedule": "move the delivery one day later. which day?",
-    "verify": "check city=oslo. yes or no?",
+    "verify": "is the city oslo? yes or no.",
 }
 
 

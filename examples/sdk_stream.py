@@ -11,12 +11,12 @@ import sys
 
 from agents import Agent, AsyncClient, Sampling
 
-CONTEXT = "order\nname:omar\nitem:desk\nqty:2\ncity:rome\nday:fri\nnote:fragile handle with care"
+CONTEXT = "order\nname: omar\nitem: desk\nqty: 2\ncity: rome\nday: fri\nnote: fragile handle with care"
 INSTRUCTIONS = {
     "lookup": "what is the item?",
     "tool_call": "call the shipping tool.",
     "reschedule": "move the delivery one day later. which day?",
-    "verify": "check day=fri. yes or no?",
+    "verify": "is the day fri? yes or no.",
 }
 
 

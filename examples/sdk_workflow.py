@@ -12,7 +12,7 @@ import sys
 
 from agents import Agent, Client, Sampling, Workflow
 
-CONTEXT = "order\nname:lena\nitem:clock\nqty:5\ncity:lima\nday:wed\nnote:leave at door"
+CONTEXT = "order\nname: lena\nitem: clock\nqty: 5\ncity: lima\nday: wed\nnote: leave at door"
 
 
 def build(models: list[str], client_join: bool) -> Workflow:
@@ -22,7 +22,7 @@ def build(models: list[str], client_join: bool) -> Workflow:
     planner = Agent(first, "what is the {field}?", name="planner", sampling=s)
     workers = [Agent(m, "call the shipping tool.", name=f"worker-{m}", sampling=s) for m in rest] or \
               [Agent(first, "what is the item?", name="worker", sampling=s)]
-    checker = Agent(models[-1], "check {field}={expected}. yes or no?", name="checker", sampling=s)
+    checker = Agent(models[-1], "is the {field} {expected}? yes or no.", name="checker", sampling=s)
     if client_join:
         def notes(context, results):
             return context + "".join(f"\nnote:{r.name} answered {r.text.strip()}" for r in results if r.ok)

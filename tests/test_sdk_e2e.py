@@ -34,12 +34,12 @@ pytestmark = [pytest.mark.serve, pytest.mark.engine]
 
 ROOT = Path(__file__).resolve().parent.parent
 TOKENIZER = ROOT / "checkpoints" / "tokenizer"
-CONTEXT = "order\nname:maya\nitem:lamp\nqty:3\ncity:oslo\nday:tue\nnote:please call before noon"
+CONTEXT = "order\nname: maya\nitem: lamp\nqty: 3\ncity: oslo\nday: tue\nnote: please call before noon"
 MAX_NEW = 6
 AGENTS = [
     Agent("lookup", "what is the city?", sampling=Sampling(max_tokens=MAX_NEW)),
     Agent("tool_call", "call the shipping tool.", sampling=Sampling(max_tokens=MAX_NEW)),
-    Agent("verify", "check city=oslo. yes or no?", sampling=Sampling(max_tokens=MAX_NEW)),
+    Agent("verify", "is the city oslo? yes or no.", sampling=Sampling(max_tokens=MAX_NEW)),
 ]
 
 
