@@ -132,7 +132,7 @@ def build(cfg: AppConfig):
     metrics = MetricsServer.options(
         num_replicas=1, ray_actor_options={"num_cpus": cfg.metrics.num_cpus},
         max_ongoing_requests=cfg.metrics.max_ongoing_requests,
-    ).bind()
+    ).bind(cfg.pool.path if cfg.pool.transport == "shm" else None)
 
     prefill = {}
     for p in cfg.prefill_modules:

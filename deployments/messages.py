@@ -52,9 +52,7 @@ class DecodeRequest:
     prompt_token_ids: tuple[int, ...]
     sampling: SamplingSpec
     kv_transfer_params: dict[str, Any] | None = None
-    expect_shared_tokens: int = 0
     cache_salt: str | None = None
-    agent: str = ""
 
 
 @dataclass

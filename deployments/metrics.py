@@ -8,9 +8,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+import re
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from ray import serve
 
+disable_created_metrics()  # no *_created series: they double every counter's lines for no use here
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
 
@@ -40,11 +44,59 @@ class PrefillRecord:
     seconds: float
 
 
+class PoolCollector:
+    """The KV pool's own state and the connector's counters, read at scrape time.
+
+    The pool lives in shared memory on this node; its index holds every engine's counters
+    (hits, misses, bytes moved, load time, evictions, fallbacks by reason) under the engine's
+    scope (prefill module or decoder name).
+    """
+
+    def __init__(self, path: str):
+        self.path = path
+        self._pool = None
+
+    def _open(self):
+        if self._pool is None:
+            from app.engine.kv_pool import KVPool
+
+            self._pool = KVPool(self.path)
+        return self._pool
+
+    def collect(self):
+        try:
+            pool = self._open()
+            total = pool.stats()
+            scoped = {s: pool.stats(s).counters for s in pool.scopes()}
+        except Exception:  # noqa: BLE001 - a missing pool yields no samples, never a failed scrape
+            return
+        for name, value, doc in (
+            ("prefillshare_kv_pool_capacity_bytes", total.capacity_bytes, "Pool byte capacity"),
+            ("prefillshare_kv_pool_held_bytes", total.bytes_held, "Bytes of KV blocks held"),
+            ("prefillshare_kv_pool_blocks", total.blocks, "KV blocks held"),
+            ("prefillshare_kv_pool_pinned_blocks", total.pinned_blocks, "Blocks pinned for pending fan-out loads"),
+        ):
+            yield GaugeMetricFamily(name, doc, value=value)
+        events = CounterMetricFamily("prefillshare_kv_pool_events", "Connector/pool counters by engine scope",
+                                     labels=["scope", "event"])
+        for scope, counters in sorted(scoped.items()):
+            for event, value in sorted(counters.items()):
+                events.add_metric([scope or "pool", re.sub(r"[^a-zA-Z0-9_:]", "_", event)], value)
+        yield events
+        hits, misses = total.get("hits"), total.get("misses")
+        if hits + misses:
+            yield GaugeMetricFamily("prefillshare_kv_pool_request_hit_ratio",
+                                    "Decoder lookups that found the whole shared prefix / all lookups",
+                                    value=hits / (hits + misses))
+
+
 class AppMetrics:
     """The registry and its instruments; pure prometheus_client, usable without Ray."""
 
-    def __init__(self) -> None:
+    def __init__(self, pool_path: str | None = None) -> None:
         r = self.registry = CollectorRegistry()
+        if pool_path:
+            r.register(PoolCollector(pool_path))
         ma = ["model", "agent"]
         self.ttft = Histogram("prefillshare_ttft_seconds", "Time to first token seen by the app",
                               ma, buckets=_LATENCY_BUCKETS, registry=r)
@@ -114,8 +166,8 @@ class AppMetrics:
 class MetricsServer:
     """Holds the app's registry; other deployments send it events."""
 
-    def __init__(self) -> None:
-        self.m = AppMetrics()
+    def __init__(self, pool_path: str | None = None) -> None:
+        self.m = AppMetrics(pool_path)
 
     def request(self, rec: RequestRecord) -> None:
         self.m.request(rec)

@@ -20,7 +20,6 @@ from ray import serve
 from deployments.messages import (
     AgentEvent,
     AgentRunRequest,
-    AgentSpec,
     AppPlan,
     CompletionJob,
     DecodeChunk,
@@ -117,16 +116,16 @@ class Orchestrator:
                 groups.setdefault(dp.prefill_module, []).append(a)
         await asyncio.gather(*[self._prefill_group(m, g, f"{request_id}-{m}") for m, g in groups.items()])
 
-    async def _decode(self, a: _Agent, request_id: str, route: str) -> AsyncIterator[DecodeChunk]:
-        """Stream one agent's decoder; always ends with a finished chunk; records metrics."""
+    async def _decode(self, a: _Agent, request_id: str, route: str, t0: float) -> AsyncIterator[DecodeChunk]:
+        """Stream one agent's decoder; always ends with a finished chunk; records metrics.
+        Latencies count from ``t0``, when the request reached the orchestrator (prefill included)."""
         dp = self.plan.decoder(a.model)
         expect = len(a.prompt) - 1 if a.ticket is not None else 0
         params = None
         if a.ticket is not None and a.ticket.kv_transfer_params:
             params = a.ticket.kv_transfer_params[a.ticket_index]
         req = DecodeRequest(request_id=request_id, prompt_token_ids=tuple(a.prompt), sampling=a.sampling,
-                            kv_transfer_params=params, expect_shared_tokens=expect, agent=a.name)
-        t0 = time.perf_counter()
+                            kv_transfer_params=params)
         try:
             async for chunk in self.decode_handles[a.model].generate.remote(req):
                 if chunk.error:
@@ -156,9 +155,10 @@ class Orchestrator:
     # --- OpenAI completions ----------------------------------------------------------
     async def complete(self, job: CompletionJob) -> AsyncIterator[DecodeChunk]:
         """One decoder over one prompt: prefill on the shared base, then stream."""
+        t0 = time.perf_counter()
         a = _Agent(0, "", job.model, list(job.prompt_token_ids), job.sampling)
         await self._prefill_all([a], job.request_id)
-        async for chunk in self._decode(a, job.request_id, job.route):
+        async for chunk in self._decode(a, job.request_id, job.route, t0):
             yield chunk
 
     # --- agent workflows -------------------------------------------------------------
@@ -169,6 +169,7 @@ class Orchestrator:
         usage = {"prompt_tokens": 0, "completion_tokens": 0, "cached_tokens": 0,
                  "shared_prefix_tokens": 0, "prefill_tokens_computed": 0}
         for r, specs in enumerate(req.rounds):
+            t0 = time.perf_counter()
             agents = [_Agent(i, s.name, s.model, self.prompter.agent_prompt(context, s.instruction), s.sampling)
                       for i, s in enumerate(specs)]
             ready: list[_Agent] = []
@@ -187,7 +188,7 @@ class Orchestrator:
             queue: asyncio.Queue = asyncio.Queue()
 
             async def pump(a: _Agent) -> None:
-                async for chunk in self._decode(a, f"{rid}-{a.index}-{uuid.uuid4().hex[:6]}", "agents"):
+                async for chunk in self._decode(a, f"{rid}-{a.index}-{uuid.uuid4().hex[:6]}", "agents", t0):
                     if chunk.delta_text:
                         await queue.put(AgentEvent("delta", r, a.name, a.model, chunk.delta_text))
                 await queue.put(AgentEvent("agent_done", r, a.name, a.model, result=a.result(r)))

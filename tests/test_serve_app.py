@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import socket
 import time
 import urllib.error
@@ -42,8 +43,10 @@ def _make_models(root: Path) -> dict[str, Path]:
     from app.models.manifest import DecodeManifest
     from app.models.shapes import llama_config
 
-    tok = AutoTokenizer.from_pretrained(str(TOKENIZER))
-    paths = {}
+    # a private copy: the shipped tokenizer may be rebuilt while the test runs
+    paths = {"tokenizer": root / "tokenizer"}
+    shutil.copytree(TOKENIZER, paths["tokenizer"])
+    tok = AutoTokenizer.from_pretrained(str(paths["tokenizer"]))
 
     def model(seed: int, **over):
         cfg = llama_config(len(tok), tok.bos_token_id, tok.eos_token_id, tok.pad_token_id)
@@ -53,13 +56,13 @@ def _make_models(root: Path) -> dict[str, Path]:
         torch.manual_seed(seed)
         return LlamaForCausalLM(cfg)
 
-    paths["base"] = save_model(model(0), root / "base", TOKENIZER)
+    paths["base"] = save_model(model(0), root / "base", paths["tokenizer"])
     base_id = prefill_module_id(paths["base"])
     manifest = lambda agent: DecodeManifest(agent, base_id, tokenizer_hash(paths["base"]),  # noqa: E731
                                             {"method": "cache_conditioned"})
-    paths["alpha"] = save_model(model(1), root / "alpha", TOKENIZER, manifest("alpha"))
-    paths["beta"] = save_model(model(2), root / "beta", TOKENIZER, manifest("beta"))
-    paths["gamma"] = save_model(model(3, num_key_value_heads=3), root / "gamma", TOKENIZER, manifest("gamma"))
+    paths["alpha"] = save_model(model(1), root / "alpha", paths["tokenizer"], manifest("alpha"))
+    paths["beta"] = save_model(model(2), root / "beta", paths["tokenizer"], manifest("beta"))
+    paths["gamma"] = save_model(model(3, num_key_value_heads=3), root / "gamma", paths["tokenizer"], manifest("gamma"))
     return paths
 
 
@@ -69,13 +72,14 @@ def _app_config(paths: dict[str, Path], pool_dir: str) -> dict:
     dec = lambda name: {"name": name, "model": str(paths[name]), "engine": engine,  # noqa: E731
                         "placement": {"num_cpus": 0.25, "placement_group_bundles": [{"CPU": 0.25}]}}
     return {
-        "tokenizer": str(TOKENIZER),
+        "tokenizer": str(paths["tokenizer"]),
         "pool": {"path": pool_dir, "capacity_gib": 0.125},
         "limits": {"max_tokens_default": MAX_NEW, "max_tokens_cap": 64},
         "engine_env": {"VLLM_HOST_IP": "127.0.0.1"},
         "prefill_modules": [{"name": "base", "model": str(paths["base"]), "engine": engine,
                              "placement": {"num_replicas": 2, "num_cpus": 0.5}}],
-        "decoders": [dec("alpha"), dec("beta"), dec("gamma")],
+        # gamma's shorter context lets a later round overflow it while other agents fit
+        "decoders": [dec("alpha"), dec("beta"), {**dec("gamma"), "engine": {**engine, "max_model_len": 64}}],
     }
 
 
@@ -125,9 +129,8 @@ def app(tmp_path_factory):
     yield {"url": base, "paths": paths, "cfg": cfg}
     serve.shutdown()
     ray.shutdown()
-    import shutil
-
     shutil.rmtree(pool_dir, ignore_errors=True)
+    shutil.rmtree(tmp, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
@@ -144,8 +147,8 @@ def reference(app):
 
     from app.models.checkpoint import load_model
 
-    tok = AutoTokenizer.from_pretrained(str(TOKENIZER))
-    models = {k: load_model(p, torch.float32) for k, p in app["paths"].items()}
+    tok = AutoTokenizer.from_pretrained(str(app["paths"]["tokenizer"]))
+    models = {k: load_model(p, torch.float32) for k, p in app["paths"].items() if k != "tokenizer"}
     return tok, models
 
 
@@ -273,6 +276,20 @@ def test_multi_round_workflow_joins_outputs_and_streams_per_agent(app):
     assert all(r["error"] is None for r in done.values())
 
 
+def test_one_failing_agent_is_reported_while_the_others_complete(app):
+    body = {"context": CONTEXT, "rounds": [
+        [{"name": "plan", "model": "alpha", "instruction": "call the shipping tool.", "max_tokens": 24}],
+        [{"name": "small", "model": "gamma", "instruction": "what is the city?", "max_tokens": 8},
+         {"name": "ok", "model": "beta", "instruction": "what is the city?", "max_tokens": 4}]]}
+    status, out = _post(app["url"] + "/v1/agents/run", body)
+    assert status == 200, out
+    res = {(r["round"], r["name"]): r for r in out["results"]}
+    assert res[(0, "plan")]["usage"]["completion_tokens"] >= 16  # enough to overflow gamma's 64 tokens
+    assert res[(1, "small")]["error"].startswith("context_length_exceeded")
+    assert res[(1, "small")]["token_ids"] == []
+    assert res[(1, "ok")]["error"] is None and res[(1, "ok")]["usage"]["completion_tokens"] >= 1
+
+
 def test_different_decoders_over_one_context_use_one_prefill_replica(app, client):
     from app.training.tasks import render_prompt
 
@@ -316,6 +333,10 @@ def test_metrics_change_with_traffic(app, client):
     assert 0 < _metric(after, "prefillshare_kv_pool_hit_ratio") <= 1
     assert _metric(after, "prefillshare_kv_bytes_moved_total") > _metric(before, "prefillshare_kv_bytes_moved_total")
     assert "prefillshare_queue_length" in "".join(after)
+    # the pool's own counters: beta's connector found the base's blocks; blocks are held
+    assert _metric(after, "prefillshare_kv_pool_events_total", scope="beta", event="hits") > \
+        _metric(before, "prefillshare_kv_pool_events_total", scope="beta", event="hits")
+    assert _metric(after, "prefillshare_kv_pool_held_bytes") > 0
 
 
 @pytest.mark.parametrize("path, body, status, param", [

@@ -35,6 +35,7 @@ def _serve_config(paths: dict, port: int, pool: str, metrics_cpus: float = 0.05)
         "applications": [{
             "name": "prefillshare", "route_prefix": "/", "import_path": "app.serve_app:build_app",
             "args": {"config": {
+                "tokenizer": str(paths["tokenizer"]),
                 "pool": {"path": pool, "capacity_gib": 0.125},
                 "engine_env": {"VLLM_HOST_IP": "127.0.0.1"},
                 "prefill_modules": [{"name": "base", "model": str(paths["base"]), "engine": engine}],

@@ -1,0 +1,59 @@
+"""The metrics registry without Ray: what one request record and the KV pool's counters become."""
+from __future__ import annotations
+
+from deployments.metrics import AppMetrics, PrefillRecord, RequestRecord
+
+
+def _samples(m: AppMetrics) -> dict[str, float]:
+    out = {}
+    for fam in m.registry.collect():
+        for s in fam.samples:
+            key = s.name + "{" + ",".join(f"{k}={v}" for k, v in sorted(s.labels.items())) + "}"
+            out[key] = s.value
+    return out
+
+
+def test_request_record_splits_computed_and_saved_tokens():
+    m = AppMetrics()
+    m.request(RequestRecord("alpha", "a1", "agents", 0.05, 0.2, prompt_tokens=40, generated_tokens=5,
+                            shared_tokens_expected=39, shared_tokens_loaded=39, kv_bytes_per_token=512))
+    m.request(RequestRecord("alpha", "a2", "agents", 0.05, 0.2, prompt_tokens=40, generated_tokens=5,
+                            shared_tokens_expected=39, shared_tokens_loaded=0, kv_bytes_per_token=512))
+    m.prefill(PrefillRecord("base", "r1", computed_tokens=50, cached_tokens=32, seconds=0.1))
+    s = _samples(m)
+    assert s["prefillshare_prefill_tokens_saved_total{module=alpha,stage=decode}"] == 39
+    assert s["prefillshare_prefill_tokens_computed_total{module=alpha,stage=decode}"] == 1 + 40
+    assert s["prefillshare_prefill_tokens_computed_total{module=base,stage=prefill}"] == 50
+    assert s["prefillshare_prefill_tokens_saved_total{module=base,stage=prefill}"] == 32
+    assert s["prefillshare_kv_pool_hit_ratio{}"] == 0.5
+    assert s["prefillshare_kv_bytes_moved_total{model=alpha}"] == 39 * 512
+    assert s["prefillshare_ttft_seconds_count{agent=a1,model=alpha}"] == 1
+
+
+def test_failed_request_counts_only_as_an_error():
+    m = AppMetrics()
+    m.request(RequestRecord("beta", "", "completions", None, 0.1, 10, 0, 9, 0, 512, ok=False))
+    s = _samples(m)
+    assert s["prefillshare_requests_total{model=beta,route=completions,status=error}"] == 1
+    assert not any(k.startswith("prefillshare_e2e_seconds_count") for k in s)
+
+
+def test_pool_counters_are_exported_per_scope(tmp_path):
+    from app.engine.kv_pool import KVPool
+
+    pool = KVPool(str(tmp_path / "pool"), 1 << 20)
+    pool.count("alpha", hits=3, misses=1, bytes_moved=4096)
+    pool.count("alpha", **{"fallback:missing": 1})
+    s = _samples(AppMetrics(str(tmp_path / "pool")))
+    assert s["prefillshare_kv_pool_events_total{event=hits,scope=alpha}"] == 3
+    assert s["prefillshare_kv_pool_events_total{event=fallback:missing,scope=alpha}"] == 1
+    assert s["prefillshare_kv_pool_request_hit_ratio{}"] == 0.75
+    assert s["prefillshare_kv_pool_capacity_bytes{}"] == 1 << 20
+
+
+def test_missing_pool_never_fails_a_scrape(tmp_path):
+    f = tmp_path / "not-a-dir"
+    f.write_text("x")
+    text = AppMetrics(str(f)).render().decode()
+    assert "# TYPE prefillshare_ttft_seconds histogram" in text
+    assert "prefillshare_kv_pool_held_bytes" not in text
