@@ -182,7 +182,7 @@ def test_every_replica_fits_at_full_scale(path):
     problems, pools = check_capacity(_load(path))
     assert problems == []
     placed = {d for p in pools for d in p.placed}
-    assert any(":" in d for d in placed), "engine deployments were counted"
+    assert any("/Prefill-" in d for d in placed) and any("/Decode-" in d for d in placed), placed
 
 
 def test_gpu_prefill_and_decoders_on_separate_gpu_groups(gpu_manifest):
@@ -191,9 +191,9 @@ def test_gpu_prefill_and_decoders_on_separate_gpu_groups(gpu_manifest):
     by_name = {p.name: p for p in pools}
     prefill, decode = by_name["prefill"], by_name["decode"]
     assert prefill.per_pod["GPU"] >= 1 and decode.per_pod["GPU"] >= 1
-    assert set(prefill.placed) and all("/prefill:" in d for d in prefill.placed)
-    assert set(decode.placed) and all("/decode:" in d for d in decode.placed)
-    assert not any("/decode:" in d or "/prefill:" in d for d in by_name["head"].placed)
+    assert set(prefill.placed) and all("/Prefill-" in d for d in prefill.placed)
+    assert set(decode.placed) and all("/Decode-" in d for d in decode.placed)
+    assert not any("/Decode-" in d or "/Prefill-" in d for d in by_name["head"].placed)
     groups = {g["groupName"]: g for g in gpu_manifest["spec"]["rayClusterConfig"]["workerGroupSpecs"]}
     for name in ("prefill", "decode"):
         limits = groups[name]["template"]["spec"]["containers"][0]["resources"]["limits"]
