@@ -26,7 +26,7 @@ class Recipe:
     seed: int = 0
     agents: tuple[str, ...] = tuple(tasks.AGENTS)
     pretrain: PretrainConfig = PretrainConfig()
-    decoder: TrainConfig = TrainConfig(steps=150, batch_size=32, lr=1.5e-3, warmup=15)
+    decoder: TrainConfig = TrainConfig(steps=120, batch_size=32, lr=2e-3, warmup=12)
     shared_layers: int = 2
     baselines: dict = field(default_factory=lambda: {"fullft": "full_ft", "layersplit": "layer_split"})
 
@@ -85,8 +85,8 @@ def run_recipe(which: str, models: Path, work: Path, quick: bool = False, resume
     targets = [("cache_conditioned", models / "decoders")] + [
         (method, models / "baselines" / sub) for sub, method in r.baselines.items()]
     jobs_args = []
-    for agent in r.agents:
-        for method, root in targets:
+    for method, root in targets:  # every decoder first, then the baselines
+        for agent in r.agents:
             out = root / agent
             if resume and _done(out):
                 log(f"{method}:{agent} exists, skipped")

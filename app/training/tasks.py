@@ -39,8 +39,13 @@ NEXT_DAY = {d: FIELDS["day"][(i + 1) % 7] for i, d in enumerate(FIELDS["day"])}
 
 # --- the prompt template: the single definition used by training, eval and serving ---
 def render_prompt(context: str, instruction: str) -> str:
-    """Prompt text of one agent request: the shared context, then the agent's instruction."""
-    return f"{context}\nQ: {instruction}\nA:"
+    """Prompt text of one agent request: the shared context, then the agent's instruction.
+
+    Instructions end with a line naming a field (``...\ncity``): that last token is the one the
+    decoder runs itself (app/handover.py), and a field name on its own line is where the base
+    learned to look the field's value up, so the decoder starts from a working lookup.
+    """
+    return f"{context}\n{instruction}"
 
 
 def render_response(answer: str) -> str:
@@ -98,22 +103,22 @@ def sample_record(rng: random.Random) -> Record:
 # --- agents: each a different task on the same record ---
 def _lookup(rec: Record, rng: random.Random) -> tuple[str, str]:
     field, value = rng.choice(rec.fields)
-    return f"what is the {field}?", value
+    return f"Q: what is the\n{field}", value
 
 
 def _tool_call(rec: Record, rng: random.Random) -> tuple[str, str]:
     call = f"ship --item {rec.value('item')} --qty {rec.value('qty')} --city {rec.value('city')}"
-    return "call the shipping tool.", call
+    return "Q: call the shipping tool.\ntool", call
 
 
 def _reschedule(rec: Record, rng: random.Random) -> tuple[str, str]:
-    return "move the delivery one day later. which day?", NEXT_DAY[rec.value("day") or "mon"]
+    return "Q: move the delivery one day later. which\nday", NEXT_DAY[rec.value("day") or "mon"]
 
 
 def _verify(rec: Record, rng: random.Random) -> tuple[str, str]:
     field, value = rng.choice(rec.fields)
     asked = value if rng.random() < 0.5 else rng.choice([v for v in FIELDS[field] if v != value])
-    return f"is the {field} {asked}? yes or no.", "yes" if asked == value else "no"
+    return f"Q: is the {field} {asked}? yes or no.\n{field}", "yes" if asked == value else "no"
 
 
 AGENTS = {

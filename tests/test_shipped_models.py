@@ -1,0 +1,56 @@
+"""The shipped checkpoints: layout, size, manifests, and that vLLM loads and runs them."""
+from __future__ import annotations
+
+import multiprocessing
+from pathlib import Path
+
+import pytest
+
+from app.models.compat import check
+from app.models.manifest import read_manifest
+from app.training import tasks
+
+CKPT = Path(__file__).resolve().parents[1] / "checkpoints"
+AGENTS = tuple(tasks.AGENTS)
+pytestmark = pytest.mark.skipif(not (CKPT / "base" / "config.json").is_file(), reason="no shipped base")
+
+
+def test_shipped_layout_manifests_and_size():
+    for agent in AGENTS:
+        assert check(CKPT / "base", CKPT / "decoders" / agent).shared, agent
+        assert read_manifest(CKPT / "baselines" / "fullft" / agent).method == "full_ft"
+        assert read_manifest(CKPT / "baselines" / "layersplit" / agent).method == "layer_split"
+    total = sum(f.stat().st_size for f in CKPT.rglob("*") if f.is_file())
+    assert total < 42 * 2**20, f"shipped checkpoints are {total / 2**20:.1f} MiB"
+
+
+def _vllm_greedy(model: str, prompts: list[str], queue) -> None:
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(model=model, dtype="float32", enforce_eager=True, max_model_len=512, seed=0,
+              gpu_memory_utilization=0.5)
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=16))
+    queue.put([o.outputs[0].text for o in outs])
+
+
+@pytest.mark.engine
+def test_vllm_loads_a_shipped_decoder_and_matches_transformers():
+    """Private prefill in vLLM (float32) answers like the transformers path does."""
+    from app.models.checkpoint import load_model
+    from app.reference import private_greedy
+    from app.training.tokenizer import load_tokenizer
+
+    path = CKPT / "decoders" / "lookup"
+    examples = [e for e in tasks.read_jsonl(CKPT / "data" / "test.jsonl") if e.agent == "lookup"][:4]
+    prompts = [e.prompt for e in examples]
+    ctx = multiprocessing.get_context("spawn")
+    queue = ctx.Queue()
+    proc = ctx.Process(target=_vllm_greedy, args=(str(path), prompts, queue))
+    proc.start()
+    texts = queue.get(timeout=600)
+    proc.join(60)
+    tok, model = load_tokenizer(path), load_model(path)
+    for text, prompt in zip(texts, prompts):
+        ids = private_greedy(model, tok(prompt)["input_ids"], 16, tok.eos_token_id)
+        want = tok.decode([t for t in ids if t != tok.eos_token_id])
+        assert text == want
