@@ -53,11 +53,15 @@ def test_percentiles_bound_and_summary_accounting():
         res.append(r)
     res[3].error = "HTTP 500"
     text = ('prefillshare_prefill_tokens_computed_total{stage="prefill",module="base"} 300\n'
-            'prefillshare_prefill_tokens_saved_total{stage="decode",module="agent0"} 100\n')
+            'prefillshare_prefill_tokens_saved_total{stage="prefill",module="base"} 100\n'
+            'prefillshare_prefill_tokens_saved_total{stage="decode",module="agent0"} 500\n'
+            'prefillshare_kv_pool_hit_tokens_total{model="agent0"} 500\n'
+            'prefillshare_kv_pool_lookup_tokens_total{model="agent0"} 520\n')
     p = summarize("a", spec, "rate", 0.1, res, 0.0, 30.0, {}, parse_metrics(text), 1024.0, 10, 6.0)
     assert (p.ok, p.sent) == (3, 4) and p.errors == ["HTTP 500"]
     assert p.sessions_per_s == pytest.approx(0.1) and p.output_tok_per_s == pytest.approx(24 / 30)
     assert p.prefill_tokens_computed_per_session == pytest.approx(100) and p.cache_hit_ratio == pytest.approx(0.25)
+    assert p.pool_hit_ratio == pytest.approx(500 / 520)
     assert p.decoder_kv_peak_bytes == 2 * 264 * 10  # two agents of one session overlap, sessions do not
     assert p.cpu_s_per_session == pytest.approx(2.0) and p.fanout_latency["p95"] == pytest.approx(2.0)
     assert max_sustainable([p], slo_s=5.0) is None  # a session failed: not sustainable
@@ -95,6 +99,8 @@ def test_short_run_of_three_systems_is_well_formed(tmp_path):
     assert pts["a"]["prefill_tokens_computed_per_session"] < pts["b"]["prefill_tokens_computed_per_session"]
     assert pts["a"]["pool_hit_ratio"] == pytest.approx(1.0) and pts["c"]["pool_hit_ratio"] is None
     assert pts["c"]["pool_peak_bytes"] == 0 and pts["a"]["pool_peak_bytes"] >= 0
+    # round 2 extends round 1's context: every engine that saw round 1 finds it in its prefix cache
+    assert all(p["cache_hit_ratio"] > 0 for p in pts.values())
     assert {c["baseline"] for c in doc["comparisons"]} == {"b", "c"}
     for c in doc["comparisons"]:
         assert c["throughput_bound"] > 0 and c["throughput_ratio"] > 0

@@ -38,7 +38,9 @@ def p95_vs_load(points: list[PointResult], path: str | Path, title: str = "") ->
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     if title:
-        fig.suptitle(title, fontsize=9)
+        import textwrap
+
+        fig.suptitle("\n".join(textwrap.wrap(title, 48 * len(groups))), fontsize=8)
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -66,7 +68,9 @@ def throughput_vs_n(points: list[PointResult], path: str | Path, title: str = ""
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     if title:
-        fig.suptitle(title, fontsize=9)
+        import textwrap
+
+        fig.suptitle("\n".join(textwrap.wrap(title, 48 * len(groups))), fontsize=8)
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -71,7 +71,7 @@ class PointResult:
     sessions_per_s: float
     output_tok_per_s: float
     prefill_tokens_computed_per_session: float
-    cache_hit_ratio: float | None     # prompt tokens served from a cache (prefix cache or pool) / all
+    cache_hit_ratio: float | None     # prompt tokens an engine found in its prefix cache / tokens it was given
     pool_hit_ratio: float | None      # of tokens decoders expected from the pool, found
     pool_peak_bytes: float
     decoder_kv_peak_bytes: float      # modelled: in-flight agents' (prompt + output) tokens x bytes/token
@@ -92,6 +92,8 @@ def summarize(system: str, spec, mode: str, load: float, results: list[SessionRe
     saved = metric_delta(after, before, "prefillshare_prefill_tokens_saved_total")
     lookup = metric_delta(after, before, "prefillshare_kv_pool_lookup_tokens_total")
     hit = metric_delta(after, before, "prefillshare_kv_pool_hit_tokens_total")
+    # prefix-cache hits only: KV a decoder loaded from the pool is a hand-over, not a cache hit
+    cached = max(0.0, saved - hit)
     # modelled decoder-resident KV: sweep over agent intervals
     events = []
     for a in agents:
@@ -113,7 +115,7 @@ def summarize(system: str, spec, mode: str, load: float, results: list[SessionRe
         sessions_per_s=len(ok) / wall,
         output_tok_per_s=sum(a.completion_tokens for a in agents) / wall,
         prefill_tokens_computed_per_session=computed / len(ok) if ok else 0.0,
-        cache_hit_ratio=saved / (saved + computed) if saved + computed else None,
+        cache_hit_ratio=(cached / (cached + computed)) if cached + computed else None,
         pool_hit_ratio=hit / lookup if lookup else None,
         pool_peak_bytes=pool_peak, decoder_kv_peak_bytes=peak,
         cpu_s_per_session=(cpu_s / len(ok)) if (cpu_s is not None and ok) else None,
@@ -235,8 +237,8 @@ def comparison_table(comps: list[Comparison]) -> str:
         p95s = ", ".join(f"{load:g}: {r:.2f}x" for load, r in c.p95_ratios) or "-"
         rows.append(
             f"| {c.label} | {c.baseline} {SYSTEMS[c.baseline]} | {_f(a, '{:.3f}')} / {_f(b, '{:.3f}')} | "
-            f"{_f(c.throughput_ratio)}x | {_f(c.throughput_bound)}x | {_f(frac, '{:.0%}')} | {p95s} | "
-            f"{_f(c.p95_at_2x_unloaded)}x | {_f(c.max_rate.get('a'), '{:g}')} / {_f(c.max_rate.get(c.baseline), '{:g}')} |")
+            f"{_f(c.throughput_ratio, '{:.2f}x')} | {_f(c.throughput_bound, '{:.2f}x')} | {_f(frac, '{:.0%}')} | "
+            f"{p95s} | {_f(c.p95_at_2x_unloaded, '{:.2f}x')} | {_f(c.max_rate.get('a'), '{:g}')} / {_f(c.max_rate.get(c.baseline), '{:g}')} |")
     return "\n".join(rows)
 
 

@@ -135,6 +135,23 @@ def _get(url: str, timeout: float = 30.0) -> tuple[int, str]:
         return 0, f"{type(e).__name__}: {e}"
 
 
+def _start_ray(tmp: str, log, attempts: int = 3) -> None:
+    """ray.init, retried: on a saturated machine the raylet can miss Ray's fixed 30 s start window."""
+    import ray
+
+    for i in range(attempts):
+        try:
+            ray.init(num_cpus=32, include_dashboard=False, _temp_dir=tmp, log_to_driver=False,
+                     runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+                                               "PYTHONPATH": str(PROJECT)}})
+            return
+        except Exception as e:  # noqa: BLE001 - Ray raises a bare Exception for this timeout
+            if i + 1 == attempts or "timed out during startup" not in str(e):
+                raise
+            log(f"ray.init failed ({e}); retrying")
+            ray.shutdown()
+
+
 def _wait_ready(url: str, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     last = ""
@@ -283,9 +300,7 @@ def run(cfg: ServeBenchConfig, log=print) -> dict:
     tmp = os.environ.get("RAY_TMPDIR") or f"/tmp/ray-bench-{os.getpid()}"
     os.environ.setdefault("RAY_TMPDIR", tmp)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    ray.init(num_cpus=32, include_dashboard=False, _temp_dir=tmp, log_to_driver=False,
-             runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
-                                       "PYTHONPATH": str(PROJECT)}})
+    _start_ray(tmp, log)
     port = _free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     url = f"http://127.0.0.1:{port}"
