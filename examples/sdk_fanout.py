@@ -7,18 +7,22 @@ from __future__ import annotations
 
 import argparse
 import os
+import random
 import sys
 
 from agents import Agent, Client, Sampling
+from app.training.tasks import AGENTS as TASKS, Record
 
-CONTEXT = "order\nname: maya\nitem: lamp\nqty: 3\ncity: oslo\nday: tue\nnote: please call before noon"
-# Instructions in the format the shipped decoders were trained on (app/training/tasks.py).
-INSTRUCTIONS = {
-    "lookup": "what is the city?",
-    "tool_call": "call the shipping tool.",
-    "reschedule": "move the delivery one day later. which day?",
-    "verify": "is the city oslo? yes or no.",
-}
+# One order record; the shipped decoders were trained on this format (app/training/tasks.py),
+# so the task suite writes each agent's instruction and the answer it should give.
+RECORD = Record((("name", "maya"), ("item", "lamp"), ("qty", "3"), ("city", "oslo"), ("day", "tue")),
+                ("please", "call", "before", "noon"))
+CONTEXT = RECORD.text()
+
+
+def task(model: str) -> tuple[str, str]:
+    """(instruction, expected answer) for a served model; unknown models get the lookup task."""
+    return TASKS.get(model, TASKS["lookup"])(RECORD, random.Random(7))
 
 
 def one_line(text: str) -> str:
@@ -34,13 +38,13 @@ def main(argv: list[str] | None = None) -> int:
 
     with Client(args.url, timeout=120) as client:
         models = args.models or [m.id for m in client.models()]
-        agents = [Agent(m, INSTRUCTIONS.get(m, "what is the city?"), sampling=Sampling(max_tokens=args.max_tokens))
-                  for m in models]
+        agents = [Agent(m, task(m)[0], sampling=Sampling(max_tokens=args.max_tokens)) for m in models]
         result = client.run(CONTEXT, agents)
 
     for r in result.results:
         where = f"shared prefill on {r.prefill.module}" if r.shared_prefill else "private prefill"
         print(f"[{r.name}] {one_line(r.text)}")
+        print(f"    expected: {task(r.model)[1]}")
         print(f"    {r.usage.prompt_tokens} prompt tokens ({r.usage.cached_tokens} loaded, {where}), "
               f"{r.usage.completion_tokens} generated, finish={r.finish_reason}" + (f", ERROR {r.error}" if r.error else ""))
     u = result.usage

@@ -7,17 +7,20 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import random
 import sys
 
 from agents import Agent, AsyncClient, Sampling
+from app.training.tasks import AGENTS as TASKS, Record
 
-CONTEXT = "order\nname: omar\nitem: desk\nqty: 2\ncity: rome\nday: fri\nnote: fragile handle with care"
-INSTRUCTIONS = {
-    "lookup": "what is the item?",
-    "tool_call": "call the shipping tool.",
-    "reschedule": "move the delivery one day later. which day?",
-    "verify": "is the day fri? yes or no.",
-}
+RECORD = Record((("item", "desk"), ("name", "omar"), ("city", "rome"), ("qty", "2"), ("day", "fri")),
+                ("fragile", "handle", "with", "care"))
+CONTEXT = RECORD.text()
+
+
+def instruction(model: str) -> str:
+    """The task suite's instruction for a served model (app/training/tasks.py)."""
+    return TASKS.get(model, TASKS["lookup"])(RECORD, random.Random(3))[0]
 
 
 def one_line(text: str) -> str:
@@ -27,8 +30,7 @@ def one_line(text: str) -> str:
 async def run(url: str, max_tokens: int) -> int:
     async with AsyncClient(url, timeout=120) as client:
         models = [m.id for m in await client.models()]
-        agents = [Agent(m, INSTRUCTIONS.get(m, "what is the item?"), sampling=Sampling(max_tokens=max_tokens))
-                  for m in models]
+        agents = [Agent(m, instruction(m), sampling=Sampling(max_tokens=max_tokens)) for m in models]
         async with client.stream(CONTEXT, agents) as stream:
 
             async def follow(name: str) -> str:

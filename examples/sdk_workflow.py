@@ -13,16 +13,18 @@ import sys
 from agents import Agent, Client, Sampling, Workflow
 
 CONTEXT = "order\nname: lena\nitem: clock\nqty: 5\ncity: lima\nday: wed\nnote: leave at door"
+# Instruction templates in the task suite's format (app/training/tasks.py): a question, then
+# a line naming the field the answer is about.
 
 
 def build(models: list[str], client_join: bool) -> Workflow:
     """First served model looks up, the others work in parallel, the last one checks."""
     s = Sampling(max_tokens=16)
     first, *rest = models
-    planner = Agent(first, "what is the {field}?", name="planner", sampling=s)
-    workers = [Agent(m, "call the shipping tool.", name=f"worker-{m}", sampling=s) for m in rest] or \
-              [Agent(first, "what is the item?", name="worker", sampling=s)]
-    checker = Agent(models[-1], "is the {field} {expected}? yes or no.", name="checker", sampling=s)
+    planner = Agent(first, "Q: what is the\n{field}", name="planner", sampling=s)
+    workers = [Agent(m, "Q: call the shipping tool.\ntool", name=f"worker-{m}", sampling=s) for m in rest] or \
+              [Agent(first, "Q: what is the\nitem", name="worker", sampling=s)]
+    checker = Agent(models[-1], "Q: is the {field} {expected}? yes or no.\n{field}", name="checker", sampling=s)
     if client_join:
         def notes(context, results):
             return context + "".join(f"\nnote:{r.name} answered {r.text.strip()}" for r in results if r.ok)

@@ -209,13 +209,13 @@ def _printed(stdout: str) -> dict[str, str]:
 def test_examples_print_the_apps_answers(app_url, client):
     fanout = _example("sdk_fanout")
     stdout = _run_example("sdk_fanout", "--url", app_url, "--max-tokens", str(MAX_NEW))
-    expected = client.run(fanout.CONTEXT, [Agent(m, fanout.INSTRUCTIONS[m], sampling=Sampling(max_tokens=MAX_NEW))
+    expected = client.run(fanout.CONTEXT, [Agent(m, fanout.task(m)[0], sampling=Sampling(max_tokens=MAX_NEW))
                                            for m in ("lookup", "tool_call", "verify")])
     assert _printed(stdout) == {r.name: _one_line(r.text) for r in expected.results}
 
     stream = _example("sdk_stream")
     stdout = _run_example("sdk_stream", "--url", app_url, "--max-tokens", str(MAX_NEW))
-    expected = client.run(stream.CONTEXT, [Agent(m, stream.INSTRUCTIONS[m], sampling=Sampling(max_tokens=MAX_NEW))
+    expected = client.run(stream.CONTEXT, [Agent(m, stream.instruction(m), sampling=Sampling(max_tokens=MAX_NEW))
                                            for m in ("lookup", "tool_call", "verify")])
     assert _printed(stdout) == {r.name: _one_line(r.text) for r in expected.results}
 
