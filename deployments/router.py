@@ -14,6 +14,7 @@ from typing import Any, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError
 from ray import serve
 
@@ -141,6 +142,21 @@ api = FastAPI(title="PrefillShare")
 @api.exception_handler(ApiError)
 async def _api_error(_: Request, exc: ApiError):
     return exc.response()
+
+
+@api.exception_handler(StarletteHTTPException)
+async def _http_error(request: Request, exc: StarletteHTTPException):
+    """Unknown routes and wrong methods in OpenAI's error shape too."""
+    code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+    return JSONResponse(status_code=exc.status_code,
+                        content=error_body(f"{request.method} {request.url.path}: {exc.detail}",
+                                           "invalid_request_error", None, code))
+
+
+@api.exception_handler(Exception)
+async def _internal_error(_: Request, exc: Exception):
+    return JSONResponse(status_code=500, content=error_body(f"internal error: {type(exc).__name__}: {exc}",
+                                                            "server_error", None, "internal"))
 
 
 @serve.deployment(name="Router")
