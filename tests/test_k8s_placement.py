@@ -38,16 +38,32 @@ def cluster(gpu_manifest):
     pools = {p.name: p for p in cluster_pools(gpu_manifest)}
     groups = {g["groupName"]: g for g in gpu_manifest["spec"]["rayClusterConfig"]["workerGroupSpecs"]}
     head = pools["head"].per_pod
-    c = Cluster(initialize_head=True, head_node_args={"num_cpus": int(head["CPU"]), "num_gpus": 0})
-    node_group = {}
-    for name, g in groups.items():
-        per_pod = pools[name].per_pod
-        custom = {k: v for k, v in per_pod.items() if k not in ("CPU", "GPU")}
-        for _ in range(g["replicas"]):
-            node = c.add_node(num_cpus=int(per_pod["CPU"]), num_gpus=int(per_pod["GPU"]), resources=custom)
-            node_group[node.node_id] = name
-    ray.init(address=c.address)
-    c.wait_for_nodes()
+
+    def start() -> tuple[Cluster, dict]:
+        c = Cluster(initialize_head=True, head_node_args={"num_cpus": int(head["CPU"]), "num_gpus": 0})
+        node_group = {}
+        try:
+            for name, g in groups.items():
+                per_pod = pools[name].per_pod
+                custom = {k: v for k, v in per_pod.items() if k not in ("CPU", "GPU")}
+                for _ in range(g["replicas"]):
+                    node = c.add_node(num_cpus=int(per_pod["CPU"]), num_gpus=int(per_pod["GPU"]), resources=custom)
+                    node_group[node.node_id] = name
+            ray.init(address=c.address)
+            c.wait_for_nodes()
+        except Exception:
+            ray.shutdown()
+            c.shutdown()
+            raise
+        return c, node_group
+
+    for attempt in range(3):  # raylets have a fixed 30 s to register; a saturated machine can miss it
+        try:
+            c, node_group = start()
+            break
+        except Exception:  # noqa: BLE001 - retried, then raised
+            if attempt == 2:
+                raise
     yield node_group
     ray.shutdown()
     c.shutdown()
