@@ -275,7 +275,6 @@ def run(cfg: ServeBenchConfig, log=print) -> dict:
     from ray import serve
 
     from app.bench import models as bm
-    from app.bench.report import compare
     from app.bench.systems import app_config
     from app.bench.workload import ContextMaker, make_sessions
     from app.bench.client import open_loop
@@ -347,10 +346,24 @@ def run(cfg: ServeBenchConfig, log=print) -> dict:
             finally:
                 serve.delete(f"bench-{system}")
                 shutil.rmtree(pool, ignore_errors=True)
+                if points:  # partial results survive an interrupted sweep
+                    doc, comps = _document(cfg, mset, topo, deploy_s, skipped, costs, points)
+                    write_outputs(doc, points, comps, costs, cfg.out, log=lambda *_: None)
     finally:
         serve.shutdown()
         ray.shutdown()
 
+    doc, comps = _document(cfg, mset, topo, deploy_s, skipped, costs, points)
+    write_outputs(doc, points, comps, costs, cfg.out, log)
+    return doc
+
+
+def _document(cfg: ServeBenchConfig, mset, topo: Topology, deploy_s: dict, skipped: list, costs: dict,
+              points: list) -> tuple[dict, list]:
+    """The result document and the comparisons, from whatever has been measured so far."""
+    from app.bench.report import compare
+
+    n_max = max(cfg.fanouts)
     comps = []
     for spec in cfg.specs(n_max):
         pts = [p for p in points if (p.fanout, p.context_tokens, p.rounds) == (spec.fanout, spec.context_tokens,
@@ -376,8 +389,7 @@ def run(cfg: ServeBenchConfig, log=print) -> dict:
         "points": [p.to_dict() for p in points],
         "comparisons": [c.to_dict() for c in comps],
     }
-    write_outputs(doc, points, comps, costs, cfg.out, log)
-    return doc
+    return doc, comps
 
 
 def _jsonable(x):
