@@ -116,7 +116,7 @@ def stack(model_dirs):
             raise errors[0]
 
     try:
-        loop.run(start_all(), timeout=600)
+        loop.run(start_all(), timeout=1800)  # a hang guard: engine start-up takes minutes on a busy box
         yield loop, engines, KVPool(pool_dir)
     finally:
         for e in engines.values():

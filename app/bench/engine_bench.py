@@ -188,6 +188,9 @@ async def _run(cfg: BenchConfig) -> list[CaseResult]:
                 cpu_s_private=cpu1 - cpu0, cpu_s_shared=cpu2 - cpu1,
                 cached_tokens_ok=all(c == L - 1 for _, c in shared),
                 extra={"fallbacks": pool.stats(scope="bench-decoder").fallbacks}))
+            r = results[-1]
+            tqdm.write(f"L={L} N={n}: decoder prompt {r.private_prompt_s * 1e3:.0f} ms private vs "
+                       f"{r.shared_prompt_s * 1e3:.1f} ms shared ({r.ratio:.1f}x)")
     finally:
         for e in engines:
             e.shutdown()

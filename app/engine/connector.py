@@ -165,14 +165,15 @@ class PrefillShareConnector(KVConnectorBase_V1):
             return 0, False
         first = num_computed_tokens // self.block_size  # local hits are block-aligned here
         self._plans[rid] = (entries[first:], lease, first)
-        self.pool.count(self.scope, hits=1, hit_tokens=shared - num_computed_tokens)
         self._report[rid] = {"loaded_tokens": shared - num_computed_tokens, "fallback": None}
         return shared - num_computed_tokens, False
 
     def _fallback(self, rid: str, kind: str, detail: str) -> None:
-        self.pool.count_map(self.scope, {"misses": 1, f"fallback:{kind}": 1})
+        # The scheduler asks again for a request it could not place; count each request once.
+        if (self._report.get(rid) or {}).get("fallback") != kind:
+            self.pool.count_map(self.scope, {"misses": 1, f"fallback:{kind}": 1})
+            log.info("PrefillShare: request %s prefills privately (%s: %s)", rid, kind, detail)
         self._report[rid] = {"loaded_tokens": 0, "fallback": kind, "detail": detail}
-        log.info("PrefillShare: request %s prefills privately (%s: %s)", rid, kind, detail)
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int):
         rid = request.request_id
@@ -186,6 +187,7 @@ class PrefillShareConnector(KVConnectorBase_V1):
             return
         (block_ids,) = self._kv_cache_manager.get_block_ids(rid)[:1]
         self._ready[rid] = LoadSpec(rid, entries, list(block_ids[first : first + len(entries)]), lease)
+        self.pool.count(self.scope, hits=1, hit_tokens=num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
         meta = PrefillShareMeta(loads=list(self._ready.values()))
