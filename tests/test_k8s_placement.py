@@ -57,12 +57,12 @@ def cluster(gpu_manifest):
             raise
         return c, node_group
 
-    for attempt in range(3):  # raylets have a fixed 30 s to register; a saturated machine can miss it
+    for attempt in range(5):  # raylets have a fixed 30 s to register; a saturated machine can miss it
         try:
             c, node_group = start()
             break
         except Exception:  # noqa: BLE001 - retried, then raised
-            if attempt == 2:
+            if attempt == 4:
                 raise
     yield node_group
     ray.shutdown()

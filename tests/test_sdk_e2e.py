@@ -101,13 +101,13 @@ def app_url(tmp_path_factory):
     })
     tmp = f"/tmp/rsdk{os.getpid()}"
     os.environ["RAY_TMPDIR"] = tmp
-    for attempt in range(3):  # the raylet has a fixed 30 s to register; a saturated 2-core box can miss it
+    for attempt in range(5):  # the raylet has a fixed 30 s to register; a saturated 2-core box can miss it
         try:
             ray.init(num_cpus=4, include_dashboard=False, _temp_dir=tmp)
             break
         except Exception:  # noqa: BLE001 - retried, then raised
             ray.shutdown()
-            if attempt == 2:
+            if attempt == 4:
                 raise
             time.sleep(5)
     port = _free_port()
