@@ -118,7 +118,9 @@ def _reschedule(rec: Record, rng: random.Random) -> tuple[str, str]:
 def _verify(rec: Record, rng: random.Random) -> tuple[str, str]:
     field, value = rng.choice(rec.fields)
     asked = value if rng.random() < 0.5 else rng.choice([v for v in FIELDS[field] if v != value])
-    return f"Q: is the {field} {asked}? yes or no.\n{field}", "yes" if asked == value else "no"
+    # the asked value is the last token, run by the decoder: "is it in the record?" is then one
+    # identity match against the base's KV of the context
+    return f"Q: yes or no?\n{field} {asked}", "yes" if asked == value else "no"
 
 
 AGENTS = {
