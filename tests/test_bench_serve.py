@@ -79,7 +79,7 @@ def test_short_run_of_three_systems_is_well_formed(tmp_path):
 
     cfg = ServeBenchConfig(
         systems=("a", "b", "c"), fanouts=(2,), lengths=(128,), rounds=(2,), output_tokens=4, rates=(0.5,),
-        duration_s=3.0, max_sessions=4, probes=1, shape=SMALL,
+        duration_s=3.0, max_sessions=4, probes=1, warmup=1, shape=SMALL,
         topology=Topology(kv_cache_gib=0.125, prefill_replicas=1), out=str(tmp_path / "out"),
         model_dir=str(tmp_path / "models"), seed=random.Random().randint(0, 999))
     doc = run(cfg)
