@@ -24,7 +24,7 @@ def build(models: list[str], client_join: bool) -> Workflow:
     planner = Agent(first, "Q: what is the\n{field}", name="planner", sampling=s)
     workers = [Agent(m, "Q: call the shipping tool.\ntool", name=f"worker-{m}", sampling=s) for m in rest] or \
               [Agent(first, "Q: what is the\nitem", name="worker", sampling=s)]
-    checker = Agent(models[-1], "Q: is the {field} {expected}? yes or no.\n{field}", name="checker", sampling=s)
+    checker = Agent(models[-1], "Q: yes or no?\n{field} {expected}", name="checker", sampling=s)
     if client_join:
         def notes(context, results):
             return context + "".join(f"\nnote:{r.name} answered {r.text.strip()}" for r in results if r.ok)
