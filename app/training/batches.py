@@ -10,9 +10,10 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from transformers import DynamicCache
 
 from app.handover import split_prompt
-from app.reference import batched_prompt_kv, decode_on_kv, pad_right
+from app.reference import SharedKV, batched_prompt_kv, decode_on_kv, pad_right
 from app.training import tasks
 
 
@@ -44,17 +45,29 @@ def _per_example_nll(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.
     return (tok * valid).sum(1), valid.sum(1)
 
 
+def nll_on_kv(decoder, kv: SharedKV, batch: Sequence[Encoded], own: Sequence[Sequence[int]],
+              pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Teacher forcing on a prefix KV: ``decoder`` runs its own prompt tokens + response[:-1]
+    after the prefix; NLL of the response tokens only. ``kv`` is not modified."""
+    kv = SharedKV(_clone_cache(kv.cache), kv.mask, kv.lengths)
+    seqs = [list(o) + list(e.response[:-1]) for o, e in zip(own, batch)]
+    ids, mask = pad_right(seqs, pad_id, decoder.device)
+    logits = decode_on_kv(decoder, kv, ids, mask)
+    # a row's first len(own) - 1 logits predict prompt tokens the decoder ran itself
+    targets = [[-100] * (len(o) - 1) + list(e.response) for o, e in zip(own, batch)]
+    return _per_example_nll(logits, _labels(targets, ids.shape[1]))
+
+
+def _clone_cache(cache: DynamicCache) -> DynamicCache:
+    return DynamicCache(ddp_cache_data=[(layer.keys, layer.values) for layer in cache.layers])
+
+
 def shared_nll(base, decoder, batch: Sequence[Encoded], pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Cache-conditioned teacher forcing: base KV of prompt[:-1] (no grad), decoder runs
     prompt[-1] + response[:-1] on it; NLL of the response tokens only."""
     splits = [split_prompt(e.prompt) for e in batch]
     kv = batched_prompt_kv(base, [s for s, _ in splits], pad_id)
-    own = [list(o) + list(e.response[:-1]) for (_, o), e in zip(splits, batch)]
-    ids, mask = pad_right(own, pad_id, decoder.device)
-    logits = decode_on_kv(decoder, kv, ids, mask)
-    # the row's first len(own part) - 1 logits predict prompt tokens the decoder ran itself
-    targets = [[-100] * (len(o) - 1) + list(e.response) for (_, o), e in zip(splits, batch)]
-    return _per_example_nll(logits, _labels(targets, ids.shape[1]))
+    return nll_on_kv(decoder, kv, batch, [o for _, o in splits], pad_id)
 
 
 def private_nll(model, batch: Sequence[Encoded], pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

@@ -84,26 +84,33 @@ def _answer_text(tok, ids: Sequence[int], eos: int) -> str | None:
 
 
 @torch.no_grad()
-def _score(tok, base, decoder, enc: Sequence[batches.Encoded], shared: bool, eos: int, pad: int,
-           batch_size: int) -> tuple[float, float]:
-    """(exact match %, mean answer NLL per token) over ``enc``."""
-    correct, nll_sum, tok_count = 0, 0.0, 0
+def _score_agent(tok, base, runs: dict, enc: Sequence[batches.Encoded], batch_size: int) -> dict[str, tuple[float, float]]:
+    """{method: (exact match %, mean answer NLL per token)} over ``enc``.
+
+    Per batch each prefill model's prefix KV is computed once and shared by every method that
+    reads it (the base's KV serves base, PrefillShare and naive reuse), for NLL and generation.
+    """
+    eos, pad = tok.eos_token_id, tok.pad_token_id
+    totals = {m: [0, 0.0, 0] for m in runs}  # correct, nll sum, answer tokens
     for i in range(0, len(enc), batch_size):
         chunk = enc[i: i + batch_size]
-        if shared:
-            nll, count = batches.shared_nll(base, decoder, chunk, pad)
-        else:
-            nll, count = batches.private_nll(decoder, chunk, pad)
-        nll_sum += float(nll.sum())
-        tok_count += int(count.sum())
-        prefill_model = base if shared else decoder
         splits = [split_prompt(e.prompt) for e in chunk]
-        kv = batched_prompt_kv(prefill_model, [s for s, _ in splits], pad)
+        own = [o for _, o in splits]
+        want = [tasks.parse_response(tok.decode(e.response[:-1])) for e in chunk]
         max_new = max(len(e.response) for e in chunk) + 2
-        outs = batched_greedy_from_kv(decoder, kv, [o for _, o in splits], max_new, eos, pad)
-        correct += sum(int(_answer_text(tok, o, eos) == tasks.parse_response(tok.decode(e.response[:-1])))
-                       for o, e in zip(outs, chunk))
-    return 100.0 * correct / len(enc), nll_sum / max(1, tok_count)
+        kvs: dict[int, object] = {}
+        for method, (decoder, shared, _) in runs.items():
+            prefill_model = base if shared else decoder
+            if id(prefill_model) not in kvs:
+                kvs[id(prefill_model)] = batched_prompt_kv(prefill_model, [s for s, _ in splits], pad)
+            kv = kvs[id(prefill_model)]
+            nll, count = batches.nll_on_kv(decoder, kv, chunk, own, pad)
+            outs = batched_greedy_from_kv(decoder, kv, own, max_new, eos, pad)
+            t = totals[method]
+            t[0] += sum(int(_answer_text(tok, o, eos) == w) for o, w in zip(outs, want))
+            t[1] += float(nll.sum())
+            t[2] += int(count.sum())
+    return {m: (100.0 * c / len(enc), s / max(1, n)) for m, (c, s, n) in totals.items()}
 
 
 def evaluate(data_path: str | Path, models: ModelSet, batch_size: int = 64, limit: int | None = None) -> dict:
@@ -132,11 +139,9 @@ def evaluate(data_path: str | Path, models: ModelSet, batch_size: int = 64, limi
             "naive_reuse": (fullft, True, saved_share),
             "layer_split": (ls, False, shared_layers / n_layers),
         }
-        row = {}
-        for method, (decoder, shared, saved) in runs.items():
-            em, nll = _score(tok, base, decoder, enc, shared, tok.eos_token_id, tok.pad_token_id, batch_size)
-            row[method] = Cell(round(em, 2), round(nll, 4), round(saved, 4), len(enc))
-        table[agent] = row
+        scores = _score_agent(tok, base, runs, enc, batch_size)
+        table[agent] = {m: Cell(round(scores[m][0], 2), round(scores[m][1], 4), round(runs[m][2], 4), len(enc))
+                        for m in runs}
     return {"data": str(data_path), "methods": list(METHODS),
             "agents": {a: {m: asdict(c) for m, c in row.items()} for a, row in table.items()}}
 
