@@ -25,7 +25,6 @@ import base64
 import contextlib
 import json
 import logging
-import os
 import socket
 import socketserver
 import sys
