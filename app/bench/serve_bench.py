@@ -240,11 +240,14 @@ def _run_point(url: str, cfg: ServeBenchConfig, system: str, spec: WorkloadSpec,
     from app.bench.report import summarize
     from app.bench.workload import make_sessions, poisson_arrivals
 
+    # fresh contexts per load point (a context seen at an earlier point would hit prefix caches);
+    # the same ones for every system
+    seed = f"{cfg.seed}-{cfg.mode}-{load:g}"
     if cfg.mode == "rate":
         arrivals = poisson_arrivals(load, cfg.duration_s, cfg.seed, cfg.max_sessions)
-        sessions = make_sessions(spec, len(arrivals), cfg.seed, maker)
+        sessions = make_sessions(spec, len(arrivals), seed, maker)
     else:
-        sessions = make_sessions(spec, cfg.max_sessions, cfg.seed, maker)
+        sessions = make_sessions(spec, cfg.max_sessions, seed, maker)
     before, cpu0 = _metrics(url), _cluster_cpu_s()
 
     async def go():

@@ -77,7 +77,7 @@ class ContextMaker:
         return self.tok.decode(ids).strip()
 
 
-def make_sessions(spec: WorkloadSpec, count: int, seed: int, maker: ContextMaker) -> list[Session]:
+def make_sessions(spec: WorkloadSpec, count: int, seed: int | str, maker: ContextMaker) -> list[Session]:
     """``count`` sessions; session i depends only on (seed, spec, i)."""
     out = []
     for i in range(count):
