@@ -45,12 +45,12 @@ for _ in $(seq 1 300); do
 PrefillShare is ready at ${URL}
   models:   curl ${URL}/v1/models
   complete: curl ${URL}/v1/completions -H 'Content-Type: application/json' \\
-              -d '{"model": "lookup", "prompt": "order\\nitem:lamp\\ncity:oslo\\nQ: what is the city?\\nA:", "max_tokens": 8}'
+              -d '{"model": "lookup", "prompt": "order\\ncity: porto\\nday: wed\\nQ: what is the\\ncity", "max_tokens": 8}'
   fan-out:  curl ${URL}/v1/agents/run -H 'Content-Type: application/json' \\
-              -d '{"context": "order\\nitem:lamp\\nqty:2\\ncity:oslo\\nday:mon", "agents": [
-                   {"model": "lookup", "instruction": "what is the city?"},
-                   {"model": "tool_call", "instruction": "call the shipping tool."},
-                   {"model": "reschedule", "instruction": "move the delivery one day later. which day?"}]}'
+              -d '{"context": "order\\ncity: porto\\nday: wed\\nqty: 4\\nitem: lamp", "agents": [
+                   {"model": "lookup", "instruction": "Q: what is the\\ncity"},
+                   {"model": "tool_call", "instruction": "Q: call the shipping tool.\\ntool"},
+                   {"model": "reschedule", "instruction": "Q: move the delivery one day later. which\\nday"}]}'
   metrics:  curl ${URL}/metrics      status: RAY_AUTH_MODE=token .venv/bin/serve status
   OpenAI SDK: OpenAI(base_url="${URL}/v1", api_key="unused")
 Ctrl-C stops it. See docs/serving.md.
