@@ -27,6 +27,7 @@ COMMANDS: list[Command] = [
     Command("eval", "app.training.commands:configure_eval", "score base, Full-FT, PrefillShare, naive reuse, layer-split"),
     Command("bench", "app.bench.commands:configure", "benchmarks: `bench serve` (systems side by side), `bench engine`"),
     Command("k8s", "app.kube.commands:configure", "render / validate the KubeRay RayService manifests, print a token Secret"),
+    Command("capacity", "app.scaling:configure", "size prefill vs decode replicas, KV bandwidth and the bottleneck for a fan-out workload"),
 ]
 
 
