@@ -162,8 +162,13 @@ def _replicas(load: float, util: float) -> int:
     return math.ceil(load / util - 1e-9) if load > 0 else 0
 
 
-def size(profile: Profile, w: Workload, system: str) -> Sizing:
-    """Replicas, nodes and KV traffic for ``system`` at ``w``'s rate."""
+def size(profile: Profile, w: Workload, system: str, pack: bool = False) -> Sizing:
+    """Replicas, nodes and KV traffic for ``system`` at ``w``'s rate.
+
+    ``pack``: the router puts a session's agents on as few decode nodes as it can (every node
+    serving every decoder); otherwise (the worst case) they spread over up to N nodes, each
+    pulling the context once.
+    """
     if system not in SYSTEMS:
         raise ValueError(f"system: {system!r} is not one of {SYSTEMS}")
     n, ctx, out, u = w.fanout, w.context, w.output, w.utilization
@@ -184,7 +189,8 @@ def size(profile: Profile, w: Workload, system: str) -> Sizing:
     forced = False
     pulls, total = 0, 0.0
     for _ in range(10_000):  # add nodes until the links carry the KV (pulls grow with decode nodes)
-        pulls = 0 if system == "colocated" else (min(n, d_nodes) if system == "prefillshare" else n)
+        spread = math.ceil(n / profile.replicas_per_node) if pack else n
+        pulls = 0 if system == "colocated" else (min(spread, d_nodes) if system == "prefillshare" else n)
         total = w.rate * pulls * kv_req
         need_p = math.ceil(total / link_cap - 1e-9) if total else 0
         need_d = math.ceil(total / link_cap - 1e-9) if total else 0
@@ -221,7 +227,7 @@ def _fmt_bytes(b: float) -> str:
     return f"{b:.0f} B"
 
 
-def table(profile: Profile, workloads: list[Workload]) -> str:
+def table(profile: Profile, workloads: list[Workload], pack: bool = False) -> str:
     """Markdown table: one row per (workload, system)."""
     u = profile.unit
     head = (f"| N | L | O | R/s | system | prefill {u}s | decode {u}s | total | nodes P+D | KV/request | "
@@ -230,7 +236,7 @@ def table(profile: Profile, workloads: list[Workload]) -> str:
     rows = [head, "|" + "---|" * (head.count("|") - 1)]
     for w in workloads:
         for system in SYSTEMS:
-            s = size(profile, w, system)
+            s = size(profile, w, system, pack)
             ratio = "-" if system == "prefillshare" else f"{work_ratio(profile, w, system):.2f}x"
             rows.append(
                 f"| {w.fanout} | {w.context} | {w.output} | {w.rate:g} | {system} | {s.prefill_replicas} "
@@ -251,6 +257,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--utilization", type=float, default=0.7, help="size every resource to this busy")
     parser.add_argument("--link-gbps", type=float, default=None,
                         help="override the per-node KV link bandwidth (GB/s)")
+    parser.add_argument("--pack", action="store_true",
+                        help="a session's agents share decode nodes (fewer KV pulls); default: spread over N nodes")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     parser.set_defaults(func=run)
 
@@ -267,11 +275,11 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise SystemExit(f"prefillshare capacity: {e}") from None
     if args.json:
-        print(json.dumps([{"workload": asdict(w), **{s: asdict(size(profile, w, s)) for s in SYSTEMS}}
+        print(json.dumps([{"workload": asdict(w), **{s: asdict(size(profile, w, s, args.pack)) for s in SYSTEMS}}
                           for w in workloads], indent=1))
         return 0
     print(f"profile {profile.name}: {profile.note}")
-    print(table(profile, workloads))
+    print(table(profile, workloads, args.pack))
     print("(x.xx) = replica-seconds per second of work; replicas = ceil(load / utilization); "
           "work ratio = baseline replica-seconds per session / PrefillShare's")
     return 0

@@ -73,3 +73,11 @@ def test_cli_prints_a_row_per_system(capsys):
     assert {r.split("|")[5].strip() for r in rows} == {"prefillshare", "disagg", "colocated"}
     with pytest.raises(SystemExit, match="fanout"):
         main(["capacity", "--fanout", "0"])
+
+
+def test_packing_a_sessions_agents_cuts_the_kv_pulls():
+    w = Workload(16, 8192, 64, rate=20.0)
+    spread, packed = size(H200_PAPER, w, "prefillshare"), size(H200_PAPER, w, "prefillshare", pack=True)
+    assert packed.kv_pulls_per_session == 2 < spread.kv_pulls_per_session  # 16 agents on 8-GPU nodes
+    assert packed.kv_bytes_per_s < spread.kv_bytes_per_s
+    assert size(H200_PAPER, w, "disagg", pack=True).kv_pulls_per_session == 16  # nothing to share there
