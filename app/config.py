@@ -126,6 +126,28 @@ class PoolConfig(_Strict):
     capacity_gib: float = Field(0.5, gt=0)
     transport: Literal["shm", "nixl"] = "shm"
     fan_out_ttl_s: float = Field(30.0, gt=0, description="blocks stay readable this long for late decoders")
+    nixl_peers: list[str] = Field(
+        default_factory=list, description="transport 'nixl': host:port of the KV block servers on prefill nodes "
+        "that decoders pull from (deployments/kv_server.py)")
+    nixl_listen: str = Field("0.0.0.0:7701", description="transport 'nixl': where the KV block server listens")
+    server_resources: dict[str, float] = Field(
+        default_factory=dict, description="transport 'nixl': Ray resources that put the KV block server on the "
+        "prefill node, e.g. {prefill_node: 0.01}")
+    decode_path: str | None = Field(
+        None, description="pool directory on decode nodes (default: path); set it only when prefill and "
+        "decode 'nodes' share one machine's /dev/shm, as in a local multi-raylet test cluster")
+
+    @model_validator(mode="after")
+    def _nixl(self) -> "PoolConfig":
+        if self.transport == "nixl":
+            if not self.nixl_peers:
+                raise ValueError("nixl_peers: transport 'nixl' needs at least one KV block server address (host:port)")
+            for i, a in enumerate([*self.nixl_peers, self.nixl_listen]):
+                host, sep, port = a.rpartition(":")
+                if not (sep and host and port.isdigit()):
+                    where = f"nixl_peers[{i}]" if i < len(self.nixl_peers) else "nixl_listen"
+                    raise ValueError(f"{where}: {a!r} is not host:port")
+        return self
 
 
 class LimitsConfig(_Strict):

@@ -113,6 +113,19 @@ def _engine_env(cfg: AppConfig, p: Placement, eng: EngineSettings) -> dict[str, 
             "HF_HUB_OFFLINE": "1", **cfg.engine_env, **p.env}
 
 
+def pool_specs(cfg: AppConfig):
+    """(producer pool, consumer pool): producers always write their node's shared-memory pool;
+    with transport 'nixl' consumers fill their own node's pool from the block servers."""
+    from app.engine.async_engine import PoolSpec
+
+    common = dict(capacity_bytes=int(cfg.pool.capacity_gib * (1 << 30)), lease_timeout_s=cfg.pool.fan_out_ttl_s)
+    producer = PoolSpec(path=cfg.pool.path, transport="shm", **common)
+    if cfg.pool.transport == "shm":
+        return producer, producer
+    return producer, PoolSpec(path=cfg.pool.decode_path or cfg.pool.path, transport="nixl",
+                              nixl_peers=tuple(cfg.pool.nixl_peers), **common)
+
+
 def build(cfg: AppConfig):
     """The Serve application (the Router ingress with everything bound beneath it)."""
     from ray.serve.config import RequestRouterConfig
@@ -126,8 +139,7 @@ def build(cfg: AppConfig):
     from deployments.router import Router
 
     plan, module_ids = plan_app(cfg)
-    pool = PoolSpec(path=cfg.pool.path, capacity_bytes=int(cfg.pool.capacity_gib * (1 << 30)),
-                    lease_timeout_s=cfg.pool.fan_out_ttl_s, transport=cfg.pool.transport)
+    pool, consumer_pool = pool_specs(cfg)
 
     metrics = MetricsServer.options(
         num_replicas=1, ray_actor_options={"num_cpus": cfg.metrics.num_cpus},
@@ -160,7 +172,7 @@ def build(cfg: AppConfig):
         kv = None
         if dp.prefill_module is not None:
             base = cfg.prefill_module(dp.prefill_module)
-            kv = connector_config("consumer", module_ids[dp.prefill_module], pool, scope=d.name,
+            kv = connector_config("consumer", module_ids[dp.prefill_module], consumer_pool, scope=d.name,
                                   base_dir=str(cfg.path(base.model)), decoder_dir=str(cfg.path(d.model)))
         opts = dict(
             name=f"Decode-{d.name}", num_replicas=pl.num_replicas, max_ongoing_requests=pl.max_ongoing_requests,

@@ -1,0 +1,61 @@
+"""The KV block server of a prefill node, as a Serve application of its own.
+
+With ``pool.transport: nixl`` decoders on other nodes pull the prompt KV that the prefill
+engines wrote into their node's pool: :class:`app.engine.nixl_transport.NixlBlockServer`
+answers on ``pool.nixl_listen`` (control over TCP, bytes over NIXL). This deployment runs that
+server on the prefill node (``pool.server_resources`` pins it there, the same custom
+resources the prefill group's bundles ask for). It is a separate application because nothing
+calls it through Serve: decoders reach it by address (``pool.nixl_peers``).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from ray import serve
+
+from app.config import AppConfig, ConfigError, load_config
+
+
+@serve.deployment(name="KVBlockServer", num_replicas=1, max_ongoing_requests=8)
+class KVBlockServer:
+    def __init__(self, pool_path: str, listen: str, staging_mib: int = 64):
+        from app.engine.nixl_transport import NixlBlockServer
+
+        self.server = NixlBlockServer(pool_path, listen, staging_mib << 20).start()
+
+    def address(self) -> str:
+        return self.server.address
+
+    def stats(self) -> dict[str, Any]:
+        """The served pool's counters (its fan-out loads include remote ones)."""
+        st = self.server.pool.stats()
+        return {"blocks": st.blocks, "bytes_held": st.bytes_held, "counters": dict(st.counters),
+                "tickets_open": len(self.server.tickets)}
+
+    def check_health(self) -> None:
+        if not self.server.thread.is_alive():
+            raise RuntimeError("NIXL block server thread stopped")
+
+    def __del__(self):
+        server = getattr(self, "server", None)
+        if server is not None:
+            server.stop()
+
+
+def build_kv_server(cfg: AppConfig, staging_mib: int = 64):
+    """The block-server application for ``cfg`` (transport 'nixl' only)."""
+    if cfg.pool.transport != "nixl":
+        raise ConfigError("pool.transport: the KV block server is only needed with transport 'nixl'")
+    opts: dict[str, Any] = {"num_cpus": 0.05}
+    if cfg.pool.server_resources:
+        opts["resources"] = dict(cfg.pool.server_resources)
+    return KVBlockServer.options(ray_actor_options=opts).bind(cfg.pool.path, cfg.pool.nixl_listen, staging_mib)
+
+
+def build_kv_app(args: dict[str, Any]):
+    """Serve app builder (import path ``deployments.kv_server:build_kv_app``), same args as the main app."""
+    if "config_path" in args:
+        return build_kv_server(load_config(args["config_path"]))
+    if "config" in args:
+        return build_kv_server(load_config(args["config"]))
+    raise ConfigError("application args: give 'config' (inline) or 'config_path'")
