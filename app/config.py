@@ -49,6 +49,12 @@ class EngineSettings(_Strict):
         return v
 
 
+def _queue_limit(v: int) -> int:
+    if v == 0:
+        raise ValueError("use -1 (no limit) or a positive number; Serve rejects 0")
+    return v
+
+
 class Placement(_Strict):
     """Where a deployment's replicas run; maps onto Serve's replica options."""
 
@@ -56,11 +62,20 @@ class Placement(_Strict):
     num_cpus: float = Field(0.25, ge=0)
     num_gpus: float = Field(0.0, ge=0)
     max_ongoing_requests: int = Field(32, ge=1)
+    max_queued_requests: int = Field(
+        -1, ge=-1, description="requests a caller may queue for this deployment beyond max_ongoing_requests "
+        "on every replica; more are rejected (429). -1: unbounded"
+    )
     placement_group_bundles: list[dict[str, float]] | None = Field(
         None, description="one bundle list per replica; the first bundle holds the replica actor"
     )
     placement_group_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
     env: dict[str, str] = Field(default_factory=dict, description="extra env vars for the replica")
+
+    @field_validator("max_queued_requests")
+    @classmethod
+    def _queue(cls, v: int) -> int:
+        return _queue_limit(v)
 
     @model_validator(mode="after")
     def _bundles_hold_actor(self) -> "Placement":
@@ -158,6 +173,13 @@ class LimitsConfig(_Strict):
     max_agents: int = Field(16, ge=1)
     max_rounds: int = Field(4, ge=1)
     request_timeout_s: float = Field(120.0, gt=0)
+    max_inflight_requests: int = Field(
+        64, ge=1, description="generation requests one Router replica runs at once; more get 429 + Retry-After "
+        "at once instead of queueing (must stay below router.max_ongoing_requests)"
+    )
+    max_body_bytes: int = Field(1 << 20, ge=1024, description="larger request bodies get 413")
+    max_header_bytes: int = Field(32 << 10, ge=1024, description="larger header blocks get 431")
+    retry_after_s: int = Field(1, ge=1, description="Retry-After (seconds) sent with 429 and 503")
 
 
 class RoutingConfig(_Strict):
@@ -173,6 +195,21 @@ class SmallDeployment(_Strict):
     num_cpus: float = Field(0.05, ge=0)
     num_replicas: int = Field(1, ge=1)
     max_ongoing_requests: int = Field(256, ge=1)
+    max_queued_requests: int = Field(-1, ge=-1, description="see Placement.max_queued_requests")
+
+    @field_validator("max_queued_requests")
+    @classmethod
+    def _queue(cls, v: int) -> int:
+        return _queue_limit(v)
+
+
+class AuthConfig(_Strict):
+    """API keys at the ingress. Off unless a key source is set; each key names a tenant, and the
+    tenant salts every KV key and prefix-cache hash of its requests (app/auth.py)."""
+
+    keys_file: str | None = Field(None, description="YAML/JSON mapping of API key -> tenant name")
+    keys_env: str = Field("PREFILLSHARE_API_KEYS", description="env var holding the same mapping (JSON/YAML)")
+    required: bool = Field(False, description="refuse to start without keys (set in the KubeRay manifests)")
 
 
 class AppConfig(_Strict):
@@ -189,6 +226,7 @@ class AppConfig(_Strict):
     router: SmallDeployment = Field(default_factory=SmallDeployment)
     orchestrator: SmallDeployment = Field(default_factory=SmallDeployment)
     metrics: SmallDeployment = Field(default_factory=SmallDeployment)
+    auth: AuthConfig = Field(default_factory=AuthConfig)
     engine_env: dict[str, str] = Field(
         default_factory=dict, description="env vars for every engine replica (e.g. VLLM_HOST_IP)"
     )
@@ -212,6 +250,12 @@ class AppConfig(_Strict):
                     f"decoders[{i}].prefill_module: {d.prefill_module!r} is not a configured "
                     f"prefill module (have {names})"
                 )
+        if self.limits.max_inflight_requests >= self.router.max_ongoing_requests:
+            raise ValueError(
+                f"limits.max_inflight_requests ({self.limits.max_inflight_requests}) must be below "
+                f"router.max_ongoing_requests ({self.router.max_ongoing_requests}); otherwise Serve queues "
+                "requests before the Router can answer 429"
+            )
         return self
 
     def path(self, p: str) -> Path:
@@ -231,6 +275,8 @@ class AppConfig(_Strict):
         for i, d in enumerate(self.decoders):
             if not (self.path(d.model) / "config.json").is_file():
                 problems.append(f"decoders[{i}].model: no config.json in {self.path(d.model)}")
+        if self.auth.keys_file and not self.path(self.auth.keys_file).is_file():
+            problems.append(f"auth.keys_file: no file {self.path(self.auth.keys_file)}")
         if problems:
             raise ConfigError("; ".join(problems))
 

@@ -128,7 +128,7 @@ def pool_specs(cfg: AppConfig):
 
 def build(cfg: AppConfig):
     """The Serve application (the Router ingress with everything bound beneath it)."""
-    from ray.serve.config import RequestRouterConfig
+    from ray.serve.config import BackpressureConfig, RequestRouterConfig
 
     from app.engine.async_engine import PoolSpec, connector_config
     from deployments.decode import DecodeServer
@@ -139,6 +139,8 @@ def build(cfg: AppConfig):
     from deployments.router import Router
 
     plan, module_ids = plan_app(cfg)
+    # Serve's own shedding (max_queued_requests) answers 429 + Retry-After like the Router does.
+    shed = dict(backpressure_config=BackpressureConfig(status_code=429, retry_after_s=cfg.limits.retry_after_s))
     pool, consumer_pool = pool_specs(cfg)
 
     metrics = MetricsServer.options(
@@ -152,6 +154,7 @@ def build(cfg: AppConfig):
         kv = connector_config("producer", module_ids[p.name], pool, scope=p.name)
         opts: dict[str, Any] = dict(
             name=f"Prefill-{p.name}", num_replicas=pl.num_replicas, max_ongoing_requests=pl.max_ongoing_requests,
+            max_queued_requests=pl.max_queued_requests, **shed,
             ray_actor_options=_actor_options(pl, _engine_env(cfg, pl, p.engine)),
             request_router_config=RequestRouterConfig(
                 request_router_class=PrefixLocalityRouter,
@@ -176,6 +179,7 @@ def build(cfg: AppConfig):
                                   base_dir=str(cfg.path(base.model)), decoder_dir=str(cfg.path(d.model)))
         opts = dict(
             name=f"Decode-{d.name}", num_replicas=pl.num_replicas, max_ongoing_requests=pl.max_ongoing_requests,
+            max_queued_requests=pl.max_queued_requests, **shed,
             ray_actor_options=_actor_options(pl, _engine_env(cfg, pl, d.engine)),
             health_check_period_s=10, health_check_timeout_s=60, graceful_shutdown_timeout_s=20,
         )
@@ -188,11 +192,16 @@ def build(cfg: AppConfig):
     orch = Orchestrator.options(
         num_replicas=cfg.orchestrator.num_replicas, ray_actor_options={"num_cpus": cfg.orchestrator.num_cpus},
         max_ongoing_requests=cfg.orchestrator.max_ongoing_requests,
+        max_queued_requests=cfg.orchestrator.max_queued_requests, **shed,
     ).bind(plan, prefill, decoders, metrics)
+    auth = cfg.auth
+    if auth.keys_file:  # the Router replica reads the file itself: keys never travel in Serve's config
+        auth = auth.model_copy(update={"keys_file": str(cfg.path(auth.keys_file))})
     return Router.options(
         num_replicas=cfg.router.num_replicas, ray_actor_options={"num_cpus": cfg.router.num_cpus},
         max_ongoing_requests=cfg.router.max_ongoing_requests,
-    ).bind(plan, orch, prefill, decoders, metrics)
+        max_queued_requests=cfg.router.max_queued_requests, **shed,
+    ).bind(plan, orch, prefill, decoders, metrics, cfg.limits, auth)
 
 
 def build_app(args: dict[str, Any]):

@@ -90,6 +90,7 @@ class AgentRunRequest:
     context: str
     rounds: tuple[tuple[AgentSpec, ...], ...]
     join_outputs: bool = True
+    cache_salt: str | None = None  # the tenant's salt (app/auth.py); None when auth is off
 
 
 @dataclass
@@ -152,3 +153,4 @@ class CompletionJob:
     prompt_token_ids: tuple[int, ...]
     sampling: SamplingSpec
     route: str = "completions"
+    cache_salt: str | None = None  # the tenant's salt (app/auth.py); None when auth is off

@@ -5,7 +5,9 @@ replica of that module (chosen by the prefix router) to compute the shared conte
 each agent's prompt but its last token, then stream every decoder concurrently. Decoders
 without a compatible module prefill privately; a prefill failure degrades to private prefill;
 a failing agent is reported for that agent while the others finish. In multi-round runs each
-round's outputs join the context of the next round.
+round's outputs join the context of the next round. When an engine deployment's queue is full
+(Serve's BackPressureError) the agent fails with an ``overloaded`` error instead of waiting, so
+the ingress can answer 429. Every prefill and decode call carries the tenant's cache salt.
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from ray import serve
+from ray.serve.exceptions import BackPressureError
 
 from deployments.messages import (
     AgentEvent,
@@ -85,8 +88,10 @@ class Orchestrator:
         if self.metrics is not None:
             self.metrics.fallback.remote(reason, 1)
 
-    async def _prefill_group(self, module: str, agents: list[_Agent], request_id: str) -> None:
-        """One prefill call for all agents on ``module``; on failure they prefill privately."""
+    async def _prefill_group(self, module: str, agents: list[_Agent], request_id: str,
+                             salt: str | None) -> None:
+        """One prefill call for all agents on ``module``; on failure they prefill privately,
+        except when the prefill deployment sheds load: then they fail as overloaded."""
         mp = self.plan.module(module)
         prompts = [a.prompt for a in agents]
         shared = common_prefix(prompts) if len(prompts) > 1 else []
@@ -96,17 +101,22 @@ class Orchestrator:
             request_id=request_id,
             prompts=tuple(tuple(p) for p in prompts),
             shared_prefix=tuple(shared),
-            locality_keys=locality_keys(mp.module_id, route_on, mp.block_size),
+            locality_keys=locality_keys(mp.module_id, route_on, mp.block_size, salt),
+            cache_salt=salt,
         )
         try:
             ticket: PrefillTicket = await self.prefill_handles[module].prefill.remote(req)
+        except BackPressureError as e:
+            for a in agents:
+                a.error = f"overloaded: prefill module {module}: {e}"
+            return
         except Exception:  # noqa: BLE001 - the decoders prefill privately instead
             self._fallback("prefill_error")
             return
         for i, a in enumerate(agents):
             a.ticket, a.ticket_index = ticket, i
 
-    async def _prefill_all(self, agents: list[_Agent], request_id: str) -> None:
+    async def _prefill_all(self, agents: list[_Agent], request_id: str, salt: str | None) -> None:
         groups: dict[str, list[_Agent]] = {}
         for a in agents:
             dp = self.plan.decoder(a.model)
@@ -114,9 +124,10 @@ class Orchestrator:
                 self._fallback(dp.private_reason or "private")
             elif len(a.prompt) > 1:
                 groups.setdefault(dp.prefill_module, []).append(a)
-        await asyncio.gather(*[self._prefill_group(m, g, f"{request_id}-{m}") for m, g in groups.items()])
+        await asyncio.gather(*[self._prefill_group(m, g, f"{request_id}-{m}", salt) for m, g in groups.items()])
 
-    async def _decode(self, a: _Agent, request_id: str, route: str, t0: float) -> AsyncIterator[DecodeChunk]:
+    async def _decode(self, a: _Agent, request_id: str, route: str, t0: float,
+                      salt: str | None) -> AsyncIterator[DecodeChunk]:
         """Stream one agent's decoder; always ends with a finished chunk; records metrics.
         Latencies count from ``t0``, when the request reached the orchestrator (prefill included)."""
         dp = self.plan.decoder(a.model)
@@ -125,7 +136,7 @@ class Orchestrator:
         if a.ticket is not None and a.ticket.kv_transfer_params:
             params = a.ticket.kv_transfer_params[a.ticket_index]
         req = DecodeRequest(request_id=request_id, prompt_token_ids=tuple(a.prompt), sampling=a.sampling,
-                            kv_transfer_params=params)
+                            kv_transfer_params=params, cache_salt=salt)
         try:
             async for chunk in self.decode_handles[a.model].generate.remote(req):
                 if chunk.error:
@@ -140,6 +151,9 @@ class Orchestrator:
                 if a.ticket is not None:
                     chunk.prefill_module, chunk.prefill_replica = a.ticket.prefill_module, a.ticket.replica_id
                 yield chunk
+        except BackPressureError as e:
+            a.error = f"overloaded: decoder {a.model}: {e}"
+            yield DecodeChunk(request_id, a.model, "", [], True, "error", error=a.error)
         except Exception as e:  # noqa: BLE001 - a dead replica fails this agent only
             a.error = f"decoder_unavailable: {type(e).__name__}: {e}"
             yield DecodeChunk(request_id, a.model, "", [], True, "error", error=a.error)
@@ -157,8 +171,11 @@ class Orchestrator:
         """One decoder over one prompt: prefill on the shared base, then stream."""
         t0 = time.perf_counter()
         a = _Agent(0, "", job.model, list(job.prompt_token_ids), job.sampling)
-        await self._prefill_all([a], job.request_id)
-        async for chunk in self._decode(a, job.request_id, job.route, t0):
+        await self._prefill_all([a], job.request_id, job.cache_salt)
+        if a.error is not None:
+            yield DecodeChunk(job.request_id, job.model, "", [], True, "error", error=a.error)
+            return
+        async for chunk in self._decode(a, job.request_id, job.route, t0, job.cache_salt):
             yield chunk
 
     # --- agent workflows -------------------------------------------------------------
@@ -181,14 +198,16 @@ class Orchestrator:
                 else:
                     ready.append(a)
             rid = f"{req.request_id}-r{r}"
-            await self._prefill_all(ready, rid)
+            await self._prefill_all(ready, rid, req.cache_salt)
+            ready = [a for a in ready if a.error is None]  # the rest were shed by an overloaded prefill
             usage["shared_prefix_tokens"] += len(common_prefix([a.prompt for a in ready])) if len(ready) > 1 else 0
             usage["prefill_tokens_computed"] += sum(
                 t.num_computed_tokens for t in {id(a.ticket): a.ticket for a in ready if a.ticket}.values())
             queue: asyncio.Queue = asyncio.Queue()
 
             async def pump(a: _Agent) -> None:
-                async for chunk in self._decode(a, f"{rid}-{a.index}-{uuid.uuid4().hex[:6]}", "agents", t0):
+                async for chunk in self._decode(a, f"{rid}-{a.index}-{uuid.uuid4().hex[:6]}", "agents", t0,
+                                                req.cache_salt):
                     if chunk.delta_text:
                         await queue.put(AgentEvent("delta", r, a.name, a.model, chunk.delta_text))
                 await queue.put(AgentEvent("agent_done", r, a.name, a.model, result=a.result(r)))

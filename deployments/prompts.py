@@ -18,6 +18,7 @@ class Prompter:
 
         self.tok = AutoTokenizer.from_pretrained(tokenizer_path)
         self.eos_token_id = self.tok.eos_token_id
+        self.vocab_size = len(self.tok)  # token-id prompts must stay below this
 
     def encode(self, text: str) -> list[int]:
         """Ids as the engines' tokenizer makes them (BOS from the post-processor)."""

@@ -2,7 +2,12 @@
 
 It validates and tokenizes, then hands typed jobs to the Orchestrator; it holds no serving
 logic. Every bad request gets a 4xx JSON error in OpenAI's shape whose `param` names the
-field, and never reaches an engine.
+field, and never reaches an engine. In front of that: the API key (401; its tenant salts the
+request's KV, app/auth.py), the body size (413), and admission (429 + Retry-After when this
+replica already runs `limits.max_inflight_requests`, or when Serve sheds load downstream).
+Unknown fields are rejected on /v1/agents/run (our schema) and ignored on the OpenAI routes,
+whose clients send extras such as `user`; OpenAI fields that would change the output but are
+not implemented (`stop`, `logprobs`, `echo`, ...) are rejected rather than silently ignored.
 """
 from __future__ import annotations
 
@@ -17,7 +22,11 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError
 from ray import serve
+from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 
+from app.auth import KeyRing, Tenant, load_keyring
+from app.config import AuthConfig, LimitsConfig
+from deployments.admission import Admission, Slot
 from deployments.messages import AgentRunRequest, AgentSpec, AppPlan, CompletionJob, SamplingSpec
 from deployments.prompts import Prompter
 
@@ -35,6 +44,15 @@ class _Sampling(BaseModel):
     n: StrictInt = 1
     stream: StrictBool = False
     stream_options: dict[str, Any] | None = None
+    # OpenAI fields that change the output; only their "off" values are accepted (checked in _sampling)
+    stop: StrictStr | list[StrictStr] | None = None
+    logprobs: StrictBool | StrictInt | None = None
+    echo: StrictBool = False
+    best_of: StrictInt | None = None
+    presence_penalty: Number = 0
+    frequency_penalty: Number = 0
+    logit_bias: dict[str, Number] | None = None
+    suffix: StrictStr | None = None
 
 
 class CompletionBody(_Sampling):
@@ -76,15 +94,17 @@ class AgentRunBody(BaseModel):
 
 
 class ApiError(Exception):
-    """A client error: HTTP status and OpenAI's error object."""
+    """A client error: HTTP status and OpenAI's error object (plus headers such as Retry-After)."""
 
     def __init__(self, status: int, message: str, param: str | None, code: str,
-                 type_: str = "invalid_request_error"):
+                 type_: str = "invalid_request_error", headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.type = status, message, param, code, type_
+        self.headers = headers
 
     def response(self) -> JSONResponse:
-        return JSONResponse(status_code=self.status, content=error_body(self.message, self.type, self.param, self.code))
+        return JSONResponse(status_code=self.status, content=error_body(self.message, self.type, self.param, self.code),
+                            headers=self.headers)
 
 
 def error_body(message: str, type_: str, param: str | None, code: str) -> dict:
@@ -104,12 +124,28 @@ def _loc(loc: tuple) -> str:
     return out
 
 
-async def parse(request: Request, schema: type[BaseModel]) -> BaseModel:
-    """Body -> schema, or ApiError naming the bad field."""
+async def read_body(request: Request, max_bytes: int) -> bytes:
+    """The raw body, or 413 past ``max_bytes`` (checked on Content-Length first, then on what came)."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > max_bytes:
+        raise ApiError(413, f"request body has {declared} bytes; the limit is {max_bytes}", None,
+                       "request_too_large")
     raw = await request.body()
+    if len(raw) > max_bytes:
+        raise ApiError(413, f"request body has {len(raw)} bytes; the limit is {max_bytes}", None,
+                       "request_too_large")
+    return raw
+
+
+def parse(raw: bytes, schema: type[BaseModel]) -> BaseModel:
+    """Body -> schema, or ApiError naming the bad field."""
     try:
-        data = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ApiError(400, f"request body is not valid UTF-8 (byte {e.start})", None, "invalid_encoding") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
         raise ApiError(400, f"request body is not valid JSON: {e}", None, "invalid_json") from None
     if not isinstance(data, dict):
         raise ApiError(400, "request body must be a JSON object", None, "invalid_json")
@@ -129,10 +165,27 @@ def _usage(job: CompletionJob, last) -> dict:
             "prompt_tokens_details": {"cached_tokens": cached}}
 
 
-def _engine_error(error: str) -> JSONResponse:
+def _engine_error(error: str, retry_after_s: int = 1) -> JSONResponse:
+    """A failure the orchestrator reported before any output, as an HTTP answer."""
+    retry = {"Retry-After": str(retry_after_s)}
     if error.startswith("invalid_request"):
         return JSONResponse(status_code=400, content=error_body(error, "invalid_request_error", "prompt", "invalid_value"))
-    return JSONResponse(status_code=503, content=error_body(error, "server_error", None, "engine_error"))
+    if error.startswith("overloaded"):
+        return JSONResponse(status_code=429, content=error_body(error, "rate_limit_error", None, "overloaded"),
+                            headers=retry)
+    return JSONResponse(status_code=503, content=error_body(error, "server_error", None, "engine_error"),
+                        headers=retry)
+
+
+def _overloaded(message: str, retry_after_s: int) -> ApiError:
+    return ApiError(429, message, None, "overloaded", "rate_limit_error", {"Retry-After": str(retry_after_s)})
+
+
+# OpenAI fields this server does not implement; a request must leave them at their "off" value.
+_OFF_VALUES: dict[str, tuple] = {
+    "stop": (None, "", []), "logprobs": (None, False, 0), "echo": (False,), "best_of": (None, 1),
+    "presence_penalty": (0,), "frequency_penalty": (0,), "logit_bias": (None, {}), "suffix": (None, ""),
+}
 
 
 # --- the ingress -----------------------------------------------------------------------
@@ -162,7 +215,8 @@ async def _internal_error(_: Request, exc: Exception):
 @serve.deployment(name="Router")
 @serve.ingress(api)
 class Router:
-    def __init__(self, plan: AppPlan, orchestrator, prefill: dict, decoders: dict, metrics):
+    def __init__(self, plan: AppPlan, orchestrator, prefill: dict, decoders: dict, metrics,
+                 limits: LimitsConfig | None = None, auth: AuthConfig | None = None):
         self.plan = plan
         self.orch = orchestrator
         self.prefill = prefill
@@ -170,6 +224,39 @@ class Router:
         self.metrics = metrics
         self.prompter = Prompter(plan.tokenizer)
         self.created = int(time.time())
+        self.limits = limits or LimitsConfig()
+        self.admission = Admission(self.limits.max_inflight_requests)
+        auth = auth or AuthConfig()
+        self.keys: KeyRing | None = load_keyring(auth.keys_file, auth.keys_env, auth.required)
+
+    # --- the edge: key, size, admission ---
+    async def _accept(self, request: Request, schema: type[BaseModel]) -> tuple[BaseModel, Tenant | None]:
+        """Bound, authenticate and parse a generation request (431 / 401 / 413 / 400)."""
+        header_bytes = sum(len(k) + len(v) for k, v in request.scope.get("headers", ()))
+        if header_bytes > self.limits.max_header_bytes:
+            raise ApiError(431, f"request headers have {header_bytes} bytes; the limit is "
+                           f"{self.limits.max_header_bytes}", None, "headers_too_large")
+        tenant = None
+        if self.keys is not None:
+            tenant = self.keys.lookup(request.headers.get("authorization"))
+            if tenant is None:
+                raise ApiError(401, "missing or invalid API key: send 'Authorization: Bearer <key>'", None,
+                               "invalid_api_key")
+        raw = await read_body(request, self.limits.max_body_bytes)
+        return parse(raw, schema), tenant
+
+    def _admit(self) -> Slot:
+        if not self.admission.try_enter():
+            raise _overloaded(f"server busy: {self.admission.limit} requests in flight on this replica; retry later",
+                              self.limits.retry_after_s)
+        return Slot(self.admission)
+
+    def _shed(self, e: Exception) -> ApiError:
+        """Serve's own rejections downstream, as OpenAI-shaped 429 / 503."""
+        if isinstance(e, BackPressureError):
+            return _overloaded(f"server busy: {e.message}", self.limits.retry_after_s)
+        return ApiError(503, f"service unavailable: {e}", None, "unavailable", "server_error",
+                        {"Retry-After": str(self.limits.retry_after_s)})
 
     # --- validation helpers ---
     def _decoder(self, model: str, param: str = "model"):
@@ -195,6 +282,13 @@ class Router:
             raise ApiError(400, f"{p}top_p must be in (0, 1]", f"{p}top_p", "invalid_value")
         if getattr(body, "n", 1) != 1:
             raise ApiError(400, "n: only n=1 is supported", "n", "invalid_value")
+        for name, off in _OFF_VALUES.items():
+            if name not in type(body).model_fields:
+                continue  # an agent body has no OpenAI options
+            value = getattr(body, name)
+            if value not in off:
+                raise ApiError(400, f"{name}: not supported by this server (give {off[0]!r} or leave it out)",
+                               name, "unsupported_parameter")
         stop = () if self.prompter.eos_token_id is None else (self.prompter.eos_token_id,)
         return SamplingSpec(max_tokens=max_tokens, temperature=float(body.temperature), top_p=float(body.top_p),
                             seed=body.seed, stop_token_ids=stop)
@@ -225,7 +319,7 @@ class Router:
 
     @api.post("/v1/completions")
     async def completions(self, request: Request):
-        body: CompletionBody = await parse(request, CompletionBody)
+        body, tenant = await self._accept(request, CompletionBody)
         dp = self._decoder(body.model)
         sampling = self._sampling(body, body.max_tokens)
         if isinstance(body.prompt, list) and body.prompt and isinstance(body.prompt[0], str):
@@ -239,15 +333,18 @@ class Router:
             ids = self.prompter.encode(body.prompt)
         else:
             ids = list(body.prompt)
-            if any(t < 0 for t in ids):
-                raise ApiError(400, "prompt: token ids must be >= 0", "prompt", "invalid_value")
+            bad = next((i for i, t in enumerate(ids) if not 0 <= t < self.prompter.vocab_size), None)
+            if bad is not None:
+                raise ApiError(400, f"prompt[{bad}]: token id {ids[bad]} is outside the vocabulary "
+                               f"[0, {self.prompter.vocab_size})", "prompt", "invalid_value")
         self._check_length(ids, sampling, dp.max_model_len, "prompt")
-        job = CompletionJob(f"cmpl-{uuid.uuid4().hex}", body.model, tuple(ids), sampling, "completions")
+        job = CompletionJob(f"cmpl-{uuid.uuid4().hex}", body.model, tuple(ids), sampling, "completions",
+                            cache_salt=tenant.salt if tenant else None)
         return await self._serve_completion(job, body, chat=False)
 
     @api.post("/v1/chat/completions")
     async def chat(self, request: Request):
-        body: ChatBody = await parse(request, ChatBody)
+        body, tenant = await self._accept(request, ChatBody)
         dp = self._decoder(body.model)
         mt = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         mt_param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
@@ -255,7 +352,7 @@ class Router:
             sampling = self._sampling(body, mt)
         except ApiError as e:
             if e.param == "max_tokens":
-                e.param = mt_param
+                e.param, e.message = mt_param, e.message.replace("max_tokens", mt_param, 1)
             raise
         last = body.messages[-1]
         if last.role != "user":
@@ -266,20 +363,37 @@ class Router:
                 raise ApiError(400, f"messages[{i}].content is empty", f"messages[{i}].content", "invalid_value")
         ids = self.prompter.chat_prompt([(m.role, m.content) for m in body.messages])
         self._check_length(ids, sampling, dp.max_model_len, "messages", mt_param)
-        job = CompletionJob(f"chatcmpl-{uuid.uuid4().hex}", body.model, tuple(ids), sampling, "chat")
+        job = CompletionJob(f"chatcmpl-{uuid.uuid4().hex}", body.model, tuple(ids), sampling, "chat",
+                            cache_salt=tenant.salt if tenant else None)
         return await self._serve_completion(job, body, chat=True)
 
     async def _serve_completion(self, job: CompletionJob, body, chat: bool):
+        """Admit, then run; the first chunk is awaited here so that a shed request still gets
+        a 429 status line (a stream's status is fixed once it starts)."""
+        slot = self._admit()
         gen = self.orch.options(stream=True).complete.remote(job)
-        include_usage = bool((body.stream_options or {}).get("include_usage"))
-        if body.stream:
-            return StreamingResponse(self._sse(job, gen, chat, include_usage), media_type="text/event-stream")
-        text, finish, last = "", None, None
-        async for chunk in gen:
-            if chunk.error:
-                return _engine_error(chunk.error)
-            text += chunk.delta_text
-            finish, last = chunk.finish_reason, chunk
+        streaming = False
+        try:
+            try:
+                first = await gen.__anext__()
+            except (BackPressureError, DeploymentUnavailableError) as e:
+                raise self._shed(e) from None
+            if first.error:
+                return _engine_error(first.error, self.limits.retry_after_s)
+            include_usage = bool((body.stream_options or {}).get("include_usage"))
+            if body.stream:
+                streaming = True
+                return StreamingResponse(self._sse(job, first, gen, chat, include_usage, slot),
+                                         media_type="text/event-stream")
+            text, finish, last = first.delta_text, first.finish_reason, first
+            async for chunk in gen:
+                if chunk.error:
+                    return _engine_error(chunk.error, self.limits.retry_after_s)
+                text += chunk.delta_text
+                finish, last = chunk.finish_reason, chunk
+        finally:
+            if not streaming:
+                slot.release()
         usage = _usage(job, last)
         if chat:
             choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish,
@@ -293,13 +407,20 @@ class Router:
                 "prefillshare": {"prefill_module": getattr(last, "prefill_module", None),
                                  "prefill_replica": getattr(last, "prefill_replica", None)}}
 
-    async def _sse(self, job: CompletionJob, gen, chat: bool, include_usage: bool):
+    async def _sse(self, job: CompletionJob, head, gen, chat: bool, include_usage: bool, slot: Slot):
         created = int(time.time())
         obj = "chat.completion.chunk" if chat else "text_completion"
         last = None
         first = True
+
+        async def chunks():
+            yield head
+            async for c in gen:
+                yield c
+
+        finished = False
         try:
-            async for chunk in gen:
+            async for chunk in chunks():
                 if chunk.error:
                     err = _engine_error(chunk.error)
                     yield f"data: {err.body.decode()}\n\n"
@@ -320,13 +441,18 @@ class Router:
             if include_usage and last is not None:
                 yield "data: " + json.dumps({"id": job.request_id, "object": obj, "created": created,
                                              "model": job.model, "choices": [], "usage": _usage(job, last)}) + "\n\n"
+            finished = True
         except Exception as e:  # noqa: BLE001 - the stream is already open; report in-band
             yield "data: " + json.dumps(error_body(f"internal error: {e}", "server_error", None, "internal")) + "\n\n"
+        finally:  # also on a client disconnect (the generator is cancelled): free the slot, stop the engines
+            slot.release()
+            if not finished:
+                gen.cancel()
         yield "data: [DONE]\n\n"
 
     @api.post("/v1/agents/run")
     async def agents_run(self, request: Request):
-        body: AgentRunBody = await parse(request, AgentRunBody)
+        body, tenant = await self._accept(request, AgentRunBody)
         if not body.context.strip():
             raise ApiError(400, "context is empty", "context", "invalid_value")
         if isinstance(body.rounds, list):
@@ -366,19 +492,37 @@ class Router:
                     self._check_length(ids, sampling, dp.max_model_len, "context", p + "max_tokens")
                 specs.append(AgentSpec(name, a.model, a.instruction, sampling))
             rounds.append(tuple(specs))
-        req = AgentRunRequest(f"run-{uuid.uuid4().hex}", body.context, tuple(rounds), body.join_outputs)
+        req = AgentRunRequest(f"run-{uuid.uuid4().hex}", body.context, tuple(rounds), body.join_outputs,
+                              cache_salt=tenant.salt if tenant else None)
+        slot = self._admit()
         gen = self.orch.options(stream=True).run.remote(req)
-        if body.stream:
-            return StreamingResponse(self._agent_sse(req, gen), media_type="text/event-stream")
-        final = None
-        async for ev in gen:
-            if ev.kind == "done":
-                final = ev.result
+        streaming = False
+        try:
+            try:
+                head = await gen.__anext__()
+            except (BackPressureError, DeploymentUnavailableError) as e:
+                raise self._shed(e) from None
+            if body.stream:
+                streaming = True
+                return StreamingResponse(self._agent_sse(req, head, gen, slot), media_type="text/event-stream")
+            final = head.result if head.kind == "done" else None
+            async for ev in gen:
+                if ev.kind == "done":
+                    final = ev.result
+        finally:
+            if not streaming:
+                slot.release()
         return {"id": req.request_id, "object": "agents.run", "created": int(time.time()), **(final or {})}
 
-    async def _agent_sse(self, req: AgentRunRequest, gen):
+    async def _agent_sse(self, req: AgentRunRequest, head, gen, slot: Slot):
+        async def events():
+            yield head
+            async for e in gen:
+                yield e
+
+        finished = False
         try:
-            async for ev in gen:
+            async for ev in events():
                 out: dict[str, Any] = {"id": req.request_id, "type": ev.kind, "round": ev.round}
                 if ev.kind == "delta":
                     out.update(agent=ev.agent, model=ev.model, text=ev.delta_text)
@@ -387,8 +531,13 @@ class Router:
                 else:
                     out.update(ev.result)
                 yield "data: " + json.dumps(out) + "\n\n"
+            finished = True
         except Exception as e:  # noqa: BLE001
             yield "data: " + json.dumps(error_body(f"internal error: {e}", "server_error", None, "internal")) + "\n\n"
+        finally:
+            slot.release()
+            if not finished:
+                gen.cancel()
         yield "data: [DONE]\n\n"
 
     @api.get("/ready")
@@ -416,7 +565,9 @@ class Router:
         await asyncio.gather(*[probe(k, h) for k, h in probes.items()])
         if problems:
             return JSONResponse(status_code=503, content={"ready": False, "problems": sorted(problems)})
-        return {"ready": True, "engines": len(self.prefill) + len(self.decoders)}
+        return {"ready": True, "engines": len(self.prefill) + len(self.decoders),
+                "admission": {"inflight": self.admission.inflight, "limit": self.admission.limit,
+                              "admitted": self.admission.admitted, "rejected": self.admission.rejected}}
 
     @api.get("/metrics")
     async def metrics_text(self):

@@ -4,6 +4,10 @@ One app for the whole module (startup is the slow part): a base with TWO prefill
 two decoders that share its KV ("alpha", "beta") and one whose KV shape differs ("gamma",
 private prefill). Random weights of the shipped shape, float32 so that tokens compare with
 the transformers reference. Run through scripts/test.sh (loopback-only network namespace).
+
+The app runs with API keys on (two tenants), a small ingress admission limit and a tiny
+queue on "beta", so the reliability tests (bad-input matrix, overload, tenant isolation) use
+this same app; every other request here carries tenant A's key.
 """
 from __future__ import annotations
 
@@ -26,6 +30,10 @@ ROOT = Path(__file__).resolve().parent.parent
 TOKENIZER = ROOT / "checkpoints" / "tokenizer"
 CONTEXT = "order\nname:maya\nitem:lamp\nqty:3\ncity:oslo\nday:tue\ncolor:teal\nnote:please call before noon thanks"
 MAX_NEW = 8
+KEY_A = "sk-test-acme-4f0c2a9b7e51d3c8"  # tenant "acme"
+KEY_B = "sk-test-globex-9d2e7a1c5b34f60e"  # tenant "globex"
+MAX_INFLIGHT = 4  # ingress admission limit of the test app
+MAX_BODY = 65536
 
 
 def _free_port() -> int:
@@ -66,7 +74,7 @@ def _make_models(root: Path) -> dict[str, Path]:
     return paths
 
 
-def _app_config(paths: dict[str, Path], pool_dir: str) -> dict:
+def _app_config(paths: dict[str, Path], pool_dir: str, keys_file: Path) -> dict:
     engine = {"dtype": "float32", "max_model_len": 256, "kv_cache_gib": 0.125, "block_size": 32,
               "max_num_seqs": 8, "threads_bind": "nobind"}
     dec = lambda name: {"name": name, "model": str(paths[name]), "engine": engine,  # noqa: E731
@@ -74,31 +82,44 @@ def _app_config(paths: dict[str, Path], pool_dir: str) -> dict:
     return {
         "tokenizer": str(paths["tokenizer"]),
         "pool": {"path": pool_dir, "capacity_gib": 0.125},
-        "limits": {"max_tokens_default": MAX_NEW, "max_tokens_cap": 64},
+        "limits": {"max_tokens_default": MAX_NEW, "max_tokens_cap": 64, "max_agents": 4,
+                   "max_inflight_requests": MAX_INFLIGHT, "max_body_bytes": MAX_BODY, "retry_after_s": 2},
+        "auth": {"keys_file": str(keys_file)},
         "engine_env": {"VLLM_HOST_IP": "127.0.0.1"},
         "prefill_modules": [{"name": "base", "model": str(paths["base"]), "engine": engine,
                              "placement": {"num_replicas": 2, "num_cpus": 0.5}}],
         # gamma's shorter context lets a later round overflow it while other agents fit
-        "decoders": [dec("alpha"), dec("beta"), {**dec("gamma"), "engine": {**engine, "max_model_len": 64}}],
+        # beta runs one request at a time and queues one more: Serve sheds the rest (429)
+        "decoders": [dec("alpha"),
+                     {**dec("beta"), "placement": {**dec("beta")["placement"], "max_ongoing_requests": 1,
+                                                   "max_queued_requests": 1}},
+                     {**dec("gamma"), "engine": {**engine, "max_model_len": 64}}],
     }
 
 
-def _get(url: str, timeout: float = 30) -> tuple[int, bytes]:
+def _auth(key: str | None) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
+def _get(url: str, timeout: float = 30, key: str | None = KEY_A) -> tuple[int, bytes]:
     try:
-        with urllib.request.urlopen(url, timeout=timeout) as r:
+        with urllib.request.urlopen(urllib.request.Request(url, headers=_auth(key)), timeout=timeout) as r:
             return r.status, r.read()
     except urllib.error.HTTPError as e:
         return e.code, e.read()
 
 
-def _post(url: str, body: bytes | dict, timeout: float = 120) -> tuple[int, dict]:
+def _post(url: str, body: bytes | dict, timeout: float = 120, key: str | None = KEY_A,
+          with_headers: bool = False):
     data = body if isinstance(body, bytes) else json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json", **_auth(key)})
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
-            return r.status, json.loads(r.read())
+            status, raw, headers = r.status, r.read(), r.headers
     except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
+        status, raw, headers = e.code, e.read(), e.headers
+    out = json.loads(raw)
+    return (status, out, headers) if with_headers else (status, out)
 
 
 @pytest.fixture(scope="module")
@@ -111,7 +132,9 @@ def app(tmp_path_factory):
 
     paths = _make_models(tmp_path_factory.mktemp("models"))
     pool_dir = f"/dev/shm/ps-test-{os.getpid()}"
-    cfg = load_config(_app_config(paths, pool_dir))
+    keys_file = tmp_path_factory.mktemp("auth") / "keys.yaml"
+    keys_file.write_text(f"{KEY_A}: acme\n{KEY_B}: globex\n")
+    cfg = load_config(_app_config(paths, pool_dir, keys_file))
     tmp = f"/tmp/rs{os.getpid()}"
     os.environ["RAY_TMPDIR"] = tmp
     for attempt in range(3):  # Ray gives its raylet a fixed 30 s to register; a busy 2-core box can miss it
@@ -133,7 +156,7 @@ def app(tmp_path_factory):
         time.sleep(2)
     else:
         pytest.fail(f"/ready never returned 200: {_get(base + '/ready')}")
-    yield {"url": base, "paths": paths, "cfg": cfg}
+    yield {"url": base, "paths": paths, "cfg": cfg, "ray_tmp": tmp, "port": port}
     serve.shutdown()
     ray.shutdown()
     shutil.rmtree(pool_dir, ignore_errors=True)
@@ -144,7 +167,7 @@ def app(tmp_path_factory):
 def client(app):
     from openai import OpenAI
 
-    return OpenAI(base_url=app["url"] + "/v1", api_key="unused", max_retries=0, timeout=120)
+    return OpenAI(base_url=app["url"] + "/v1", api_key=KEY_A, max_retries=0, timeout=120)
 
 
 @pytest.fixture(scope="module")
@@ -263,7 +286,7 @@ def test_multi_round_workflow_joins_outputs_and_streams_per_agent(app):
          {"name": "w2", "model": "beta", "instruction": "what is the day?", "max_tokens": 4}],
         [{"name": "agg", "model": "beta", "instruction": "call the shipping tool.", "max_tokens": 4}]]}
     req = urllib.request.Request(app["url"] + "/v1/agents/run", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
+                                 headers={"Content-Type": "application/json", **_auth(KEY_A)})
     events = []
     with urllib.request.urlopen(req, timeout=300) as r:
         assert r.headers["content-type"].startswith("text/event-stream")
@@ -346,26 +369,75 @@ def test_metrics_change_with_traffic(app, client):
     assert _metric(after, "prefillshare_kv_pool_held_bytes") > 0
 
 
+_AGENT = {"model": "alpha", "instruction": "what is the city?"}
+_OK = {"model": "alpha", "prompt": "hi"}
+
+
+@pytest.fixture(scope="module")
+def baseline(app):
+    """Greedy answers of every decoder before the bad-input matrix runs (compared after it)."""
+    return {m: _post(app["url"] + "/v1/completions", {"model": m, "prompt": CONTEXT + "\nQ: what is the item?\nA:",
+                                                     "max_tokens": MAX_NEW, "temperature": 0})[1]["choices"][0]["text"]
+            for m in ("alpha", "beta", "gamma")}
+
+
 @pytest.mark.parametrize("path, body, status, param", [
+    # unknown model / agent, missing and mistyped fields
     ("/v1/completions", {"model": "nope", "prompt": "hi"}, 404, "model"),
-    ("/v1/completions", {"model": "alpha", "prompt": ""}, 400, "prompt"),
-    ("/v1/completions", {"model": "alpha", "prompt": "x" * 3000}, 400, "prompt"),
-    ("/v1/completions", {"model": "alpha", "prompt": "hi", "max_tokens": -1}, 400, "max_tokens"),
-    ("/v1/completions", {"model": "alpha", "prompt": "hi", "max_tokens": "5"}, 400, "max_tokens"),
-    ("/v1/completions", {"model": "alpha", "prompt": 5}, 400, "prompt"),
-    ("/v1/completions", b'{"model": "alpha", "prompt": ', 400, None),
     ("/v1/completions", {"prompt": "hi"}, 400, "model"),
-    ("/v1/chat/completions", {"model": "alpha", "messages": []}, 400, "messages"),
+    ("/v1/completions", {"model": "alpha", "prompt": 5}, 400, "prompt"),
+    ("/v1/completions", {**_OK, "max_tokens": "5"}, 400, "max_tokens"),
+    ("/v1/completions", {**_OK, "temperature": "hot"}, 400, "temperature"),
+    ("/v1/completions", {**_OK, "seed": "x"}, 400, "seed"),
+    ("/v1/chat/completions", {"model": "nope", "messages": [{"role": "user", "content": "hi"}]}, 404, "model"),
     ("/v1/chat/completions", {"model": "alpha", "messages": [{"role": "user", "content": 3}]}, 400,
      "messages[0].content"),
+    ("/v1/chat/completions", {"model": "alpha", "messages": [{"role": "robot", "content": "hi"}]}, 400,
+     "messages[0].role"),
     ("/v1/agents/run", {"context": "c", "agents": [{"model": "nope", "instruction": "i"}]}, 404, "agents[0].model"),
-    ("/v1/agents/run", {"context": "", "agents": [{"model": "alpha", "instruction": "i"}]}, 400, "context"),
-    ("/v1/agents/run", {"context": "c", "agents": [{"model": "alpha", "instruction": "i", "max_tokens": 0}]},
-     400, "agents[0].max_tokens"),
+    ("/v1/agents/run", {"context": "c", "agents": [_AGENT], "stream": "yes"}, 400, "stream"),
+    ("/v1/agents/run", {"context": "c", "agents": [_AGENT], "rounds": "2"}, 400, "rounds"),
+    # bodies that are not JSON objects, not UTF-8, too large
+    ("/v1/completions", b'{"model": "alpha", "prompt": ', 400, None),
+    ("/v1/completions", b'{"model": "alpha", "prompt": "\xff\xfe"}', 400, None),
+    ("/v1/completions", b'[1, 2]', 400, None),
+    ("/v1/completions", {"model": "alpha", "prompt": "x" * (MAX_BODY + 10)}, 413, None),
+    # empty, oversize, over-context and out-of-vocabulary prompts
+    ("/v1/completions", {"model": "alpha", "prompt": ""}, 400, "prompt"),
+    ("/v1/completions", {"model": "alpha", "prompt": "x" * 3000}, 400, "prompt"),
+    ("/v1/completions", {"model": "alpha", "prompt": [5] * 300}, 400, "prompt"),
+    ("/v1/completions", {"model": "alpha", "prompt": [1, 10 ** 6]}, 400, "prompt"),
+    ("/v1/completions", {"model": "alpha", "prompt": [-3, 4]}, 400, "prompt"),
+    ("/v1/completions", {"model": "alpha", "prompt": ["one", "two"]}, 400, "prompt"),
+    ("/v1/chat/completions", {"model": "alpha", "messages": []}, 400, "messages"),
+    ("/v1/chat/completions", {"model": "alpha", "messages": [{"role": "assistant", "content": "hi"}]}, 400,
+     "messages[0].role"),
+    ("/v1/agents/run", {"context": "", "agents": [_AGENT]}, 400, "context"),
+    ("/v1/agents/run", {"context": "word " * 400, "agents": [_AGENT]}, 400, "context"),
+    # limits: agents, rounds, max_tokens
+    ("/v1/agents/run", {"context": "c", "agents": [{**_AGENT, "name": f"a{i}"} for i in range(5)]}, 400, "agents"),
+    ("/v1/agents/run", {"context": "c", "agents": [_AGENT], "rounds": 99}, 400, "rounds"),
     ("/v1/agents/run", {"context": "c", "rounds": [[]]}, 400, "rounds[0]"),
+    ("/v1/completions", {**_OK, "max_tokens": -1}, 400, "max_tokens"),
+    ("/v1/completions", {**_OK, "max_tokens": 10 ** 12}, 400, "max_tokens"),
+    ("/v1/chat/completions", {"model": "alpha", "messages": [{"role": "user", "content": "hi"}],
+                              "max_completion_tokens": 0}, 400, "max_completion_tokens"),
+    ("/v1/agents/run", {"context": "c", "agents": [{**_AGENT, "max_tokens": 0}]}, 400, "agents[0].max_tokens"),
+    # sampling values
+    ("/v1/completions", {**_OK, "temperature": 5}, 400, "temperature"),
+    ("/v1/completions", b'{"model": "alpha", "prompt": "hi", "temperature": NaN}', 400, "temperature"),
+    ("/v1/completions", {**_OK, "top_p": 0}, 400, "top_p"),
+    ("/v1/completions", {**_OK, "n": 2}, 400, "n"),
+    ("/v1/completions", {**_OK, "stop": 5}, 400, "stop"),
+    ("/v1/completions", {**_OK, "stop": ["\n"]}, 400, "stop"),
+    ("/v1/completions", {**_OK, "echo": True}, 400, "echo"),
+    ("/v1/agents/run", {"context": "c", "agents": [{**_AGENT, "temperature": -1}]}, 400, "agents[0].temperature"),
+    # unknown fields: rejected on our own schema (OpenAI routes ignore them, tested below)
+    ("/v1/agents/run", {"context": "c", "agents": [_AGENT], "temprature": 0}, 400, "temprature"),
+    ("/v1/agents/run", {"context": "c", "agents": [{**_AGENT, "bogus": 1}]}, 400, "agents[0].bogus"),
     ("/v1/nowhere", {"model": "alpha"}, 404, None),
 ])
-def test_bad_requests_get_4xx_naming_the_field(app, path, body, status, param):
+def test_bad_requests_get_4xx_naming_the_field(app, baseline, path, body, status, param):
     got, out = _post(app["url"] + path, body)
     assert got == status, out
     err = out["error"]
@@ -375,6 +447,77 @@ def test_bad_requests_get_4xx_naming_the_field(app, path, body, status, param):
         assert param.split("[")[0].split(".")[0] in err["message"]
 
 
+def test_huge_headers_get_4xx_and_the_app_keeps_serving(app):
+    import http.client
+
+    conn = http.client.HTTPConnection("127.0.0.1", app["port"], timeout=60)
+    try:
+        conn.putrequest("POST", "/v1/completions")
+        conn.putheader("Authorization", f"Bearer {KEY_A}")
+        conn.putheader("X-Padding", "p" * 200_000)
+        conn.putheader("Content-Type", "application/json")
+        body = json.dumps(_OK).encode()
+        conn.putheader("Content-Length", str(len(body)))
+        conn.endheaders(body)
+        r = conn.getresponse()
+        status, raw = r.status, r.read()
+    except (ConnectionError, http.client.HTTPException):
+        status = raw = None  # the HTTP server may close the connection instead of answering
+    finally:
+        conn.close()
+    assert status is None or 400 <= status < 500, status
+    if status == 431:  # the app's own limit (limits.max_header_bytes), in the usual error shape
+        assert json.loads(raw)["error"]["code"] == "headers_too_large"
+    assert _get(app["url"] + "/healthz")[0] == 200
+
+
+def _stream_then_hang_up(app, body: dict) -> str:
+    """Open a streamed completion, read its first event, drop the connection."""
+    import http.client
+
+    conn = http.client.HTTPConnection("127.0.0.1", app["port"], timeout=120)
+    conn.request("POST", "/v1/completions", body=json.dumps(body),
+                 headers={"Content-Type": "application/json", **_auth(KEY_A)})
+    r = conn.getresponse()
+    assert r.status == 200
+    first = r.readline().decode()
+    conn.sock.shutdown(socket.SHUT_RDWR)
+    conn.close()
+    return first
+
+
+def _ingress_state(app) -> dict:
+    status, body = _get(app["url"] + "/ready")
+    assert status == 200, body
+    return json.loads(body)["admission"]
+
+
+def test_client_that_disconnects_mid_stream_frees_its_slot_and_the_engines(app):
+    first = _stream_then_hang_up(app, {"model": "alpha", "prompt": CONTEXT, "max_tokens": 64, "stream": True,
+                                       "temperature": 0.7, "seed": 1})
+    assert first.startswith("data: ")
+    for _ in range(60):  # the cancellation travels router -> orchestrator -> decoder
+        queues = _metric(_metrics(app["url"]), "prefillshare_queue_length")
+        if _ingress_state(app)["inflight"] == 0 and queues == 0:
+            break
+        time.sleep(1)
+    assert _ingress_state(app)["inflight"] == 0
+    assert queues == 0  # no engine still works on the abandoned request
+
+
+def test_after_the_matrix_engines_serve_and_answers_are_unchanged(app, baseline):
+    status, body = _get(app["url"] + "/ready")
+    assert status == 200 and json.loads(body)["ready"] is True, body
+    for model, text in baseline.items():
+        status, out = _post(app["url"] + "/v1/completions", {"model": model, "prompt": CONTEXT + "\nQ: what is the item?\nA:",
+                                                             "max_tokens": MAX_NEW, "temperature": 0})
+        assert status == 200 and out["choices"][0]["text"] == text, (model, out)
+    # OpenAI clients send extras (`user`, `metadata`): accepted and ignored on the OpenAI routes
+    status, out = _post(app["url"] + "/v1/completions", {**_OK, "max_tokens": 2, "user": "u-1", "metadata": {"a": 1},
+                                                         "presence_penalty": 0, "stop": None})
+    assert status == 200, out
+
+
 def test_app_keeps_serving_after_bad_requests(app, client):
     _post(app["url"] + "/v1/completions", b"\xff\xfe not json")
     _post(app["url"] + "/v1/completions", {"model": "alpha", "prompt": "x" * 3000})
@@ -382,3 +525,116 @@ def test_app_keeps_serving_after_bad_requests(app, client):
     assert out.usage.completion_tokens >= 1
     status, body = _get(app["url"] + "/ready")
     assert status == 200 and json.loads(body)["ready"] is True
+
+
+# --- API keys and tenants ----------------------------------------------------------------
+BAD_KEY = "sk-not-a-key-7c1d9e2f4a6b8c0d"
+
+
+@pytest.mark.parametrize("key", [None, BAD_KEY, KEY_A[:-1]])
+def test_generation_routes_need_a_valid_key(app, key):
+    for path, body in (("/v1/completions", _OK), ("/v1/chat/completions", {"model": "alpha", "messages": [
+            {"role": "user", "content": "hi"}]}), ("/v1/agents/run", {"context": "c", "agents": [_AGENT]})):
+        status, out = _post(app["url"] + path, body, key=key)
+        assert status == 401, (path, out)
+        assert out["error"]["code"] == "invalid_api_key" and out["error"]["param"] is None
+        assert (key or "sk-") not in out["error"]["message"]
+    # probes and metrics stay open (Kubernetes probes and Prometheus carry no key)
+    assert _get(app["url"] + "/ready", key=None)[0] == 200
+    assert _get(app["url"] + "/metrics", key=None)[0] == 200
+
+
+def test_tenants_reuse_only_their_own_cached_prefix(app):
+    """Same context, same agents: tenant A's second run hits A's cached prefix; tenant B's
+    first run computes everything (its salt gives other KV keys, prefix hashes and routing keys)."""
+    names = ["maya", "lamp", "oslo", "teal", "tue", "noon", "rome", "lima", "kyiv", "doha", "pear", "fig"]
+    ctx = "tenant probe zq91\n" + "\n".join(f"k{i}:{names[i % 12]}" for i in range(22))
+    body = {"context": ctx, "agents": [{"name": "x", "model": "alpha", "instruction": "what is k3?", "max_tokens": 2},
+                                       {"name": "y", "model": "alpha", "instruction": "what is k7?", "max_tokens": 2}]}
+
+    def run(key):
+        status, out = _post(app["url"] + "/v1/agents/run", body, key=key)
+        assert status == 200, out
+        for r in out["results"]:  # each tenant's decoders load the KV its own prefill published
+            assert r["error"] is None and r["usage"]["cached_tokens"] == r["usage"]["prompt_tokens"] - 1, r
+        return out["usage"], {r["prefill"]["replica"] for r in out["results"]}
+
+    a1, a1_replicas = run(KEY_A)
+    a2, a2_replicas = run(KEY_A)
+    b1, _ = run(KEY_B)
+    b2, _ = run(KEY_B)
+    assert a1["shared_prefix_tokens"] >= 128  # at least four full blocks of context to reuse
+    assert a2_replicas == a1_replicas  # same tenant, same prefix: same prefill replica
+    assert a2["prefill_tokens_computed"] <= a1["prefill_tokens_computed"] - 64  # A reused A's prefix
+    assert b1["prefill_tokens_computed"] == a1["prefill_tokens_computed"]  # B reused nothing of A's
+    assert b2["prefill_tokens_computed"] == a2["prefill_tokens_computed"]  # B reuses its own
+    print(f"\nprefill tokens computed: A cold {a1['prefill_tokens_computed']}, A again "
+          f"{a2['prefill_tokens_computed']}, B cold {b1['prefill_tokens_computed']}, "
+          f"B again {b2['prefill_tokens_computed']}")
+
+
+def test_keys_never_reach_logs_or_metrics(app):
+    _post(app["url"] + "/v1/completions", _OK, key=BAD_KEY)
+    _post(app["url"] + "/v1/completions", {**_OK, "max_tokens": 1}, key=KEY_B)
+    secrets = [KEY_A, KEY_B, BAD_KEY]
+    metrics = _get(app["url"] + "/metrics")[1].decode()
+    assert not [k for k in secrets if k in metrics]
+    logs = Path(app["ray_tmp"]) / "session_latest" / "logs"
+    assert logs.is_dir()
+    leaked = []
+    for f in logs.rglob("*"):
+        if f.is_file():
+            text = f.read_bytes()
+            leaked += [f"{f.name}: {k[:8]}..." for k in secrets if k.encode() in text]
+    assert not leaked
+
+
+# --- overload ------------------------------------------------------------------------------
+def test_overload_gets_429_with_retry_after_and_every_accepted_request_completes(app):
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    body = {"model": "alpha", "prompt": CONTEXT + "\nQ: what is the color?\nA:", "max_tokens": 32, "temperature": 0}
+    status, ref = _post(app["url"] + "/v1/completions", body)
+    assert status == 200, ref
+    sent = 4 * MAX_INFLIGHT  # 4x what the ingress admits at once
+    barrier = threading.Barrier(sent)
+
+    def one(_):
+        barrier.wait()
+        return _post(app["url"] + "/v1/completions", body, timeout=600, with_headers=True)
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(sent) as pool:
+        answers = list(pool.map(one, range(sent)))  # a hung request would raise a timeout here
+    wall = time.perf_counter() - t0
+    ok = [out for status, out, _ in answers if status == 200]
+    shed = [(out, h) for status, out, h in answers if status == 429]
+    assert len(ok) + len(shed) == sent, [a[:2] for a in answers if a[0] not in (200, 429)]
+    assert ok and shed
+    for out, headers in shed:
+        assert int(headers["Retry-After"]) >= 1
+        assert out["error"]["code"] == "overloaded" and out["error"]["param"] is None
+        assert out["error"]["type"] == "rate_limit_error"
+    for out in ok:  # complete, and the same answer as when the app was idle
+        assert out["choices"][0]["text"] == ref["choices"][0]["text"]
+        assert out["choices"][0]["finish_reason"] == ref["choices"][0]["finish_reason"]
+        assert out["usage"]["completion_tokens"] == ref["usage"]["completion_tokens"]
+    state = _ingress_state(app)
+    assert state["inflight"] == 0
+    print(f"\noverload: sent {sent} at once (admission limit {MAX_INFLIGHT}): {len(ok)} completed, "
+          f"{len(shed)} got 429, wall {wall:.1f}s; router totals {state}")
+
+
+def test_a_full_decoder_queue_sheds_agents_with_overloaded_not_a_hang(app):
+    """beta runs 1 request and queues 1 (Serve's max_queued_requests): a 3-agent fan-out on beta
+    gets at least one agent shed with an 'overloaded' error while the others complete."""
+    agents = [{"name": f"b{i}", "model": "beta", "instruction": "what is the city?", "max_tokens": 8} for i in range(3)]
+    status, out = _post(app["url"] + "/v1/agents/run", {"context": CONTEXT, "agents": agents})
+    assert status == 200, out
+    errors = [r["error"] for r in out["results"]]
+    done = [r for r in out["results"] if r["error"] is None]
+    assert len(out["results"]) == 3
+    assert done and all(r["usage"]["completion_tokens"] >= 1 for r in done)
+    shed = [e for e in errors if e is not None]
+    assert shed and all(e.startswith("overloaded") for e in shed), errors

@@ -1,0 +1,156 @@
+"""Reliability and security parts that need no Ray cluster: API keys and tenant salts, ingress
+admission, body parsing, config limits, and what the shipped configs expose.
+(The same behaviour end to end, on real engines: tests/test_serve_app.py.)"""
+from __future__ import annotations
+
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from app.auth import AuthError, KeyRing, load_keyring, tenant_salt
+from app.config import ConfigError, load_config
+from deployments.admission import Admission, Slot
+from deployments.prompts import locality_keys
+
+ROOT = Path(__file__).resolve().parent.parent
+KEY_A, KEY_B = "sk-unit-acme-00112233445566", "sk-unit-globex-778899aabbcc"
+
+
+def _minimal(**over) -> dict:
+    cfg = {"prefill_modules": [{"name": "base", "model": "checkpoints/base"}],
+           "decoders": [{"name": "lookup", "model": "checkpoints/decoders/lookup"}]}
+    cfg.update(over)
+    return cfg
+
+
+# --- keys and tenants --------------------------------------------------------------------
+def test_keyring_maps_bearer_keys_to_tenants_and_rejects_the_rest():
+    ring = KeyRing({KEY_A: "acme", KEY_B: "globex"}, "test")
+    assert ring.lookup(f"Bearer {KEY_A}").name == "acme"
+    assert ring.lookup(f"bearer  {KEY_B} ").name == "globex"
+    for header in (None, "", KEY_A, f"Basic {KEY_A}", "Bearer ", f"Bearer {KEY_A}x", f"Bearer {KEY_A[:-1]}"):
+        assert ring.lookup(header) is None, header
+    assert KEY_A not in repr(ring) and KEY_B not in repr(ring)
+
+
+def test_tenant_salt_is_per_tenant_stable_and_never_the_key():
+    assert tenant_salt("acme") == tenant_salt("acme") != tenant_salt("globex")
+    ring = KeyRing({KEY_A: "acme", "sk-second-key-for-acme-0000": "acme"}, "test")
+    assert ring.lookup(f"Bearer {KEY_A}").salt == ring.lookup("Bearer sk-second-key-for-acme-0000").salt
+    assert KEY_A not in tenant_salt("acme")
+
+
+def test_tenant_salt_changes_every_routing_key():
+    ids = list(range(3, 200))
+    plain = locality_keys("module-1", ids, 32)
+    a = locality_keys("module-1", ids, 32, tenant_salt("acme"))
+    b = locality_keys("module-1", ids, 32, tenant_salt("globex"))
+    assert len(a) == len(b) == len(plain) == 6
+    assert not set(a) & set(b) and not set(a) & set(plain)
+
+
+def test_keys_load_from_file_or_env_and_bad_sources_are_named(tmp_path):
+    f = tmp_path / "keys.yaml"
+    f.write_text(f"{KEY_A}: acme\n")
+    assert load_keyring(None, "PS_KEYS", environ={}) is None  # off by default
+    assert load_keyring(f, "PS_KEYS", environ={}).tenants == {"acme"}
+    ring = load_keyring(f, "PS_KEYS", environ={"PS_KEYS": f'{{"{KEY_B}": "globex"}}'})
+    assert ring.tenants == {"acme", "globex"}
+    with pytest.raises(AuthError, match="auth.required"):
+        load_keyring(None, "PS_KEYS", required=True, environ={})
+    with pytest.raises(AuthError, match="auth.keys_file"):
+        load_keyring(tmp_path / "missing.yaml", "PS_KEYS", environ={})
+    for text, match in (("- a\n- b\n", "mapping"), ("short: acme\n", "at least 16"),
+                        (f"{KEY_A}: 'bad tenant!'\n", "tenant"), ("{{{", "YAML/JSON"), ("{}", "no API keys")):
+        f.write_text(text)
+        with pytest.raises(AuthError, match=match) as e:
+            load_keyring(f, "PS_KEYS", environ={})
+        assert KEY_A not in str(e.value)
+    f.write_text(f"{KEY_A}: acme\n")
+    with pytest.raises(AuthError, match="another tenant"):
+        load_keyring(f, "PS_KEYS", environ={"PS_KEYS": f"{KEY_A}: globex"})
+
+
+# --- admission -----------------------------------------------------------------------------
+def test_admission_bounds_inflight_and_slots_release_once():
+    adm = Admission(2)
+    s1, s2 = (Slot(adm) if adm.try_enter() else None), (Slot(adm) if adm.try_enter() else None)
+    assert s1 and s2 and not adm.try_enter()
+    assert (adm.inflight, adm.admitted, adm.rejected) == (2, 2, 1)
+    s1.release()
+    s1.release()  # stream end and cleanup may both release
+    assert adm.inflight == 1 and adm.try_enter()
+    del s2  # a response dropped before its stream ran still frees its slot
+    assert adm.inflight == 1
+    with pytest.raises(ValueError):
+        Admission(0)
+
+
+# --- body parsing at the ingress -------------------------------------------------------------
+@pytest.mark.parametrize("raw, code, param", [
+    (b'{"model": "a", "prompt": "\xff"}', "invalid_encoding", None),
+    (b"{", "invalid_json", None),
+    (b"[]", "invalid_json", None),
+    (b'{"model": "a", "prompt": "p", "top_p": "x"}', "invalid_value", "top_p"),
+    (b'{"model": "a", "prompt": "p", "stop": 3}', "invalid_value", "stop"),
+])
+def test_parse_names_encoding_json_and_field_errors(raw, code, param):
+    from deployments.router import ApiError, CompletionBody, parse
+
+    with pytest.raises(ApiError) as e:
+        parse(raw, CompletionBody)
+    assert (e.value.status, e.value.code, e.value.param) == (400, code, param)
+
+
+def test_openai_bodies_keep_unknown_fields_and_agent_bodies_reject_them():
+    from deployments.router import AgentRunBody, ApiError, CompletionBody, parse
+
+    body = parse(b'{"model": "a", "prompt": "p", "user": "u1", "metadata": {}}', CompletionBody)
+    assert body.model_extra == {"user": "u1", "metadata": {}}
+    with pytest.raises(ApiError) as e:
+        parse(b'{"context": "c", "agents": [], "user": "u1"}', AgentRunBody)
+    assert e.value.param == "user"
+
+
+# --- config limits -------------------------------------------------------------------------
+@pytest.mark.parametrize("over, field", [
+    ({"limits": {"max_inflight_requests": 300}}, "max_inflight_requests"),
+    ({"orchestrator": {"max_queued_requests": 0}}, "orchestrator.max_queued_requests"),
+    ({"decoders": [{"name": "d", "model": "m", "placement": {"max_queued_requests": -2}}]},
+     "decoders.0.placement.max_queued_requests"),
+    ({"limits": {"retry_after_s": 0}}, "limits.retry_after_s"),
+    ({"auth": {"keys": {"a": "b"}}}, "auth.keys"),
+])
+def test_bad_limits_and_auth_config_name_the_field(over, field):
+    with pytest.raises(ConfigError, match=re.escape(field)):
+        load_config(_minimal(**over))
+
+
+def test_missing_keys_file_is_named(tmp_path):
+    cfg = load_config(_minimal(auth={"keys_file": str(tmp_path / "nope.yaml")}))
+    with pytest.raises(ConfigError, match="auth.keys_file"):
+        cfg.check_paths()
+
+
+# --- exposure ------------------------------------------------------------------------------
+def test_serve_config_binds_http_to_loopback_and_auth_is_off_only_by_absence():
+    data = yaml.safe_load((ROOT / "serve_config.yaml").read_text())
+    assert data["http_options"]["host"] == "127.0.0.1"
+    cfg = load_config(ROOT / "serve_config.yaml")
+    assert cfg.auth.keys_file is None and cfg.auth.keys_env == "PREFILLSHARE_API_KEYS"
+
+
+def test_serve_script_keeps_ray_token_auth_on_unless_told_otherwise():
+    script = ROOT / "scripts" / "serve.sh"
+    text = script.read_text()
+    assert 'RAY_AUTH_MODE="${RAY_AUTH_MODE:-token}"' in text
+    # the default, as the shell evaluates it with no RAY_AUTH_MODE in the environment
+    line = next(ln for ln in text.splitlines() if "RAY_AUTH_MODE=" in ln and ln.startswith("export"))
+    out = subprocess.run(["env", "-u", "RAY_AUTH_MODE", "bash", "-c", f"{line}; echo $RAY_AUTH_MODE"],
+                         capture_output=True, text=True, check=True).stdout.strip()
+    assert out == "token"
+    # tests are the only place that turns it off
+    assert 'RAY_AUTH_MODE="${RAY_AUTH_MODE:-disabled}"' in (ROOT / "scripts" / "test.sh").read_text()
