@@ -28,6 +28,7 @@ from agents.types import (
     RunUsage,
     Timings,
     Usage,
+    one_line,
 )
 from agents.workflow import Agent, Join, Sampling, Workflow, join_lines
 

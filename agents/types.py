@@ -172,6 +172,12 @@ class Readiness:
 
 # ---- parsing -----------------------------------------------------------------------------
 
+def one_line(text: str) -> str:
+    """An answer as one terminal line: a newline, carriage return or other control character
+    would otherwise split or overwrite what a log or example prints."""
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode() for c in text.strip())
+
+
 def _int(d: dict, key: str) -> int:
     v = d.get(key)
     return int(v) if isinstance(v, (int, float)) else 0

@@ -12,76 +12,57 @@ import time
 
 from ray import serve
 
-from app.engine.async_engine import Engine, EngineConfig
+from app.engine.async_engine import EngineConfig
 from app.handover import split_prompt
+from deployments.engine_host import EngineHost
 from deployments.messages import PrefillRequest, PrefillTicket
 from deployments.metrics import PrefillRecord
 
 
 @serve.deployment(name="Prefill")
-class PrefillServer:
+class PrefillServer(EngineHost):
     async def __init__(self, module_name: str, engine_config: EngineConfig, metrics=None):
         self.module = module_name
-        self.engine = await Engine.start(engine_config)
-        self.metrics = metrics
-        self.replica_id = serve.get_replica_context().replica_id.unique_id
-        self.deployment = serve.get_replica_context().deployment
-        self.in_flight = 0
+        await self._start_engine(engine_config, metrics)
 
-    def _report_queue(self) -> None:
-        if self.metrics is not None:
-            self.metrics.queue.remote(self.deployment, self.replica_id, self.in_flight)
+    def _identity(self) -> dict:
+        return {"module": self.module}
 
     async def prefill(self, req: PrefillRequest) -> PrefillTicket:
         """Compute each prompt's base KV; the producer connector publishes every prompt token
         but the last (the hand-over convention), pinned until that prompt's decoder loaded it."""
-        self.in_flight += 1
-        self._report_queue()
+        with self._in_flight():
+            return await self._prefill(req)
+
+    async def _prefill(self, req: PrefillRequest) -> PrefillTicket:
         t0 = time.perf_counter()
-        try:
-            computed = cached = 0
-            if len(req.shared_prefix) > 1:
-                warm = await self.engine.prefill(list(req.shared_prefix), f"{req.request_id}-ctx",
-                                                 cache_salt=req.cache_salt)
-                computed += warm.num_computed_tokens
-                cached += warm.num_cached_tokens
-            shared = [split_prompt(p)[0] for p in req.prompts]
-            # One decoder consumes each prompt's blocks: pin them for one load.
-            results = await asyncio.gather(*[
-                self.engine.prefill(list(p), f"{req.request_id}-{i}", cache_salt=req.cache_salt,
-                                    kv_transfer_params={"fanout": 1})
-                for i, (p, s) in enumerate(zip(req.prompts, shared)) if s
-            ])
-            for r in results:
-                computed += r.num_computed_tokens
-                cached += r.num_cached_tokens
-            seconds = time.perf_counter() - t0
-            if self.metrics is not None:
-                self.metrics.prefill.remote(PrefillRecord(self.module, self.replica_id, computed, cached, seconds))
-            it = iter(results)
-            return PrefillTicket(
-                request_id=req.request_id,
-                prefill_module=self.module,
-                replica_id=self.replica_id,
-                num_prompt_tokens=tuple(len(s) for s in shared),
-                num_computed_tokens=computed,
-                num_cached_tokens=cached,
-                seconds=seconds,
-                kv_transfer_params=tuple((next(it).kv_transfer_params if s else None) for s in shared),
-            )
-        finally:
-            self.in_flight -= 1
-            self._report_queue()
-
-    async def ready(self) -> dict:
-        await self.engine.check_health()
-        return {"deployment": self.deployment, "replica": self.replica_id, "module": self.module}
-
-    async def check_health(self) -> None:
-        """Serve's periodic probe: a dead engine core marks the replica unhealthy (restarted)."""
-        await self.engine.check_health()
-
-    def __del__(self):
-        engine = getattr(self, "engine", None)
-        if engine is not None:
-            engine.shutdown()
+        computed = cached = 0
+        if len(req.shared_prefix) > 1:
+            warm = await self.engine.prefill(list(req.shared_prefix), f"{req.request_id}-ctx",
+                                             cache_salt=req.cache_salt)
+            computed += warm.num_computed_tokens
+            cached += warm.num_cached_tokens
+        shared = [split_prompt(p)[0] for p in req.prompts]
+        # One decoder consumes each prompt's blocks: pin them for one load.
+        results = await asyncio.gather(*[
+            self.engine.prefill(list(p), f"{req.request_id}-{i}", cache_salt=req.cache_salt,
+                                kv_transfer_params={"fanout": 1})
+            for i, (p, s) in enumerate(zip(req.prompts, shared)) if s
+        ])
+        for r in results:
+            computed += r.num_computed_tokens
+            cached += r.num_cached_tokens
+        seconds = time.perf_counter() - t0
+        if self.metrics is not None:
+            self.metrics.prefill.remote(PrefillRecord(self.module, self.replica_id, computed, cached, seconds))
+        it = iter(results)
+        return PrefillTicket(
+            request_id=req.request_id,
+            prefill_module=self.module,
+            replica_id=self.replica_id,
+            num_prompt_tokens=tuple(len(s) for s in shared),
+            num_computed_tokens=computed,
+            num_cached_tokens=cached,
+            seconds=seconds,
+            kv_transfer_params=tuple((next(it).kv_transfer_params if s else None) for s in shared),
+        )

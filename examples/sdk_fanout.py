@@ -10,7 +10,7 @@ import os
 import random
 import sys
 
-from agents import Agent, Client, Sampling
+from agents import Agent, Client, Sampling, one_line
 from app.training.tasks import AGENTS as TASKS, Record
 
 # One order record; the shipped decoders were trained on this format (app/training/tasks.py),
@@ -23,10 +23,6 @@ CONTEXT = RECORD.text()
 def task(model: str) -> tuple[str, str]:
     """(instruction, expected answer) for a served model; unknown models get the lookup task."""
     return TASKS.get(model, TASKS["lookup"])(RECORD, random.Random(7))
-
-
-def one_line(text: str) -> str:
-    return text.strip().replace("\n", "\\n")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -10,7 +10,7 @@ import os
 import random
 import sys
 
-from agents import Agent, AsyncClient, Sampling
+from agents import Agent, AsyncClient, Sampling, one_line
 from app.training.tasks import AGENTS as TASKS, Record
 
 RECORD = Record((("item", "desk"), ("name", "omar"), ("city", "rome"), ("qty", "2"), ("day", "fri")),
@@ -21,10 +21,6 @@ CONTEXT = RECORD.text()
 def instruction(model: str) -> str:
     """The task suite's instruction for a served model (app/training/tasks.py)."""
     return TASKS.get(model, TASKS["lookup"])(RECORD, random.Random(3))[0]
-
-
-def one_line(text: str) -> str:
-    return text.strip().replace("\n", "\\n")
 
 
 async def run(url: str, max_tokens: int) -> int:

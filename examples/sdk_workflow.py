@@ -10,7 +10,7 @@ import argparse
 import os
 import sys
 
-from agents import Agent, Client, Sampling, Workflow
+from agents import Agent, Client, Sampling, Workflow, one_line
 
 CONTEXT = "order\nname: lena\nitem: clock\nqty: 5\ncity: lima\nday: wed\nnote: leave at door"
 # Instruction templates in the task suite's format (app/training/tasks.py): a question, then
@@ -30,10 +30,6 @@ def build(models: list[str], client_join: bool) -> Workflow:
             return context + "".join(f"\nnote:{r.name} answered {r.text.strip()}" for r in results if r.ok)
         return Workflow.pipeline(planner, workers, checker, join=notes)
     return Workflow.pipeline(planner, workers, checker)
-
-
-def one_line(text: str) -> str:
-    return text.strip().replace("\n", "\\n")
 
 
 def main(argv: list[str] | None = None) -> int:

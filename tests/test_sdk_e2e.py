@@ -28,6 +28,7 @@ from agents import (
     ContextLengthError,
     ModelNotFoundError,
     Sampling,
+    one_line,
 )
 
 pytestmark = [pytest.mark.serve, pytest.mark.engine]
@@ -206,10 +207,6 @@ def _run_example(name: str, *args: str) -> str:
     return out.stdout
 
 
-def _one_line(text: str) -> str:
-    return text.strip().replace("\n", "\\n")
-
-
 def _printed(stdout: str) -> dict[str, str]:
     return {m.group(1): m.group(2) for m in re.finditer(r"^\[([\w.-]+)\](?: round \d+:)? ?(.*)$", stdout, re.M)}
 
@@ -219,18 +216,18 @@ def test_examples_print_the_apps_answers(app_url, client):
     stdout = _run_example("sdk_fanout", "--url", app_url, "--max-tokens", str(MAX_NEW))
     expected = client.run(fanout.CONTEXT, [Agent(m, fanout.task(m)[0], sampling=Sampling(max_tokens=MAX_NEW))
                                            for m in ("lookup", "tool_call", "verify")])
-    assert _printed(stdout) == {r.name: _one_line(r.text) for r in expected.results}
+    assert _printed(stdout) == {r.name: one_line(r.text) for r in expected.results}
 
     stream = _example("sdk_stream")
     stdout = _run_example("sdk_stream", "--url", app_url, "--max-tokens", str(MAX_NEW))
     expected = client.run(stream.CONTEXT, [Agent(m, stream.instruction(m), sampling=Sampling(max_tokens=MAX_NEW))
                                            for m in ("lookup", "tool_call", "verify")])
-    assert _printed(stdout) == {r.name: _one_line(r.text) for r in expected.results}
+    assert _printed(stdout) == {r.name: one_line(r.text) for r in expected.results}
 
     workflow = _example("sdk_workflow")
     for flags in ((), ("--client-join",)):
         stdout = _run_example("sdk_workflow", "--url", app_url, *flags)
         wf = workflow.build([m.id for m in client.models()], bool(flags))
         expected = client.run_workflow(wf, workflow.CONTEXT, {"field": "city", "expected": "lima"})
-        assert _printed(stdout) == {r.name: _one_line(r.text) for r in expected.results}
+        assert _printed(stdout) == {r.name: one_line(r.text) for r in expected.results}
         assert len(expected.rounds) == 3

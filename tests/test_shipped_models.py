@@ -31,6 +31,8 @@ def _vllm_greedy(model: str, prompts: list[str], queue) -> None:
               gpu_memory_utilization=0.5)
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=16))
     queue.put([o.outputs[0].text for o in outs])
+    # the engine core is a non-daemon child: without this the process never exits
+    llm.llm_engine.engine_core.shutdown()
 
 
 @pytest.mark.engine
@@ -47,8 +49,10 @@ def test_vllm_loads_a_shipped_decoder_and_matches_transformers():
     queue = ctx.Queue()
     proc = ctx.Process(target=_vllm_greedy, args=(str(path), prompts, queue))
     proc.start()
-    texts = queue.get(timeout=600)
-    proc.join(60)
+    try:
+        texts = queue.get(timeout=600)
+    finally:
+        proc.join(60)  # if it still runs, the session finish (conftest.py) stops its whole tree
     tok, model = load_tokenizer(path), load_model(path)
     for text, prompt in zip(texts, prompts):
         ids = private_greedy(model, tok(prompt)["input_ids"], 16, tok.eos_token_id)

@@ -1,0 +1,55 @@
+"""EngineHost: what every engine-running replica (prefill or decode) shares.
+
+One vLLM engine per replica, an in-flight count reported to the Metrics deployment (the
+router's load signal and the queue gauge), and the health probe Serve calls periodically:
+a dead engine core marks the replica unhealthy, so Serve restarts it.
+"""
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+from ray import serve
+
+from app.engine.async_engine import Engine, EngineConfig
+
+
+class EngineHost:
+    engine: Engine
+
+    async def _start_engine(self, engine_config: EngineConfig, metrics) -> None:
+        self.engine = await Engine.start(engine_config)
+        self.metrics = metrics
+        ctx = serve.get_replica_context()
+        self.replica_id = ctx.replica_id.unique_id
+        self.deployment = ctx.deployment
+        self.in_flight = 0
+
+    @contextlib.contextmanager
+    def _in_flight(self) -> Iterator[None]:
+        self.in_flight += 1
+        self._report_queue()
+        try:
+            yield
+        finally:
+            self.in_flight -= 1
+            self._report_queue()
+
+    def _report_queue(self) -> None:
+        if self.metrics is not None:
+            self.metrics.queue.remote(self.deployment, self.replica_id, self.in_flight)
+
+    def _identity(self) -> dict:
+        return {}
+
+    async def ready(self) -> dict:
+        await self.engine.check_health()
+        return {"deployment": self.deployment, "replica": self.replica_id, **self._identity()}
+
+    async def check_health(self) -> None:
+        await self.engine.check_health()
+
+    def __del__(self):
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            engine.shutdown()
