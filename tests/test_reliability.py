@@ -154,3 +154,23 @@ def test_serve_script_keeps_ray_token_auth_on_unless_told_otherwise():
     assert out == "token"
     # tests are the only place that turns it off
     assert 'RAY_AUTH_MODE="${RAY_AUTH_MODE:-disabled}"' in (ROOT / "scripts" / "test.sh").read_text()
+
+
+def test_unimplemented_openai_options_are_refused_and_agent_bodies_have_none():
+    from deployments.messages import AppPlan
+    from deployments.prompts import Prompter
+    from deployments.router import AgentBody, ApiError, CompletionBody, Router
+
+    from types import SimpleNamespace
+
+    plan = AppPlan(str(ROOT / "checkpoints" / "tokenizer"), (), (), 8, 64, 4, 4, 60.0)
+    state = SimpleNamespace(plan=plan, prompter=Prompter(plan.tokenizer))  # the Router's validation state
+    sampling = Router.func_or_class._sampling
+    assert sampling(state, AgentBody(model="m", instruction="i"), None).max_tokens == 8
+    assert sampling(state, CompletionBody(model="m", prompt="p", stop=None, presence_penalty=0.0,
+                                           logprobs=False, user="u"), 4).max_tokens == 4
+    for field, value in (("stop", ["\n"]), ("logprobs", 2), ("echo", True), ("best_of", 3),
+                         ("frequency_penalty", 0.5), ("logit_bias", {"5": 1}), ("suffix", "x")):
+        with pytest.raises(ApiError) as e:
+            sampling(state, CompletionBody(model="m", prompt="p", **{field: value}), 4)
+        assert (e.value.status, e.value.param, e.value.code) == (400, field, "unsupported_parameter")
