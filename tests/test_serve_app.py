@@ -638,3 +638,82 @@ def test_a_full_decoder_queue_sheds_agents_with_overloaded_not_a_hang(app):
     assert done and all(r["usage"]["completion_tokens"] >= 1 for r in done)
     shed = [e for e in errors if e is not None]
     assert shed and all(e.startswith("overloaded") for e in shed), errors
+
+
+# --- faults (last: it restarts a replica) -------------------------------------------------------
+def _read_events(r) -> list[str]:
+    events = []
+    for line in r:
+        line = line.decode().strip()
+        if line.startswith("data: "):
+            events.append(line[6:])
+    return events
+
+
+def test_killing_a_decoder_replica_mid_stream_fails_clearly_and_the_app_recovers(app, baseline):
+    """ray.kill gamma's replica while it streams: that stream ends with an error event (or had
+    already finished), requests sent meanwhile complete or get 503 + Retry-After, none hangs,
+    Serve starts a new replica and gamma's greedy answer is the same as before."""
+    import http.client
+    import threading
+
+    import psutil
+    import ray
+
+    (named,) = [a for a in ray.util.list_named_actors(all_namespaces=True) if "Decode-gamma" in a["name"]]
+    actor = ray.get_actor(named["name"], namespace=named["namespace"])
+    # this cluster's replica process (other apps on the machine may use the same names)
+    proc = psutil.Process(ray._private.state.actors(actor_id=actor._actor_id.hex())["Pid"])
+    assert any("Decode-gamma" in c for c in proc.cmdline()), proc.cmdline()
+    engine_procs = proc.children(recursive=True)  # vLLM EngineCore + worker, started by this test's app
+
+    conn = http.client.HTTPConnection("127.0.0.1", app["port"], timeout=600)
+    conn.request("POST", "/v1/completions", body=json.dumps(
+        {"model": "gamma", "prompt": "hi", "max_tokens": 56, "temperature": 1.0, "seed": 3, "stream": True}),
+        headers={"Content-Type": "application/json", **_auth(KEY_A)})
+    r = conn.getresponse()
+    assert r.status == 200
+    assert r.readline().decode().startswith("data: ")
+    ray.kill(actor, no_restart=True)
+    rest = _read_events(r)  # a hang here would fail the test on the 600 s socket timeout
+    conn.close()
+    assert rest[-1] == "[DONE]"
+    stream_failed = any("error" in json.loads(e) for e in rest[:-1])
+    if stream_failed:
+        err = next(json.loads(e)["error"] for e in rest[:-1] if "error" in json.loads(e))
+        assert err["type"] == "server_error" and "decoder" in err["message"], err
+
+    results: list[tuple] = []
+
+    def one():
+        results.append(_post(app["url"] + "/v1/completions", {"model": "gamma", "prompt": "hi", "max_tokens": 4},
+                             timeout=600, with_headers=True))
+
+    threads = [threading.Thread(target=one) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    ok = [out for status, out, _ in results if status == 200]
+    failed = [(out, h) for status, out, h in results if status == 503]
+    assert len(ok) + len(failed) == 3, [x[:2] for x in results]
+    for out, headers in failed:
+        assert out["error"]["code"] == "engine_error" and int(headers["Retry-After"]) >= 1
+    for p in engine_procs:  # reap the killed replica's engine processes if they outlived it
+        try:
+            p.wait(timeout=30)
+        except psutil.TimeoutExpired:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    for _ in range(150):  # Serve starts a new gamma replica (an engine start: minutes on 2 busy cores)
+        status, body = _get(app["url"] + "/ready")
+        if status == 200:
+            break
+        time.sleep(2)
+    assert status == 200, body
+    status, out = _post(app["url"] + "/v1/completions", {"model": "gamma", "prompt": CONTEXT + "\nQ: what is the item?\nA:",
+                                                         "max_tokens": MAX_NEW, "temperature": 0})
+    assert status == 200 and out["choices"][0]["text"] == baseline["gamma"], out
+    print(f"\nfault: stream {'ended with an error event' if stream_failed else 'finished before the kill'}; "
+          f"3 requests during the restart: {len(ok)} completed, {len(failed)} got 503")
