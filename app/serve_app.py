@@ -122,6 +122,9 @@ def pool_specs(cfg: AppConfig):
     producer = PoolSpec(path=cfg.pool.path, transport="shm", **common)
     if cfg.pool.transport == "shm":
         return producer, producer
+    if not cfg.pool.nixl_peers:
+        raise ConfigError("pool.nixl_peers: transport 'nixl' needs the host:port of at least one KV block "
+                          "server (deployments/kv_server.py) for the decoders to pull from")
     return producer, PoolSpec(path=cfg.pool.decode_path or cfg.pool.path, transport="nixl",
                               nixl_peers=tuple(cfg.pool.nixl_peers), **common)
 
