@@ -68,10 +68,10 @@ _CPU_PREFILL_A, _CPU_PREFILL_B = 4.33e-4, 1.017e-7
 # sequences) is the step's weight cost shared by the batch.
 _CPU_DEC_CTX = (6.2e-3 - 1.0e-3) / (4096 - 16)
 _CPU_DEC_STEP = (1.0e-3 - 16 * _CPU_DEC_CTX) * 16
-# KV load into the decoder's cache: 3.4 us/token for a 1 KiB/token model (docs/engine.md,
-# `bench engine --quick`) = 0.30 GB/s; PLATFORM.md's 2K-token load of the 94M model (~23 ms for
-# 16 MiB) implies ~0.7 GB/s, so this is the conservative figure.
-_CPU_KV_LOAD_BPS = 1024 / 3.4e-6
+# KV load into the decoder's cache: 10.2 us/token for the ~100M model (8 KiB/token) at L=2048,
+# N=4 (docs/engine.md, `bench engine --lengths 2048 --fanouts 4`, load average 8-20) = 0.80 GB/s.
+# The 1 KiB/token quick model gave 3.4 us/token (0.30 GB/s): per-block overheads dominate there.
+_CPU_KV_LOAD_BPS = _CPU_KV_BYTES / 10.2e-6
 # Node to node: NIXL pull of 64 MiB over loopback UCX in 0.17-0.29 s including the server's
 # staging and checksums (docs/engine.md); the slower end, 0.23 GB/s.
 _CPU_LINK_BPS = (64 << 20) / 0.29
