@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import time
 import urllib.error
 import urllib.request
@@ -26,6 +25,8 @@ import torch
 
 pytest.importorskip("nixl._api")
 
+from random_models import free_port, make_models
+
 pytestmark = [pytest.mark.serve, pytest.mark.engine]
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -34,37 +35,10 @@ MAX_NEW = 8
 OUT = ROOT / "runs" / "multinode"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _make_models(root: Path) -> dict[str, Path]:
-    """A base and two decoders that declare it as their prefill module (random weights)."""
-    from transformers import AutoTokenizer, LlamaForCausalLM
+    """A base and two decoders that declare it as their prefill module."""
+    return make_models(root, {"alpha": (11, {}), "beta": (12, {})}, base_seed=10)
 
-    from app.models.checkpoint import save_model
-    from app.models.identity import prefill_module_id, tokenizer_hash
-    from app.models.manifest import DecodeManifest
-    from app.models.shapes import llama_config
-
-    paths = {"tokenizer": root / "tokenizer"}
-    shutil.copytree(ROOT / "checkpoints" / "tokenizer", paths["tokenizer"])
-    tok = AutoTokenizer.from_pretrained(str(paths["tokenizer"]))
-
-    def model(seed: int):
-        cfg = llama_config(len(tok), tok.bos_token_id, tok.eos_token_id, tok.pad_token_id)
-        cfg.initializer_range = 0.08  # peaked logits: greedy ties are unlikely
-        torch.manual_seed(seed)
-        return LlamaForCausalLM(cfg)
-
-    paths["base"] = save_model(model(10), root / "base", paths["tokenizer"])
-    base_id, tok_hash = prefill_module_id(paths["base"]), tokenizer_hash(paths["base"])
-    for seed, name in ((11, "alpha"), (12, "beta")):
-        paths[name] = save_model(model(seed), root / name, paths["tokenizer"],
-                                 DecodeManifest(name, base_id, tok_hash, {"method": "cache_conditioned"}))
-    return paths
 
 
 def _app_config(paths: dict[str, Path], pools: dict[str, str], kv_port: int) -> dict:
@@ -148,11 +122,11 @@ def app(tmp_path_factory):
     paths = _make_models(tmp_path_factory.mktemp("models"))
     tag = os.getpid()
     pools = {"prefill": f"/dev/shm/ps-mn-prefill-{tag}", "decode": f"/dev/shm/ps-mn-decode-{tag}"}
-    cfg = load_config(_app_config(paths, pools, _free_port()))
+    cfg = load_config(_app_config(paths, pools, free_port()))
     tmp = f"/tmp/rmn{tag}"
     os.environ["RAY_TMPDIR"] = tmp
     cluster, prefill_node, decode_node = _start_cluster(tmp)
-    port = _free_port()
+    port = free_port()
     try:
         # one HTTP proxy: every raylet here shares the machine's ports
         serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})

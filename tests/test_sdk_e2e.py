@@ -12,7 +12,6 @@ import importlib.util
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -31,6 +30,8 @@ from agents import (
     one_line,
 )
 
+from random_models import free_port, make_models
+
 pytestmark = [pytest.mark.serve, pytest.mark.engine]
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -44,37 +45,9 @@ AGENTS = [
 ]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _make_models(root: Path) -> dict[str, Path]:
-    import torch
-    from transformers import AutoTokenizer, LlamaForCausalLM
-
-    from app.models.checkpoint import save_model
-    from app.models.identity import prefill_module_id, tokenizer_hash
-    from app.models.manifest import DecodeManifest
-    from app.models.shapes import llama_config
-
-    tok = AutoTokenizer.from_pretrained(str(TOKENIZER))
-
-    def model(seed: int, **over):
-        cfg = llama_config(len(tok), tok.bos_token_id, tok.eos_token_id, tok.pad_token_id)
-        cfg.initializer_range = 0.08
-        for k, v in over.items():
-            setattr(cfg, k, v)
-        torch.manual_seed(seed)
-        return LlamaForCausalLM(cfg)
-
-    paths = {"base": save_model(model(0), root / "base", TOKENIZER)}
-    base_id, tok_hash = prefill_module_id(paths["base"]), tokenizer_hash(paths["base"])
-    for seed, name, over in ((1, "lookup", {}), (2, "tool_call", {}), (3, "verify", {"num_key_value_heads": 3})):
-        manifest = DecodeManifest(name, base_id, tok_hash, {"method": "cache_conditioned"})
-        paths[name] = save_model(model(seed, **over), root / name, TOKENIZER, manifest)
-    return paths
+    """Base + lookup, tool_call (share its KV) + verify (3 KV heads: private prefill)."""
+    return make_models(root, {"lookup": (1, {}), "tool_call": (2, {}), "verify": (3, {"num_key_value_heads": 3})})
 
 
 @pytest.fixture(scope="module")
@@ -111,7 +84,7 @@ def app_url(tmp_path_factory):
             if attempt == 4:
                 raise
             time.sleep(5)
-    port = _free_port()
+    port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     serve.run(build(cfg), name="ps-sdk", route_prefix="/")
     url = f"http://127.0.0.1:{port}"

@@ -24,10 +24,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from random_models import free_port, make_models
+
 pytestmark = [pytest.mark.serve, pytest.mark.engine]
 
 ROOT = Path(__file__).resolve().parent.parent
-TOKENIZER = ROOT / "checkpoints" / "tokenizer"
 CONTEXT = "order\nname:maya\nitem:lamp\nqty:3\ncity:oslo\nday:tue\ncolor:teal\nnote:please call before noon thanks"
 MAX_NEW = 8
 KEY_A = "sk-test-acme-4f0c2a9b7e51d3c8"  # tenant "acme"
@@ -36,42 +37,10 @@ MAX_INFLIGHT = 4  # ingress admission limit of the test app
 MAX_BODY = 65536
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _make_models(root: Path) -> dict[str, Path]:
-    """Base + two compatible decoders + one incompatible (3 KV heads), random weights."""
-    from transformers import AutoTokenizer, LlamaForCausalLM
+    """Base + two compatible decoders + one incompatible (3 KV heads)."""
+    return make_models(root, {"alpha": (1, {}), "beta": (2, {}), "gamma": (3, {"num_key_value_heads": 3})})
 
-    from app.models.checkpoint import save_model
-    from app.models.identity import prefill_module_id, tokenizer_hash
-    from app.models.manifest import DecodeManifest
-    from app.models.shapes import llama_config
-
-    # a private copy: the shipped tokenizer may be rebuilt while the test runs
-    paths = {"tokenizer": root / "tokenizer"}
-    shutil.copytree(TOKENIZER, paths["tokenizer"])
-    tok = AutoTokenizer.from_pretrained(str(paths["tokenizer"]))
-
-    def model(seed: int, **over):
-        cfg = llama_config(len(tok), tok.bos_token_id, tok.eos_token_id, tok.pad_token_id)
-        cfg.initializer_range = 0.08  # peaked logits: greedy ties are unlikely
-        for k, v in over.items():
-            setattr(cfg, k, v)
-        torch.manual_seed(seed)
-        return LlamaForCausalLM(cfg)
-
-    paths["base"] = save_model(model(0), root / "base", paths["tokenizer"])
-    base_id = prefill_module_id(paths["base"])
-    manifest = lambda agent: DecodeManifest(agent, base_id, tokenizer_hash(paths["base"]),  # noqa: E731
-                                            {"method": "cache_conditioned"})
-    paths["alpha"] = save_model(model(1), root / "alpha", paths["tokenizer"], manifest("alpha"))
-    paths["beta"] = save_model(model(2), root / "beta", paths["tokenizer"], manifest("beta"))
-    paths["gamma"] = save_model(model(3, num_key_value_heads=3), root / "gamma", paths["tokenizer"], manifest("gamma"))
-    return paths
 
 
 def _app_config(paths: dict[str, Path], pool_dir: str, keys_file: Path) -> dict:
@@ -145,7 +114,7 @@ def app(tmp_path_factory):
             ray.shutdown()
             if attempt == 2:
                 raise
-    port = _free_port()
+    port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     serve.run(build(cfg), name="ps", route_prefix="/")
     base = f"http://127.0.0.1:{port}"

@@ -21,7 +21,8 @@ import pytest
 import yaml
 
 from app.training import tasks
-from test_serve_app import _free_port, _get, _post
+from random_models import free_port
+from test_serve_app import _get, _post
 
 pytestmark = [pytest.mark.serve, pytest.mark.engine]
 
@@ -63,7 +64,7 @@ def served(tmp_path_factory):
     if not (SHIPPED / "base" / "config.json").is_file():
         pytest.skip("no shipped checkpoints")
     tmp = tmp_path_factory.mktemp("cli")
-    port = _free_port()
+    port = free_port()
     pool = f"/dev/shm/ps-cli-{os.getpid()}"
     cfg_path = tmp / "serve.yaml"
     cfg_path.write_text(yaml.safe_dump(_serve_config(port, pool)))

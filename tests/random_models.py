@@ -1,0 +1,52 @@
+"""Random-weight checkpoints of the shipped shape for the Serve tests, and a free loopback port.
+
+A base (the prefill module) and decoders whose manifests name it; a decoder given other
+shape overrides (e.g. ``num_key_value_heads=3``) still names the base but cannot share its KV,
+which exercises the private-prefill fallback. Peaked logits (initializer_range 0.08) keep
+greedy ties unlikely, so tokens compare exactly with the transformers reference.
+"""
+from __future__ import annotations
+
+import shutil
+import socket
+from pathlib import Path
+
+import torch
+
+TOKENIZER = Path(__file__).resolve().parent.parent / "checkpoints" / "tokenizer"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def make_models(root: Path, decoders: dict[str, tuple[int, dict]], base_seed: int = 0) -> dict[str, Path]:
+    """``decoders``: name -> (seed, config overrides). Returns paths of tokenizer, base, decoders."""
+    from transformers import AutoTokenizer, LlamaForCausalLM
+
+    from app.models.checkpoint import save_model
+    from app.models.identity import prefill_module_id, tokenizer_hash
+    from app.models.manifest import DecodeManifest
+    from app.models.shapes import llama_config
+
+    # a private copy: the shipped tokenizer may be rebuilt while a test runs
+    paths = {"tokenizer": root / "tokenizer"}
+    shutil.copytree(TOKENIZER, paths["tokenizer"])
+    tok = AutoTokenizer.from_pretrained(str(paths["tokenizer"]))
+
+    def model(seed: int, **over):
+        cfg = llama_config(len(tok), tok.bos_token_id, tok.eos_token_id, tok.pad_token_id)
+        cfg.initializer_range = 0.08
+        for k, v in over.items():
+            setattr(cfg, k, v)
+        torch.manual_seed(seed)
+        return LlamaForCausalLM(cfg)
+
+    paths["base"] = save_model(model(base_seed), root / "base", paths["tokenizer"])
+    base_id, tok_hash = prefill_module_id(paths["base"]), tokenizer_hash(paths["base"])
+    for name, (seed, over) in decoders.items():
+        manifest = DecodeManifest(name, base_id, tok_hash, {"method": "cache_conditioned"})
+        paths[name] = save_model(model(seed, **over), root / name, paths["tokenizer"], manifest)
+    return paths
