@@ -40,7 +40,6 @@ def _make_models(root: Path) -> dict[str, Path]:
     return make_models(root, {"alpha": (11, {}), "beta": (12, {})}, base_seed=10)
 
 
-
 def _app_config(paths: dict[str, Path], pools: dict[str, str], kv_port: int) -> dict:
     engine = {"dtype": "float32", "max_model_len": 256, "kv_cache_gib": 0.125, "block_size": 32,
               "max_num_seqs": 4, "threads_bind": "nobind"}

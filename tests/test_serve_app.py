@@ -42,7 +42,6 @@ def _make_models(root: Path) -> dict[str, Path]:
     return make_models(root, {"alpha": (1, {}), "beta": (2, {}), "gamma": (3, {"num_key_value_heads": 3})})
 
 
-
 def _app_config(paths: dict[str, Path], pool_dir: str, keys_file: Path) -> dict:
     engine = {"dtype": "float32", "max_model_len": 256, "kv_cache_gib": 0.125, "block_size": 32,
               "max_num_seqs": 8, "threads_bind": "nobind"}
