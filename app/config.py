@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,62}$")
@@ -55,6 +55,10 @@ def _queue_limit(v: int) -> int:
     return v
 
 
+# Serve's max_queued_requests: -1 (unbounded) or a positive count
+QueueLimit = Annotated[int, Field(ge=-1), AfterValidator(_queue_limit)]
+
+
 class Placement(_Strict):
     """Where a deployment's replicas run; maps onto Serve's replica options."""
 
@@ -62,8 +66,8 @@ class Placement(_Strict):
     num_cpus: float = Field(0.25, ge=0)
     num_gpus: float = Field(0.0, ge=0)
     max_ongoing_requests: int = Field(32, ge=1)
-    max_queued_requests: int = Field(
-        -1, ge=-1, description="requests a caller may queue for this deployment beyond max_ongoing_requests "
+    max_queued_requests: QueueLimit = Field(
+        -1, description="requests a caller may queue for this deployment beyond max_ongoing_requests "
         "on every replica; more are rejected (429). -1: unbounded"
     )
     placement_group_bundles: list[dict[str, float]] | None = Field(
@@ -71,11 +75,6 @@ class Placement(_Strict):
     )
     placement_group_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
     env: dict[str, str] = Field(default_factory=dict, description="extra env vars for the replica")
-
-    @field_validator("max_queued_requests")
-    @classmethod
-    def _queue(cls, v: int) -> int:
-        return _queue_limit(v)
 
     @model_validator(mode="after")
     def _bundles_hold_actor(self) -> "Placement":
@@ -195,13 +194,7 @@ class SmallDeployment(_Strict):
     num_cpus: float = Field(0.05, ge=0)
     num_replicas: int = Field(1, ge=1)
     max_ongoing_requests: int = Field(256, ge=1)
-    max_queued_requests: int = Field(-1, ge=-1, description="see Placement.max_queued_requests")
-
-    @field_validator("max_queued_requests")
-    @classmethod
-    def _queue(cls, v: int) -> int:
-        return _queue_limit(v)
-
+    max_queued_requests: QueueLimit = Field(-1, description="see Placement.max_queued_requests")
 
 class AuthConfig(_Strict):
     """API keys at the ingress. Off unless a key source is set; each key names a tenant, and the

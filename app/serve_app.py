@@ -133,7 +133,7 @@ def build(cfg: AppConfig):
     """The Serve application (the Router ingress with everything bound beneath it)."""
     from ray.serve.config import BackpressureConfig, RequestRouterConfig
 
-    from app.engine.async_engine import PoolSpec, connector_config
+    from app.engine.async_engine import connector_config
     from deployments.decode import DecodeServer
     from deployments.metrics import MetricsServer
     from deployments.orchestrator import Orchestrator
@@ -207,12 +207,15 @@ def build(cfg: AppConfig):
     ).bind(plan, orch, prefill, decoders, metrics, cfg.limits, auth)
 
 
-def build_app(args: dict[str, Any]):
-    """Serve app builder: ``args`` is ``{"config": {...}}`` (inline) or ``{"config_path": "file.yaml"}``."""
+def config_from_args(args: dict[str, Any]) -> AppConfig:
+    """A Serve application's args: ``{"config": {...}}`` (inline) or ``{"config_path": "file.yaml"}``."""
     if "config_path" in args:
-        cfg = load_config(args["config_path"])
-    elif "config" in args:
-        cfg = load_config(args["config"])
-    else:
-        raise ConfigError("application args: give 'config' (inline) or 'config_path'")
-    return build(cfg)
+        return load_config(args["config_path"])
+    if "config" in args:
+        return load_config(args["config"])
+    raise ConfigError("application args: give 'config' (inline) or 'config_path'")
+
+
+def build_app(args: dict[str, Any]):
+    """Serve app builder (serve_config.yaml's import_path)."""
+    return build(config_from_args(args))

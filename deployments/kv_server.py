@@ -13,7 +13,7 @@ from typing import Any
 
 from ray import serve
 
-from app.config import AppConfig, ConfigError, load_config
+from app.config import AppConfig, ConfigError
 
 
 @serve.deployment(name="KVBlockServer", num_replicas=1, max_ongoing_requests=8)
@@ -54,8 +54,6 @@ def build_kv_server(cfg: AppConfig, staging_mib: int = 64):
 
 def build_kv_app(args: dict[str, Any]):
     """Serve app builder (import path ``deployments.kv_server:build_kv_app``), same args as the main app."""
-    if "config_path" in args:
-        return build_kv_server(load_config(args["config_path"]))
-    if "config" in args:
-        return build_kv_server(load_config(args["config"]))
-    raise ConfigError("application args: give 'config' (inline) or 'config_path'")
+    from app.serve_app import config_from_args
+
+    return build_kv_server(config_from_args(args))
