@@ -177,6 +177,13 @@ def _engine_error(error: str, retry_after_s: int = 1) -> JSONResponse:
                         headers=retry)
 
 
+async def _chain(head, rest):
+    """The first item (already awaited by the handler) followed by the rest of the stream."""
+    yield head
+    async for item in rest:
+        yield item
+
+
 def _overloaded(message: str, retry_after_s: int) -> ApiError:
     return ApiError(429, message, None, "overloaded", "rate_limit_error", {"Retry-After": str(retry_after_s)})
 
@@ -251,12 +258,16 @@ class Router:
                               self.limits.retry_after_s)
         return Slot(self.admission)
 
-    def _shed(self, e: Exception) -> ApiError:
-        """Serve's own rejections downstream, as OpenAI-shaped 429 / 503."""
-        if isinstance(e, BackPressureError):
-            return _overloaded(f"server busy: {e.message}", self.limits.retry_after_s)
-        return ApiError(503, f"service unavailable: {e}", None, "unavailable", "server_error",
-                        {"Retry-After": str(self.limits.retry_after_s)})
+    async def _first(self, gen):
+        """A stream's first item, awaited before any status is sent: Serve's own rejections
+        downstream become OpenAI-shaped 429 / 503 answers."""
+        try:
+            return await gen.__anext__()
+        except BackPressureError as e:
+            raise _overloaded(f"server busy: {e.message}", self.limits.retry_after_s) from None
+        except DeploymentUnavailableError as e:
+            raise ApiError(503, f"service unavailable: {e}", None, "unavailable", "server_error",
+                           {"Retry-After": str(self.limits.retry_after_s)}) from None
 
     # --- validation helpers ---
     def _decoder(self, model: str, param: str = "model"):
@@ -374,10 +385,7 @@ class Router:
         gen = self.orch.options(stream=True).complete.remote(job)
         streaming = False
         try:
-            try:
-                first = await gen.__anext__()
-            except (BackPressureError, DeploymentUnavailableError) as e:
-                raise self._shed(e) from None
+            first = await self._first(gen)
             if first.error:
                 return _engine_error(first.error, self.limits.retry_after_s)
             include_usage = bool((body.stream_options or {}).get("include_usage"))
@@ -412,15 +420,9 @@ class Router:
         obj = "chat.completion.chunk" if chat else "text_completion"
         last = None
         first = True
-
-        async def chunks():
-            yield head
-            async for c in gen:
-                yield c
-
         finished = False
         try:
-            async for chunk in chunks():
+            async for chunk in _chain(head, gen):
                 if chunk.error:
                     err = _engine_error(chunk.error)
                     yield f"data: {err.body.decode()}\n\n"
@@ -498,10 +500,7 @@ class Router:
         gen = self.orch.options(stream=True).run.remote(req)
         streaming = False
         try:
-            try:
-                head = await gen.__anext__()
-            except (BackPressureError, DeploymentUnavailableError) as e:
-                raise self._shed(e) from None
+            head = await self._first(gen)
             if body.stream:
                 streaming = True
                 return StreamingResponse(self._agent_sse(req, head, gen, slot), media_type="text/event-stream")
@@ -515,14 +514,9 @@ class Router:
         return {"id": req.request_id, "object": "agents.run", "created": int(time.time()), **(final or {})}
 
     async def _agent_sse(self, req: AgentRunRequest, head, gen, slot: Slot):
-        async def events():
-            yield head
-            async for e in gen:
-                yield e
-
         finished = False
         try:
-            async for ev in events():
+            async for ev in _chain(head, gen):
                 out: dict[str, Any] = {"id": req.request_id, "type": ev.kind, "round": ev.round}
                 if ev.kind == "delta":
                     out.update(agent=ev.agent, model=ev.model, text=ev.delta_text)
