@@ -25,7 +25,8 @@ class _Strict(BaseModel):
 class EngineSettings(_Strict):
     """vLLM knobs shared by every engine of one deployment."""
 
-    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "bfloat16"
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
+        "auto", description="auto: bfloat16 on GPUs and CPUs with native bf16, else float32 (app.engine.compute_dtype)")
     max_model_len: int = Field(1024, ge=16)
     kv_cache_gib: float = Field(0.25, gt=0, description="VLLM_CPU_KVCACHE_SPACE per engine (CPU)")
     gpu_memory_utilization: float = Field(0.85, gt=0, le=1, description="used on GPUs only")

@@ -14,21 +14,17 @@ from pathlib import Path
 from typing import Any
 
 from app.config import AppConfig, ConfigError, DecoderConfig, EngineSettings, Placement, load_config
+from app.engine import compute_dtype
 from deployments.messages import AppPlan, DecoderPlan, ModulePlan
 
 log = logging.getLogger("ray.serve")
-
-_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
-
 
 def kv_bytes_per_token(model_dir: Path, dtype: str) -> int:
     """Bytes of K and V over all layers for one token (what a decoder loads per shared token)."""
     cfg = json.loads((model_dir / "config.json").read_text())
     heads = cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-    if dtype == "auto":
-        dtype = str(cfg.get("dtype") or cfg.get("torch_dtype") or "bfloat16")
-    return 2 * int(cfg["num_hidden_layers"]) * int(heads) * int(head_dim) * _DTYPE_BYTES.get(dtype, 2)
+    return 2 * int(cfg["num_hidden_layers"]) * int(heads) * int(head_dim) * compute_dtype.BYTES[compute_dtype.resolve(dtype)]
 
 
 def resolve_decoder(cfg: AppConfig, d: DecoderConfig, module_ids: dict[str, str]) -> DecoderPlan:

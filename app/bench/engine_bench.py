@@ -31,6 +31,8 @@ import time
 import uuid
 from dataclasses import asdict, dataclass, field
 
+from app.engine import compute_dtype
+
 __all__ = ["BenchConfig", "CaseResult", "run_bench", "configure", "main"]
 
 
@@ -44,7 +46,7 @@ class BenchConfig:
     kv_heads: int = 4
     intermediate: int = 2816
     vocab: int = 8192
-    dtype: str = "bfloat16"
+    dtype: str = "auto"
     block_size: int = 32
     max_num_batched_tokens: int = 2048
     kv_space_gib: float = 0.5
@@ -98,7 +100,7 @@ def _write_model_config(path: str, cfg: BenchConfig) -> None:
     LlamaConfig(vocab_size=cfg.vocab, hidden_size=cfg.hidden, num_hidden_layers=cfg.layers,
                 num_attention_heads=cfg.heads, num_key_value_heads=cfg.kv_heads,
                 intermediate_size=cfg.intermediate, max_position_embeddings=cfg.max_model_len,
-                tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, dtype=cfg.dtype).save_pretrained(path)
+                tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, dtype="bfloat16").save_pretrained(path)
 
 
 def _children_cpu() -> float:
@@ -124,7 +126,7 @@ async def _ttft(engine, ids, salt, params=None) -> tuple[float, int]:
     return time.perf_counter() - t0, 0
 
 
-async def _run(cfg: BenchConfig) -> list[CaseResult]:
+async def _run(cfg: BenchConfig, on_case=None) -> list[CaseResult]:
     from tqdm import tqdm
 
     from app.engine.async_engine import Engine, EngineConfig, PoolSpec, connector_config
@@ -152,7 +154,7 @@ async def _run(cfg: BenchConfig) -> list[CaseResult]:
         priv = Engine(EngineConfig(**common, omp_threads_bind=cfg.binds[2], enable_prefix_caching=False))
         engines.append(priv)
         print(f"engines up in {time.perf_counter() - t0:.0f}s (model ~{cfg.params / 1e6:.0f}M params, "
-              f"{cfg.dtype}, block {cfg.block_size})", flush=True)
+              f"{compute_dtype.resolve(cfg.dtype)}, block {cfg.block_size})", flush=True)
         pool = KVPool(pool_dir)
         rng = random.Random(cfg.seed)
         # warm each engine once (first-request costs are not what we measure)
@@ -189,6 +191,8 @@ async def _run(cfg: BenchConfig) -> list[CaseResult]:
                 cached_tokens_ok=all(c == L - 1 for _, c in shared),
                 extra={"fallbacks": pool.stats(scope="bench-decoder").fallbacks}))
             r = results[-1]
+            if on_case:
+                on_case(results)
             tqdm.write(f"L={L} N={n}: decoder prompt {r.private_prompt_s * 1e3:.0f} ms private vs "
                        f"{r.shared_prompt_s * 1e3:.1f} ms shared ({r.ratio:.1f}x)")
     finally:
@@ -213,15 +217,21 @@ def format_table(results: list[CaseResult]) -> str:
     return "\n".join(lines)
 
 
+def _write(cfg: BenchConfig, results: list[CaseResult]) -> None:
+    """Rewritten after every case, so a run stopped part-way keeps what it measured."""
+    os.makedirs(os.path.dirname(os.path.abspath(cfg.out)), exist_ok=True)
+    tmp = cfg.out + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump({"config": asdict(cfg), "compute_dtype": compute_dtype.resolve(cfg.dtype), "params": cfg.params,
+                   "results": [asdict(r) for r in results], "host": {"cpus": os.cpu_count()},
+                   "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}, f, indent=2)
+    os.replace(tmp, cfg.out)
+
+
 def run_bench(cfg: BenchConfig) -> list[CaseResult]:
-    results = asyncio.run(_run(cfg))
+    results = asyncio.run(_run(cfg, on_case=(lambda rs: _write(cfg, rs)) if cfg.out else None))
     print(format_table(results))
     if cfg.out:
-        os.makedirs(os.path.dirname(os.path.abspath(cfg.out)), exist_ok=True)
-        with open(cfg.out, "w") as f:
-            json.dump({"config": asdict(cfg), "params": cfg.params, "results": [asdict(r) for r in results],
-                       "host": {"cpus": os.cpu_count()}, "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())},
-                      f, indent=2)
         print(f"wrote {cfg.out}")
     return results
 
@@ -244,7 +254,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--fanouts", type=_ints, help="decoders per prefill, e.g. 2,4,8")
     parser.add_argument("--hidden", type=int)
     parser.add_argument("--layers", type=int)
-    parser.add_argument("--dtype", choices=["bfloat16", "float32"])
+    parser.add_argument("--dtype", choices=["auto", "bfloat16", "float32"],
+                        help="auto (default): bfloat16 where the CPU/GPU computes it natively, else float32")
     parser.add_argument("--block-size", type=int)
     parser.add_argument("--binds", help="VLLM_CPU_OMP_THREADS_BIND for producer,consumer,private (default 0,1,1)")
     parser.add_argument("--out", help="JSON output path (default runs/bench/engine.json)")

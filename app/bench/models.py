@@ -22,6 +22,9 @@ import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from app.engine import compute_dtype
+from app.serve_app import kv_bytes_per_token
+
 TAG_KEY = "prefillshare_bench_model"
 
 
@@ -42,9 +45,6 @@ class ModelShape:
         hd = self.hidden // self.heads
         attn = 2 * self.hidden * self.heads * hd + 2 * self.hidden * self.kv_heads * hd
         return self.layers * (attn + 3 * self.hidden * self.intermediate) + vocab * self.hidden
-
-    def kv_bytes_per_token(self, dtype_bytes: int = 2) -> int:
-        return 2 * self.layers * self.kv_heads * (self.hidden // self.heads) * dtype_bytes
 
     @property
     def key(self) -> str:
@@ -141,7 +141,8 @@ def _manifest(d: Path, agent: str, module_id: str, tok_hash: str) -> None:
                                                                   "note": "benchmark: random weights"}))
 
 
-def random_models(root: str | Path, n: int, shape: ModelShape, tokenizer_dir: str | Path) -> ModelSet:
+def random_models(root: str | Path, n: int, shape: ModelShape, tokenizer_dir: str | Path,
+                  dtype: str = "auto") -> ModelSet:
     """Base + n shared-prefill decoders + n own-prefill decoders over one random weight file."""
     from app.models.identity import prefill_module_id, tokenizer_hash
 
@@ -161,12 +162,12 @@ def random_models(root: str | Path, n: int, shape: ModelShape, tokenizer_dir: st
 
     vocab = len(AutoTokenizer.from_pretrained(str(tokenizer_dir)))
     params = shape.params(vocab)
-    return ModelSet(str(base), tuple(shared), tuple(own), shape.kv_bytes_per_token(), params,
+    return ModelSet(str(base), tuple(shared), tuple(own), kv_bytes_per_token(base, dtype), params,
                     f"random-weight Llama {params / 1e6:.0f}M (hidden {shape.hidden}, {shape.layers} layers, "
-                    f"{shape.heads} heads, {shape.kv_heads} KV heads), bf16")
+                    f"{shape.heads} heads, {shape.kv_heads} KV heads), computed in {compute_dtype.resolve(dtype)}")
 
 
-def shipped_models(root: str | Path, checkpoints: str | Path, n: int) -> ModelSet:
+def shipped_models(root: str | Path, checkpoints: str | Path, n: int, dtype: str = "auto") -> ModelSet:
     """The shipped base and its first n decoders; system b gets own-identity views of them."""
     from app.models.identity import prefill_module_id, tokenizer_hash
 
@@ -181,8 +182,6 @@ def shipped_models(root: str | Path, checkpoints: str | Path, n: int) -> ModelSe
         o = _view(d, root / f"own-{i}", f"own-{i}", base)
         _manifest(o, d.name, prefill_module_id(o), tokenizer_hash(o))
         own.append(str(o))
-    cfg = json.loads((base / "config.json").read_text())
-    hd = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-    bpt = 2 * cfg["num_hidden_layers"] * cfg.get("num_key_value_heads", cfg["num_attention_heads"]) * hd * 2
-    return ModelSet(str(base), tuple(str(d) for d in decs[:n]), tuple(own), bpt, 0,
-                    f"shipped checkpoints ({ck}): base + {', '.join(d.name for d in decs[:n])}")
+    return ModelSet(str(base), tuple(str(d) for d in decs[:n]), tuple(own), kv_bytes_per_token(base, dtype), 0,
+                    f"shipped checkpoints ({ck}): base + {', '.join(d.name for d in decs[:n])}, "
+                    f"computed in {compute_dtype.resolve(dtype)}")

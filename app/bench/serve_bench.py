@@ -291,10 +291,10 @@ def run(cfg: ServeBenchConfig, log=print) -> dict:
     n_max = max(cfg.fanouts)
     model_root = Path(cfg.model_dir) if os.path.isabs(cfg.model_dir) else PROJECT / cfg.model_dir
     if cfg.models == "random":
-        mset = bm.random_models(model_root, n_max, cfg.shape, tokenizer)
+        mset = bm.random_models(model_root, n_max, cfg.shape, tokenizer, cfg.topology.dtype)
         limit = cfg.shape.max_position
     else:
-        mset = bm.shipped_models(model_root / "shipped", PROJECT / cfg.checkpoints, n_max)
+        mset = bm.shipped_models(model_root / "shipped", PROJECT / cfg.checkpoints, n_max, cfg.topology.dtype)
         limit = json.loads((Path(mset.base) / "config.json").read_text())["max_position_embeddings"]
     topo = replace(cfg.topology, max_model_len=_max_model_len(cfg, limit),
                    max_tokens_cap=max(cfg.topology.max_tokens_cap, cfg.output_tokens),
@@ -503,6 +503,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     a("--kv-cache-gib", type=float, help="KV space per engine (default 0.25)")
     a("--prefill-replicas", type=int, help="shared prefill replicas in system a (default 2: one per core)")
     a("--threads-bind", help="VLLM_CPU_OMP_THREADS_BIND for every engine (default nobind)")
+    a("--dtype", choices=["auto", "bfloat16", "float32"],
+      help="engine compute dtype; auto (default): bfloat16 where computed natively, else float32")
     a("--max-engines", type=int, help="skip (and report) systems needing more engines (default 8)")
     a("--slo", type=float, dest="slo_s", help="p95 fan-out latency SLO in s (default 2x baseline b unloaded)")
     a("--slo-factor", type=float)
@@ -531,7 +533,7 @@ def config_from_args(args: argparse.Namespace) -> ServeBenchConfig:
     over = {k: getattr(args, k) for k in ("hidden", "layers", "heads", "kv_heads", "intermediate")
             if getattr(args, k, None) is not None}
     topo = kw.get("topology", Topology())
-    tover = {k: getattr(args, k) for k in ("kv_cache_gib", "prefill_replicas", "threads_bind")
+    tover = {k: getattr(args, k) for k in ("kv_cache_gib", "prefill_replicas", "threads_bind", "dtype")
              if getattr(args, k, None) is not None}
     kw["shape"] = replace(shape, **over)
     kw["topology"] = replace(topo, **tover)

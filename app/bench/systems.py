@@ -29,7 +29,7 @@ class Topology:
     block_size: int = 32
     max_num_seqs: int = 16
     threads_bind: str = "nobind"
-    dtype: str = "bfloat16"
+    dtype: str = "auto"
     prefill_replicas: int = 2      # system a: one shared prefill replica per core
     pool_gib: float = 0.5
     max_tokens_cap: int = 256

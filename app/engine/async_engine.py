@@ -33,6 +33,8 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
+from app.engine import compute_dtype
+
 __all__ = [
     "EngineConfig",
     "Sampling",
@@ -66,7 +68,7 @@ class EngineConfig:
     """Everything needed to start one engine. Validated on construction."""
 
     model: str
-    dtype: str = "bfloat16"
+    dtype: str = "auto"  # app.engine.compute_dtype: bfloat16 where computed natively, else float32
     kv_space_gib: float = 1.0
     max_model_len: int = 1024
     block_size: int = 32
@@ -90,7 +92,7 @@ class EngineConfig:
             raise ValueError("EngineConfig.model: a model path is required")
         if self.load_format != "dummy" and not os.path.isdir(self.model):
             raise ValueError(f"EngineConfig.model: {self.model!r} is not a directory")
-        if self.dtype not in ("bfloat16", "float16", "float32", "auto"):
+        if self.dtype not in compute_dtype.DTYPES:
             raise ValueError(f"EngineConfig.dtype: unsupported {self.dtype!r}")
         if self.kv_space_gib <= 0:
             raise ValueError("EngineConfig.kv_space_gib must be > 0")
@@ -128,7 +130,7 @@ class EngineConfig:
         kw: dict[str, Any] = dict(
             model=self.model,
             tokenizer=self.tokenizer,
-            dtype=self.dtype,
+            dtype=compute_dtype.resolve(self.dtype),
             max_model_len=self.max_model_len,
             block_size=self.block_size,
             enable_prefix_caching=self.prefix_caching,
