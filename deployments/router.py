@@ -26,7 +26,7 @@ from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 
 from app.auth import KeyRing, Tenant, load_keyring
 from app.config import AuthConfig, LimitsConfig
-from deployments.admission import Admission, Slot
+from deployments.admission import Admission, Outcome, Slot
 from deployments.messages import AgentRunRequest, AgentSpec, AppPlan, CompletionJob, SamplingSpec
 from deployments.prompts import Prompter
 
@@ -252,11 +252,11 @@ class Router:
         raw = await read_body(request, self.limits.max_body_bytes)
         return parse(raw, schema), tenant
 
-    def _admit(self) -> Slot:
+    def _admit(self, route: str) -> Slot:
         if not self.admission.try_enter():
             raise _overloaded(f"server busy: {self.admission.limit} requests in flight on this replica; retry later",
                               self.limits.retry_after_s)
-        return Slot(self.admission)
+        return Slot(self.admission, route)
 
     async def _first(self, gen):
         """A stream's first item, awaited before any status is sent: Serve's own rejections
@@ -381,9 +381,10 @@ class Router:
     async def _serve_completion(self, job: CompletionJob, body, chat: bool):
         """Admit, then run; the first chunk is awaited here so that a shed request still gets
         a 429 status line (a stream's status is fixed once it starts)."""
-        slot = self._admit()
+        slot = self._admit(job.route)
         gen = self.orch.options(stream=True).complete.remote(job)
         streaming = False
+        outcome: Outcome = "failed"
         try:
             first = await self._first(gen)
             if first.error:
@@ -399,9 +400,13 @@ class Router:
                     return _engine_error(chunk.error, self.limits.retry_after_s)
                 text += chunk.delta_text
                 finish, last = chunk.finish_reason, chunk
+            outcome = "completed"
+        except asyncio.CancelledError:
+            outcome = "cancelled"
+            raise
         finally:
             if not streaming:
-                slot.release()
+                slot.release(outcome)
         usage = _usage(job, last)
         if chat:
             choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish,
@@ -421,9 +426,11 @@ class Router:
         last = None
         first = True
         finished = False
+        outcome: Outcome = "cancelled"  # unless the stream ends: the client went away
         try:
             async for chunk in _chain(head, gen):
                 if chunk.error:
+                    outcome = "failed"
                     err = _engine_error(chunk.error)
                     yield f"data: {err.body.decode()}\n\n"
                     break
@@ -444,10 +451,13 @@ class Router:
                 yield "data: " + json.dumps({"id": job.request_id, "object": obj, "created": created,
                                              "model": job.model, "choices": [], "usage": _usage(job, last)}) + "\n\n"
             finished = True
+            if outcome != "failed":
+                outcome = "completed"
         except Exception as e:  # noqa: BLE001 - the stream is already open; report in-band
+            outcome = "failed"
             yield "data: " + json.dumps(error_body(f"internal error: {e}", "server_error", None, "internal")) + "\n\n"
         finally:  # also on a client disconnect (the generator is cancelled): free the slot, stop the engines
-            slot.release()
+            slot.release(outcome)
             if not finished:
                 gen.cancel()
         yield "data: [DONE]\n\n"
@@ -496,9 +506,10 @@ class Router:
             rounds.append(tuple(specs))
         req = AgentRunRequest(f"run-{uuid.uuid4().hex}", body.context, tuple(rounds), body.join_outputs,
                               cache_salt=tenant.salt if tenant else None)
-        slot = self._admit()
+        slot = self._admit("agents")
         gen = self.orch.options(stream=True).run.remote(req)
         streaming = False
+        outcome: Outcome = "failed"
         try:
             head = await self._first(gen)
             if body.stream:
@@ -508,13 +519,18 @@ class Router:
             async for ev in gen:
                 if ev.kind == "done":
                     final = ev.result
+            outcome = "completed" if final is not None else "failed"
+        except asyncio.CancelledError:
+            outcome = "cancelled"
+            raise
         finally:
             if not streaming:
-                slot.release()
+                slot.release(outcome)
         return {"id": req.request_id, "object": "agents.run", "created": int(time.time()), **(final or {})}
 
     async def _agent_sse(self, req: AgentRunRequest, head, gen, slot: Slot):
         finished = False
+        outcome: Outcome = "cancelled"  # unless the stream ends: the client went away
         try:
             async for ev in _chain(head, gen):
                 out: dict[str, Any] = {"id": req.request_id, "type": ev.kind, "round": ev.round}
@@ -526,10 +542,12 @@ class Router:
                     out.update(ev.result)
                 yield "data: " + json.dumps(out) + "\n\n"
             finished = True
+            outcome = "completed"
         except Exception as e:  # noqa: BLE001
+            outcome = "failed"
             yield "data: " + json.dumps(error_body(f"internal error: {e}", "server_error", None, "internal")) + "\n\n"
         finally:
-            slot.release()
+            slot.release(outcome)
             if not finished:
                 gen.cancel()
         yield "data: [DONE]\n\n"
@@ -558,10 +576,10 @@ class Router:
 
         await asyncio.gather(*[probe(k, h) for k, h in probes.items()])
         if problems:
-            return JSONResponse(status_code=503, content={"ready": False, "problems": sorted(problems)})
+            return JSONResponse(status_code=503, content={"ready": False, "problems": sorted(problems),
+                                                          "admission": self.admission.snapshot()})
         return {"ready": True, "engines": len(self.prefill) + len(self.decoders),
-                "admission": {"inflight": self.admission.inflight, "limit": self.admission.limit,
-                              "admitted": self.admission.admitted, "rejected": self.admission.rejected}}
+                "admission": self.admission.snapshot()}
 
     @api.get("/metrics")
     async def metrics_text(self):

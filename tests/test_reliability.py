@@ -89,6 +89,25 @@ def test_admission_bounds_inflight_and_slots_release_once():
         Admission(0)
 
 
+def test_every_admitted_request_is_counted_once_by_route_and_outcome():
+    adm = Admission(8)
+    slots = [Slot(adm, route) for route in ("completions", "completions", "agents", "chat") if adm.try_enter()]
+    slots[0].release("completed")
+    slots[0].release("failed")  # a second release changes nothing
+    slots[1].release("failed")
+    slots[2].release("completed")
+    del slots[3]  # dropped before its stream ran: the client left
+    snap = adm.snapshot()
+    assert snap["outcomes"] == {"agents": {"completed": 1, "failed": 0, "cancelled": 0},
+                                "chat": {"completed": 0, "failed": 0, "cancelled": 1},
+                                "completions": {"completed": 1, "failed": 1, "cancelled": 0}}
+    done = sum(sum(c.values()) for c in snap["outcomes"].values())
+    assert snap["admitted"] == done + snap["inflight"] == 4
+    with pytest.raises(ValueError, match="outcome"):
+        adm.try_enter()
+        Slot(adm, "chat").release("lost")
+
+
 # --- body parsing at the ingress -------------------------------------------------------------
 @pytest.mark.parametrize("raw, code, param", [
     (b'{"model": "a", "prompt": "\xff"}', "invalid_encoding", None),
