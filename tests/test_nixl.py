@@ -1,6 +1,7 @@
 """NIXL transport between two processes over loopback: a decoder node pulls a producer node's blocks."""
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import uuid
@@ -34,8 +35,9 @@ def nodes():
     producer_pool = KVPool(src, capacity_bytes=256 << 20)
     proc, addr = start_server(src)
     try:
-        yield producer_pool, dst, addr
+        yield producer_pool, dst, addr, proc
     finally:
+        os.kill(proc.pid, signal.SIGCONT)  # a test may have stalled it
         proc.terminate()
         proc.wait(30)
         shutil.rmtree(src, ignore_errors=True)
@@ -48,7 +50,7 @@ def blocks(n, salt="t"):
 
 
 def test_pull_moves_exact_bytes_and_counts_the_fanout_load(nodes):
-    producer_pool, dst, addr = nodes
+    producer_pool, dst, addr, _ = nodes
     its = blocks(12)
     producer_pool.put_many(its, pins=1)
     pool = NixlPool({"path": dst, "capacity_bytes": 256 << 20, "nixl_peers": [addr]})
@@ -68,7 +70,7 @@ def test_pull_moves_exact_bytes_and_counts_the_fanout_load(nodes):
 
 
 def test_damaged_remote_block_is_a_miss_not_an_error(nodes):
-    producer_pool, dst, addr = nodes
+    producer_pool, dst, addr, _ = nodes
     its = blocks(4, salt="d")
     producer_pool.put_many(its)
     with open(producer_pool.block_path(its[2].key), "r+b") as f:
@@ -77,6 +79,34 @@ def test_damaged_remote_block_is_a_miss_not_an_error(nodes):
     entries, lease = pool.lookup([it.key for it in its])
     assert len(entries) < len(its)
     pool.release(lease)
+
+
+def test_stalled_peer_is_a_bounded_counted_miss_and_the_next_pull_is_not_confused(nodes):
+    """The server process is stopped (SIGSTOP): it holds the TCP connection and never answers.
+    The lookup gives up after nixl_timeout_s and is a miss; once the server runs again its
+    late answer to that fetch must not be taken for the answer to the next one."""
+    import time
+
+    producer_pool, dst, addr, proc = nodes
+    a, b, c = blocks(2, salt="a"), blocks(2, salt="b"), blocks(3, salt="c")
+    for its in (a, b, c):
+        producer_pool.put_many(its)
+    pool = NixlPool({"path": dst, "nixl_peers": [addr], "nixl_timeout_s": 1.0})
+    pool.release(pool.lookup([it.key for it in a])[1])  # the control connection is up
+    os.kill(proc.pid, signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        assert pool.lookup([it.key for it in b]) == ([], None)
+        stalled_s = time.monotonic() - t0
+    finally:
+        os.kill(proc.pid, signal.SIGCONT)
+    assert pool.stats().get("nixl_errors") == 1
+    entries, lease = pool.lookup([it.key for it in c])
+    assert [e.key for e in entries] == [it.key for it in c]
+    assert all(bytes(pool.read(e)) == it.data for e, it in zip(entries, c))
+    pool.release(lease)
+    assert pool.stats().get("nixl_pulls") == 2
+    print(f"\nstalled NIXL peer: miss after {stalled_s:.1f} s (nixl_timeout_s 1.0)")
 
 
 def test_unreachable_peer_is_a_counted_miss(tmp_path):
@@ -92,6 +122,8 @@ def test_unreachable_peer_is_a_counted_miss(tmp_path):
 def test_config_errors_are_named():
     with pytest.raises(ValueError, match="nixl_peers"):
         NixlPool({"path": "/dev/shm/ps-nixl-bad", "nixl_peers": []})
+    with pytest.raises(ValueError, match="nixl_timeout_s"):
+        NixlPool({"path": "/dev/shm/ps-nixl-bad", "nixl_peers": ["127.0.0.1:9"], "nixl_timeout_s": 0})
     with pytest.raises(ValueError, match="host:port"):
         NixlPool({"path": "/dev/shm/ps-nixl-bad", "nixl_peers": ["nohost"]})
     shutil.rmtree("/dev/shm/ps-nixl-bad", ignore_errors=True)

@@ -220,15 +220,22 @@ class NixlPuller:
         self.agent.register_memory([self.buf])
         self.timeout_s = timeout_s
         self.peers: dict[str, tuple[socket.socket, object, str, int]] = {}
+        self.remotes: set[str] = set()  # remote agents whose metadata this agent holds
         self.lock = threading.Lock()
 
     def _call(self, addr: str, msg: dict) -> dict:
-        sock, rfile, _, _ = self._peer(addr)
-        sock.sendall(json.dumps(msg).encode() + b"\n")
-        line = rfile.readline()
-        if not line:
-            self.peers.pop(addr, None)
-            raise ConnectionError(f"NIXL peer {addr} closed the connection")
+        """One request/answer on the peer's control channel, bounded by ``timeout_s``. On any
+        failure (a stalled peer's timeout included) the connection is dropped: a late answer
+        must never be read as the answer to the next request."""
+        try:
+            sock, rfile, _, _ = self._peer(addr)
+            sock.sendall(json.dumps(msg).encode() + b"\n")
+            line = rfile.readline()
+            if not line:
+                raise ConnectionError(f"NIXL peer {addr} closed the connection")
+        except BaseException:
+            self._drop(addr)
+            raise
         reply = json.loads(line)
         if "error" in reply:
             raise RuntimeError(f"NIXL peer {addr}: {reply['error']}")
@@ -237,12 +244,26 @@ class NixlPuller:
     def _peer(self, addr: str):
         if addr not in self.peers:
             sock = socket.create_connection(parse_addr(addr), timeout=self.timeout_s)
+            self.peers[addr] = (sock, None, None, 0)  # so that a failed hello closes it
             rfile = sock.makefile("rb")
             sock.sendall(b'{"op": "hello"}\n')
-            hello = json.loads(rfile.readline())
-            remote = self.agent.add_remote_agent(base64.b64decode(hello["metadata"]))
+            line = rfile.readline()
+            if not line:
+                raise ConnectionError(f"NIXL peer {addr} closed the connection")
+            hello = json.loads(line)
+            if hello["agent"] in self.remotes:  # a reconnect: the agent's metadata is loaded already
+                remote = hello["agent"]
+            else:
+                remote = self.agent.add_remote_agent(base64.b64decode(hello["metadata"]))
+                self.remotes.add(remote)
             self.peers[addr] = (sock, rfile, remote, int(hello["base"]))
         return self.peers[addr]
+
+    def _drop(self, addr: str) -> None:
+        peer = self.peers.pop(addr, None)
+        if peer is not None:
+            with contextlib.suppress(OSError):
+                peer[0].close()
 
     def pull(self, addr: str, keys: Sequence[str]) -> tuple[list[tuple[BlockEntry, memoryview]], dict]:
         """The longest run of ``keys`` the peer holds, as (entry, bytes); plus transfer figures."""
@@ -296,6 +317,10 @@ class NixlPool(KVPool):
         for p in peers:
             parse_addr(p)
         self.peers = list(peers)
+        # A stalled peer costs at most this per request (the pull holds the engine's scheduler).
+        self.timeout_s = float(spec.get("nixl_timeout_s", 30.0))
+        if self.timeout_s <= 0:
+            raise ValueError("PoolSpec.nixl_timeout_s must be > 0")
         self._puller: NixlPuller | None = None
 
     def lookup(self, keys: Sequence[str], lease_s: float | None = None):
@@ -307,7 +332,7 @@ class NixlPool(KVPool):
         for addr in self.peers:
             try:
                 if self._puller is None:
-                    self._puller = NixlPuller()
+                    self._puller = NixlPuller(timeout_s=self.timeout_s)
                 got, fig = self._puller.pull(addr, missing)
             except Exception as e:  # noqa: BLE001 - an unreachable peer is a miss, not a failure
                 log.warning("PrefillShare NIXL: pull from %s failed: %s", addr, e)
