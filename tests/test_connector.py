@@ -11,7 +11,9 @@ import asyncio
 import os
 import random
 import shutil
+import signal
 import threading
+import time
 import uuid
 
 import pytest
@@ -28,6 +30,7 @@ except ImportError:  # the NIXL wheels are optional (scripts/setup.sh installs t
 
 N_NEW = 8
 BS = 32
+NIXL_TIMEOUT_S = 3.0
 
 
 def make_model(path: str, seed: int) -> None:
@@ -76,11 +79,34 @@ class Loop:
 
 
 @pytest.fixture(scope="module")
-def stack(model_dirs):
+def pool_dir():
+    return f"/dev/shm/ps-test-connector-{uuid.uuid4().hex[:8]}"
+
+
+@pytest.fixture(scope="module")
+def nixl_server(pool_dir):
+    """The producer pool's NIXL block server process and its address (None without nixl)."""
+    if not NIXL:
+        yield None, None
+        return
+    from app.engine.kv_pool import KVPool
+    from test_nixl import start_server
+
+    KVPool(pool_dir, capacity_bytes=256 << 20)
+    server, addr = start_server(pool_dir)
+    try:
+        yield server, addr
+    finally:
+        os.kill(server.pid, signal.SIGCONT)  # a test may have stalled it
+        server.terminate()
+        server.wait(30)
+
+
+@pytest.fixture(scope="module")
+def stack(model_dirs, pool_dir, nixl_server):
     from app.engine.async_engine import Engine, EngineConfig, PoolSpec, connector_config
     from app.engine.kv_pool import KVPool
 
-    pool_dir = f"/dev/shm/ps-test-connector-{uuid.uuid4().hex[:8]}"
     spec = PoolSpec(path=pool_dir, capacity_bytes=256 << 20, lease_timeout_s=120)
     common = dict(dtype="float32", kv_space_gib=0.25, max_model_len=512, block_size=BS,
                   max_num_batched_tokens=64, skip_tokenizer_init=True, omp_threads_bind="nobind",
@@ -92,16 +118,14 @@ def stack(model_dirs):
                                   kv_transfer_config=connector_config("consumer", "base-A", spec, scope=f"dec-{name}"))
     # "Another node": decoder B's weights on an engine whose pool is a different folder, filled
     # from the producer's pool through a NIXL block server in its own process (loopback UCX).
-    server = remote_spec = None
-    if NIXL:
-        from test_nixl import start_server
-
-        KVPool(pool_dir, capacity_bytes=spec.capacity_bytes)
-        server, addr = start_server(pool_dir)
+    _, addr = nixl_server
+    if addr is not None:
         remote_spec = PoolSpec(path=pool_dir + "-node2", capacity_bytes=256 << 20, transport="nixl",
                                nixl_peers=(addr,))
-        cfgs["E"] = EngineConfig(model=model_dirs["B"], **common,
-                                 kv_transfer_config=connector_config("consumer", "base-A", remote_spec, scope="dec-E"))
+        kv = connector_config("consumer", "base-A", remote_spec, scope="dec-E")
+        # The pool spec's NIXL timeout (PoolSpec has no field for it yet): a stalled peer costs 3 s, not 30.
+        kv["kv_connector_extra_config"]["pool"]["nixl_timeout_s"] = NIXL_TIMEOUT_S
+        cfgs["E"] = EngineConfig(model=model_dirs["B"], **common, kv_transfer_config=kv)
     # Same env for every engine, so they can start concurrently (startup dominates this file).
     os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
     os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
@@ -122,9 +146,6 @@ def stack(model_dirs):
         for e in engines.values():
             e.shutdown()
         loop.close()
-        if server is not None:
-            server.terminate()
-            server.wait(30)
         shutil.rmtree(pool_dir, ignore_errors=True)
         shutil.rmtree(pool_dir + "-node2", ignore_errors=True)
 
@@ -295,3 +316,92 @@ def test_decoder_on_another_node_pulls_kv_through_nixl(stack, hf):
     assert node2.get("nixl_pulls") >= 1 and node2.get("nixl_bytes") > 0
     print(f"\nNIXL pull for a {len(p)}-token prompt: {node2.get('nixl_bytes') / 2**20:.1f} MiB in "
           f"{node2.get('nixl_seconds') * 1e3:.1f} ms")
+
+
+@pytest.mark.skipif(not NIXL, reason="nixl is not installed")
+def test_stalled_nixl_peer_costs_a_bounded_wait_then_private_prefill(stack, hf, nixl_server):
+    """The producer node's block server is stopped (SIGSTOP: it holds the connection and never
+    answers). The remote decoder waits nixl_timeout_s, prefills privately (correct tokens,
+    counted), and pulls again once the server runs."""
+    loop, eng, pool = stack
+    server, _ = nixl_server
+    node2 = pool.path + "-node2"
+    from app.engine.kv_pool import KVPool
+
+    p, q = prompt(70, 133), prompt(71, 141)
+    for x in (p, q):
+        loop.run(eng["A"].prefill(x, cache_salt="tenant-1", kv_transfer_params={"fanout": 1}))
+    before = KVPool(node2).stats()
+    os.kill(server.pid, signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        o = decode(loop, eng["E"], p)
+        stalled_s = time.monotonic() - t0
+    finally:
+        os.kill(server.pid, signal.SIGCONT)
+    assert o.num_cached_tokens == 0 and o.kv_transfer_params["prefillshare"]["fallback"] == "missing"
+    assert o.token_ids == private_ref(hf, "B", p)
+    after = KVPool(node2).stats()
+    assert after.get("nixl_errors") == before.get("nixl_errors") + 1
+    assert after.get("fallback:missing") == before.get("fallback:missing") + 1
+    o = decode(loop, eng["E"], q)  # the server answers again: shared KV, no confusion from the stale fetch
+    assert o.num_cached_tokens == len(q) - 1 and o.token_ids == shared_ref(hf, "A", "B", q)
+    assert KVPool(node2).stats().get("nixl_pulls") == after.get("nixl_pulls") + 1
+    print(f"\nstalled NIXL peer: private prefill after {stalled_s:.1f} s (nixl_timeout_s {NIXL_TIMEOUT_S})")
+
+
+def _fan_out(loop, eng, p):
+    """Decoders B, C, D on one prompt at once."""
+    from app.engine.async_engine import Sampling
+
+    async def three():
+        s = Sampling(max_tokens=N_NEW, ignore_eos=True)
+        return await asyncio.gather(*[eng[n].complete(p, s, cache_salt="tenant-1") for n in "BCD"])
+
+    return dict(zip("BCD", loop.run(three())))
+
+
+def _misses(pool) -> dict[str, float]:
+    return {n: pool.stats(scope=f"dec-{n}").get("fallback:missing") for n in "BCD"}
+
+
+def test_fan_out_evicted_between_prefill_and_decode_falls_back_for_every_decoder(stack, hf):
+    from app.engine.kv_keys import shared_block_keys
+
+    loop, eng, pool = stack
+    p = prompt(80, 150)
+    loop.run(eng["A"].prefill(p, cache_salt="tenant-1", kv_transfer_params={"fanout": 3}))
+    keys = [k.key for k in shared_block_keys("base-A", "tenant-1", p, BS)]
+    assert [pool.pins(k) for k in keys] == [3] * len(keys)
+    before = _misses(pool)
+    pool.discard(keys[-1:])  # the deepest block goes first under LRU eviction
+    outs = _fan_out(loop, eng, p)
+    for n, o in outs.items():
+        assert o.num_cached_tokens == 0 and o.token_ids == private_ref(hf, n, p), n
+        assert o.kv_transfer_params["prefillshare"]["fallback"] == "missing"
+    assert _misses(pool) == {n: v + 1 for n, v in before.items()}
+
+
+def test_pool_full_of_pinned_blocks_drops_a_new_fan_out_whose_decoders_prefill_privately(stack, hf):
+    """Capacity holds one pinned fan-out: the next fan-out's save cannot evict it, its blocks
+    are dropped, and all three of its decoders prefill privately; the pinned one still loads."""
+    from app.engine.kv_keys import shared_block_keys
+
+    loop, eng, pool = stack
+    x, y = prompt(90, 120), prompt(91, 120)  # 4 blocks each
+    old_cap = pool.capacity_bytes
+    try:
+        loop.run(eng["A"].prefill(x, cache_salt="tenant-1", kv_transfer_params={"fanout": 3}))
+        x_keys = [k.key for k in shared_block_keys("base-A", "tenant-1", x, BS)]
+        pool.set_capacity(sum(pool.entry(k).nbytes for k in x_keys) + 1)  # full: x's pinned blocks
+        before, dropped = _misses(pool), pool.stats().get("dropped_blocks")
+        loop.run(eng["A"].prefill(y, cache_salt="tenant-1", kv_transfer_params={"fanout": 3}))
+        assert pool.stats().get("dropped_blocks") == dropped + 4
+        assert all(pool.entry(k.key) is None for k in shared_block_keys("base-A", "tenant-1", y, BS))
+        for n, o in _fan_out(loop, eng, y).items():
+            assert o.num_cached_tokens == 0 and o.token_ids == private_ref(hf, n, y), n
+        assert _misses(pool) == {n: v + 1 for n, v in before.items()}
+        for n, o in _fan_out(loop, eng, x).items():
+            assert o.num_cached_tokens == len(x) - 1 and o.token_ids == shared_ref(hf, "A", n, x), n
+    finally:
+        pool.set_capacity(old_cap)
