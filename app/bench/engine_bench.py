@@ -231,8 +231,12 @@ def _write(cfg: BenchConfig, results: list[CaseResult]) -> None:
 def run_bench(cfg: BenchConfig) -> list[CaseResult]:
     results = asyncio.run(_run(cfg, on_case=(lambda rs: _write(cfg, rs)) if cfg.out else None))
     print(format_table(results))
-    if cfg.out:
-        print(f"wrote {cfg.out}")
+    if cfg.out and results:
+        from app.bench.plots import engine_prompt_time
+
+        png = engine_prompt_time([asdict(r) for r in results], os.path.splitext(cfg.out)[0] + ".png",
+                                 f"bench engine: ~{cfg.params / 1e6:.0f}M Llama, {compute_dtype.resolve(cfg.dtype)}")
+        print(f"wrote {cfg.out}, {png}")
     return results
 
 

@@ -18,6 +18,19 @@ def _plt():
     return plt
 
 
+def _save(plt, fig, path: str | Path, title: str, panels: int) -> Path:
+    if title:
+        import textwrap
+
+        fig.suptitle("\n".join(textwrap.wrap(title, 48 * panels)), fontsize=8)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def p95_vs_load(points: list[PointResult], path: str | Path, title: str = "") -> Path:
     """One panel per (N, L, R): p95 fan-out latency against offered load, a line per system."""
     plt = _plt()
@@ -37,16 +50,7 @@ def p95_vs_load(points: list[PointResult], path: str | Path, title: str = "") ->
         ax.set_title(f"N={n} L={L} R={R}", fontsize=10)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    if title:
-        import textwrap
-
-        fig.suptitle("\n".join(textwrap.wrap(title, 48 * len(groups))), fontsize=8)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path, title, len(groups))
 
 
 def throughput_vs_n(points: list[PointResult], path: str | Path, title: str = "") -> Path:
@@ -67,13 +71,29 @@ def throughput_vs_n(points: list[PointResult], path: str | Path, title: str = ""
         ax.set_title(f"L={L} R={R}", fontsize=10)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    if title:
-        import textwrap
+    return _save(plt, fig, path, title, len(groups))
 
-        fig.suptitle("\n".join(textwrap.wrap(title, 48 * len(groups))), fontsize=8)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+
+def engine_prompt_time(results: list[dict], path: str | Path, title: str = "") -> Path:
+    """`bench engine`: a decoder's prompt time against L, private prefill vs the base's KV, per N;
+    and the fan-out's total CPU seconds both ways."""
+    plt = _plt()
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(9, 3.6))
+    for n in sorted({r["fanout"] for r in results}):
+        rs = sorted((r for r in results if r["fanout"] == n), key=lambda r: r["prompt_tokens"])
+        L = [r["prompt_tokens"] for r in rs]
+        ax.plot(L, [r["private_prompt_s"] * 1e3 for r in rs], marker="s", color="tab:red", alpha=0.4 + 0.075 * n,
+                label=f"private prefill, N={n}")
+        ax.plot(L, [r["shared_prompt_s"] * 1e3 for r in rs], marker="o", color="tab:green", alpha=0.4 + 0.075 * n,
+                label=f"base KV loaded, N={n}")
+        ax2.plot(L, [r["cpu_s_private"] / max(r["cpu_s_shared"], 1e-9) for r in rs], marker="o", label=f"N={n}")
+    ax.set_yscale("log")
+    ax.set_xlabel("prompt tokens L")
+    ax.set_ylabel("decoder prompt time (ms, log)")
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3, which="both")
+    ax2.set_xlabel("prompt tokens L")
+    ax2.set_ylabel("fan-out CPU s: private / shared")
+    ax2.legend(fontsize=7)
+    ax2.grid(alpha=0.3)
+    return _save(plt, fig, path, title, 2)
