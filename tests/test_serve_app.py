@@ -150,12 +150,12 @@ def reference(app):
     return tok, models
 
 
-def _expected(reference, model: str, prompt_ids: list[int]) -> list[int]:
+def _expected(reference, model: str, prompt_ids: list[int], private: bool = False) -> list[int]:
     from app.reference import greedy_from_kv, prompt_kv, shared_greedy
 
     tok, models = reference
-    if model == "gamma":  # private prefill: the decoder computes its whole prompt
-        return greedy_from_kv(models["gamma"], prompt_kv(models["gamma"], prompt_ids[:-1]), prompt_ids[-1:],
+    if private or model == "gamma":  # private prefill: the decoder computes its whole prompt
+        return greedy_from_kv(models[model], prompt_kv(models[model], prompt_ids[:-1]), prompt_ids[-1:],
                               MAX_NEW, tok.eos_token_id)
     return shared_greedy(models["base"], models[model], prompt_ids, MAX_NEW, tok.eos_token_id)
 
@@ -608,7 +608,134 @@ def test_a_full_decoder_queue_sheds_agents_with_overloaded_not_a_hang(app):
     assert shed and all(e.startswith("overloaded") for e in shed), errors
 
 
-# --- faults (last: it restarts a replica) -------------------------------------------------------
+# --- faults (last: they restart replicas) ------------------------------------------------------
+_KILLED: dict[str, str] = {}  # what the fault tests killed, for the recovery check after them
+
+
+def _admission(app) -> dict:
+    """The Router's accounting, also while /ready answers 503 (a replica restarting)."""
+    return json.loads(_get(app["url"] + "/ready")[1])["admission"]
+
+
+def _finished(adm: dict) -> int:
+    return sum(sum(c.values()) for c in adm["outcomes"].values())
+
+
+def _replica_actor(deployment: str, replica_id: str | None = None):
+    import ray
+
+    named = [a for a in ray.util.list_named_actors(all_namespaces=True) if f"#{deployment}#" in a["name"]
+             and (replica_id is None or a["name"].endswith(replica_id))]
+    return [ray.get_actor(a["name"], namespace=a["namespace"]) for a in named]
+
+
+def _check_agents(reference, ctx: str, out: dict) -> int:
+    """Every agent answered; its tokens are the shared reference when it loaded the base's KV,
+    the private one when it prefilled itself. Returns how many prefilled privately."""
+    from app.training.tasks import render_prompt
+
+    tok, _ = reference
+    private = 0
+    for r in out["results"]:
+        assert r["error"] is None, r
+        ids = tok(render_prompt(ctx, r["instruction"]))["input_ids"]
+        shared = r["usage"]["cached_tokens"] == len(ids) - 1
+        assert shared or r["usage"]["cached_tokens"] == 0, r
+        assert r["token_ids"] == _expected(reference, r["model"], ids, private=not shared), r
+        private += not shared
+    return private
+
+
+def test_killing_a_prefill_replica_mid_fan_out_falls_back_and_every_request_is_accounted(app, reference):
+    """A fan-out is in flight on one of the two prefill replicas (its engine is stopped so the
+    call cannot finish first) when the replica is killed: its agents prefill privately with the
+    reference tokens, counted as fallback prefill_error; fan-outs sent while Serve restarts the
+    replica complete too; the Router's accounting adds up (admitted = completed + failed)."""
+    import signal
+    import threading
+
+    import psutil
+    import ray
+
+    ctx = "fault probe\nname:omar\nitem:desk\nqty:7\ncity:rome\nday:fri\ncolor:plum\nnote:ring twice"
+    agents = lambda *qs: [{"name": f"x{i}", "model": m, "instruction": q, "max_tokens": MAX_NEW}  # noqa: E731
+                          for i, (m, q) in enumerate(qs)]
+    status, warm = _post(app["url"] + "/v1/agents/run", {"context": ctx, "agents": agents(
+        ("alpha", "what is the item?"), ("alpha", "what is the qty?"))})
+    assert status == 200, warm
+    replica = warm["results"][0]["prefill"]["replica"]  # this context's replica (prefix locality)
+    (actor,) = _replica_actor("Prefill-base", replica)
+    proc = psutil.Process(ray._private.state.actors(actor_id=actor._actor_id.hex())["Pid"])
+    engine_procs = proc.children(recursive=True)  # EngineCore + worker of this replica
+    assert engine_procs
+    adm0 = _admission(app)
+    fb0 = _metric(_metrics(app["url"]), "prefillshare_fallbacks_total", reason="prefill_error")
+
+    inflight = agents(("alpha", "what is the city?"), ("beta", "what is the day?"))
+    answers: dict[str, tuple] = {}
+    for p in engine_procs:
+        p.send_signal(signal.SIGSTOP)
+    try:
+        t = threading.Thread(target=lambda: answers.setdefault("inflight", _post(
+            app["url"] + "/v1/agents/run", {"context": ctx, "agents": inflight}, timeout=600)))
+        t.start()
+        for _ in range(120):  # until the prefill call is in that replica (sequencing, not timing)
+            if _metric(_metrics(app["url"]), "prefillshare_queue_length", replica=replica) >= 1:
+                break
+            time.sleep(0.5)
+        else:
+            pytest.fail("the fan-out's prefill call never reached the stopped replica")
+        ray.kill(actor, no_restart=True)
+    finally:
+        for p in engine_procs:  # the killed replica's engine processes: reaped by PID
+            try:
+                p.kill()
+            except psutil.NoSuchProcess:
+                pass
+    t.join(600)
+    status, out = answers["inflight"]
+    assert status == 200, out
+    for r, a in zip(out["results"], inflight):
+        r["instruction"] = a["instruction"]
+        assert r["prefill"] is None, r  # no prefill ticket: the decoder prefilled for itself
+    assert _check_agents(reference, ctx, out) == 2
+
+    during: list[tuple] = []  # while Serve replaces the replica: the other one, or a fallback
+
+    def one(i: int) -> None:
+        c = ctx.replace("omar", f"user{i}")
+        a = agents(("alpha", "what is the note?"), ("alpha", "what is the color?"))
+        status, out = _post(app["url"] + "/v1/agents/run", {"context": c, "agents": a}, timeout=600)
+        for r, x in zip(out.get("results", []), a):
+            r["instruction"] = x["instruction"]
+        during.append((c, status, out))
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(3)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(600)
+    private = 0
+    for c, status, out in during:
+        assert status == 200, out
+        private += _check_agents(reference, c, out)
+    adm1 = _admission(app)
+    assert adm1["inflight"] == 0
+    assert adm1["admitted"] - adm0["admitted"] == 4 == _finished(adm1) - _finished(adm0)
+    assert sum(c["completed"] for c in adm1["outcomes"].values()) - \
+        sum(c["completed"] for c in adm0["outcomes"].values()) == 4
+    for _ in range(30):  # metrics are fire-and-forget
+        fb1 = _metric(_metrics(app["url"]), "prefillshare_fallbacks_total", reason="prefill_error")
+        if fb1 > fb0:
+            break
+        time.sleep(1)
+    assert fb1 >= fb0 + 1
+    _KILLED["prefill"] = replica
+    print(f"\nprefill fault: in-flight fan-out fell back (2 agents private); 3 fan-outs during the restart: "
+          f"{len(during)} completed, {private} of 6 agents prefilled privately; fallbacks prefill_error "
+          f"+{fb1 - fb0:.0f}; router: admitted +4, completed +4")
+
+
 def _read_events(r) -> list[str]:
     events = []
     for line in r:
@@ -685,3 +812,51 @@ def test_killing_a_decoder_replica_mid_stream_fails_clearly_and_the_app_recovers
     assert status == 200 and out["choices"][0]["text"] == baseline["gamma"], out
     print(f"\nfault: stream {'ended with an error event' if stream_failed else 'finished before the kill'}; "
           f"3 requests during the restart: {len(ok)} completed, {len(failed)} got 503")
+
+
+def test_the_killed_prefill_replica_is_replaced_and_fan_outs_share_again(app, reference):
+    """After the fault tests: two live prefill replicas, none of them the killed one, and a
+    fan-out loads the base's KV again (no restart of the app)."""
+    if "prefill" not in _KILLED:
+        pytest.skip("the prefill fault test did not run")
+    for _ in range(150):  # an engine start on a busy 2-core machine takes minutes
+        status, body = _get(app["url"] + "/ready")
+        if status == 200:
+            break
+        time.sleep(2)
+    assert status == 200, body
+    live = _replica_actor("Prefill-base")
+    assert len(live) == 2 and not _replica_actor("Prefill-base", _KILLED["prefill"])
+    ctx = "after the fault\nname:ivan\nitem:cup\nqty:2\ncity:kyiv\nday:mon\ncolor:gold\nnote:leave at door"
+    agents = [{"name": "p", "model": "alpha", "instruction": "what is the item?", "max_tokens": MAX_NEW},
+              {"name": "q", "model": "beta", "instruction": "what is the city?", "max_tokens": MAX_NEW}]
+    status, out = _post(app["url"] + "/v1/agents/run", {"context": ctx, "agents": agents})
+    assert status == 200, out
+    for r, a in zip(out["results"], agents):
+        r["instruction"] = a["instruction"]
+        assert r["prefill"] is not None, r
+    assert _check_agents(reference, ctx, out) == 0  # both loaded the base's KV
+
+
+def test_soak_smoke_sends_mixed_traffic_without_errors_and_the_app_accounts_for_each(app, tmp_path):
+    """`prefillshare soak` for ~20 s (PREFILLSHARE_SOAK_S to change it) in two windows: a
+    well-formed report, no errors, and the Router admitted and completed exactly what was sent.
+    The command prints its report (see it with -s)."""
+    from app.cli import main
+
+    duration = float(os.environ.get("PREFILLSHARE_SOAK_S", "20"))
+    report_file = tmp_path / "soak.json"
+    rc = main(["soak", "--url", app["url"], "--duration", str(duration), "--window", str(duration / 2),
+               "--concurrency", "2", "--models", "alpha", "--api-key", KEY_A, "--json", str(report_file)])
+    rep = json.loads(report_file.read_text())
+    assert rc == 0 and rep["errors"] == {} and rep["ok"] == rep["sent"] >= 4, rep
+    assert [w["index"] for w in rep["windows"]] == [0, 1]
+    assert sum(w["requests"] for w in rep["windows"]) == rep["sent"]
+    for kind in ("fanout", "completion"):  # both kinds were sent and timed
+        assert any(w["p95_s"][kind] for w in rep["windows"]), kind
+        for w in rep["windows"]:
+            if w["p95_s"][kind] is not None:
+                assert 0 < w["p50_s"][kind] <= w["p95_s"][kind]
+    server = rep["server"]
+    assert server["admitted"] == server["completed"] == rep["sent"], server
+    assert server["failed"] == server["cancelled"] == server["rejected"] == server["inflight_after"] == 0, server
