@@ -44,6 +44,7 @@ class PrefillTicket:
     num_cached_tokens: int
     seconds: float
     kv_transfer_params: tuple[dict[str, Any] | None, ...] = ()
+    node_id: str | None = None  # the Ray node whose pool holds the KV (decoders there read it locally)
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,7 @@ class DecodeRequest:
     sampling: SamplingSpec
     kv_transfer_params: dict[str, Any] | None = None
     cache_salt: str | None = None
+    prefer_node: str | None = None  # the prefill's node: deployments/node_router.py routes there first
 
 
 @dataclass
@@ -136,6 +138,9 @@ class AppPlan:
     max_agents: int
     max_rounds: int
     request_timeout_s: float
+    # how long a request waits for a prefill replica to take it (none running: its node is gone)
+    # before its decoders prefill privately
+    prefill_wait_s: float = 5.0
 
     def decoder(self, name: str) -> DecoderPlan | None:
         return next((d for d in self.decoders if d.name == name), None)

@@ -3,7 +3,9 @@
 A request's path: group the agents by the prefill module their decoder consumes, ask one
 replica of that module (chosen by the prefix router) to compute the shared context once and
 each agent's prompt but its last token, then stream every decoder concurrently. Decoders
-without a compatible module prefill privately; a prefill failure degrades to private prefill;
+without a compatible module prefill privately; a prefill failure, or no prefill replica taking
+the call within ``plan.prefill_wait_s``, degrades to private prefill; decode calls prefer a
+replica on the prefill's node (deployments/node_router.py);
 a failing agent is reported for that agent while the others finish. In multi-round runs each
 round's outputs join the context of the next round. When an engine deployment's queue is full
 (Serve's BackPressureError) the agent fails with an ``overloaded`` error instead of waiting, so
@@ -104,11 +106,18 @@ class Orchestrator:
             locality_keys=locality_keys(mp.module_id, route_on, mp.block_size, salt),
             cache_salt=salt,
         )
+        resp = self.prefill_handles[module].prefill.remote(req)
         try:
-            ticket: PrefillTicket = await self.prefill_handles[module].prefill.remote(req)
+            # Serve holds a call while the deployment has no replica (its node is gone): bound that wait
+            ref = await asyncio.wait_for(resp._to_object_ref(), self.plan.prefill_wait_s)
+            ticket: PrefillTicket = await ref
         except BackPressureError as e:
             for a in agents:
                 a.error = f"overloaded: prefill module {module}: {e}"
+            return
+        except asyncio.TimeoutError:
+            resp.cancel()
+            self._fallback("prefill_unavailable")
             return
         except Exception:  # noqa: BLE001 - the decoders prefill privately instead
             self._fallback("prefill_error")
@@ -136,7 +145,8 @@ class Orchestrator:
         if a.ticket is not None and a.ticket.kv_transfer_params:
             params = a.ticket.kv_transfer_params[a.ticket_index]
         req = DecodeRequest(request_id=request_id, prompt_token_ids=tuple(a.prompt), sampling=a.sampling,
-                            kv_transfer_params=params, cache_salt=salt)
+                            kv_transfer_params=params, cache_salt=salt,
+                            prefer_node=a.ticket.node_id if a.ticket is not None else None)
         try:
             async for chunk in self.decode_handles[a.model].generate.remote(req):
                 if chunk.error:

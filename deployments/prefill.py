@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import time
 
+import ray
 from ray import serve
 
 from app.engine.async_engine import EngineConfig
@@ -23,6 +24,7 @@ from deployments.metrics import PrefillRecord
 class PrefillServer(EngineHost):
     async def __init__(self, module_name: str, engine_config: EngineConfig, metrics=None):
         self.module = module_name
+        self.node_id = ray.get_runtime_context().get_node_id()
         await self._start_engine(engine_config, metrics)
 
     def _identity(self) -> dict:
@@ -65,4 +67,5 @@ class PrefillServer(EngineHost):
             num_cached_tokens=cached,
             seconds=seconds,
             kv_transfer_params=tuple((next(it).kv_transfer_params if s else None) for s in shared),
+            node_id=self.node_id,
         )

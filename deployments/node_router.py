@@ -1,0 +1,66 @@
+"""Node-affinity request router for DecodeServer deployments.
+
+A decoder replica on the node where the prompt's KV was prefilled reads it from that node's
+shared-memory pool; any other replica first pulls it across nodes (NIXL). So a decode request
+carries the prefill replica's node id (``DecodeRequest.prefer_node``) and goes to a replica on
+that node when one exists, unless that replica has ``imbalance_threshold`` more ongoing
+requests than the least loaded one: then load wins, because a pull costs less than a queue.
+"""
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Sequence
+
+from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
+
+
+def rank_by_node(
+    replicas: Sequence[tuple[str, str | None]],
+    prefer_node: str | None,
+    queue_len: Callable[[str], int],
+    imbalance_threshold: int,
+) -> list[list[str]]:
+    """Ranked tiers of replica ids from ``(replica id, node id)`` pairs.
+
+    Same-node replicas (least loaded first), then the others by load; one tier by load when
+    no node is preferred, none of the replicas is on it, or the same-node ones are overloaded.
+    """
+    by_load = [r for r, _ in sorted(replicas, key=lambda rn: (queue_len(rn[0]), random.random()))]
+    if not by_load or prefer_node is None:
+        return [by_load] if by_load else []
+    nodes = dict(replicas)
+    local = [r for r in by_load if nodes[r] == prefer_node]
+    if not local or queue_len(local[0]) - queue_len(by_load[0]) >= imbalance_threshold:
+        return [by_load]
+    return [local, [r for r in by_load if r not in local]]
+
+
+def preferred_node(pending: PendingRequest | None) -> str | None:
+    """The node a DecodeRequest (first positional argument) asks for."""
+    if pending is None or not pending.args:
+        return None
+    return getattr(pending.args[0], "prefer_node", None)
+
+
+class NodeAffinityRouter(RequestRouter):
+    """Serve request router: same node as the prefill first, load fallback."""
+
+    def initialize_state(self, imbalance_threshold: int = 4, **_):
+        self.imbalance_threshold = int(imbalance_threshold)
+
+    def _queue_len(self, rid: str) -> int:
+        for r in self._replicas_list:
+            if r.replica_id.unique_id == rid:
+                return self.replica_queue_len_cache.get(r.replica_id) or 0
+        return 0
+
+    async def choose_replicas(
+        self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
+    ) -> list[list[RunningReplica]]:
+        by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
+        tiers = rank_by_node([(rid, r.node_id) for rid, r in by_id.items()], preferred_node(pending_request),
+                             self._queue_len, self.imbalance_threshold)
+        if pending_request is not None:
+            # Every tier is tried before backing off; without this the routing loop spins.
+            pending_request.routing_context.should_backoff = True
+        return [[by_id[r] for r in tier] for tier in tiers]
