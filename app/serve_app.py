@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -130,8 +131,9 @@ def build(cfg: AppConfig):
     from ray.serve.config import BackpressureConfig, RequestRouterConfig
 
     from app.engine.async_engine import connector_config
-    from deployments.decode import DecodeServer
+    from deployments.decode import DecodeServer, PrefillNodeEngine
     from deployments.metrics import MetricsServer
+    from deployments.node_router import NodeAffinityRouter
     from deployments.orchestrator import Orchestrator
     from deployments.prefill import PrefillServer
     from deployments.prefix_router import PrefixLocalityRouter
@@ -171,22 +173,33 @@ def build(cfg: AppConfig):
     decoders = {}
     for d, dp in zip(cfg.decoders, plan.decoders):
         pl = d.placement
-        kv = None
+        kv = on_prefill_node = None
         if dp.prefill_module is not None:
             base = cfg.prefill_module(dp.prefill_module)
-            kv = connector_config("consumer", module_ids[dp.prefill_module], consumer_pool, scope=d.name,
-                                  base_dir=str(cfg.path(base.model)), decoder_dir=str(cfg.path(d.model)))
+
+            def consumer(p):
+                return connector_config("consumer", module_ids[dp.prefill_module], p, scope=d.name,
+                                        base_dir=str(cfg.path(base.model)), decoder_dir=str(cfg.path(d.model)))
+            kv = consumer(consumer_pool)
+            if consumer_pool.path != pool.path and cfg.pool.server_resources:
+                on_prefill_node = PrefillNodeEngine(
+                    dict(cfg.pool.server_resources),
+                    engine_config(cfg, d.model, d.engine, pl, consumer(replace(consumer_pool, path=pool.path))))
         opts = dict(
             name=f"Decode-{d.name}", num_replicas=pl.num_replicas, max_ongoing_requests=pl.max_ongoing_requests,
             max_queued_requests=pl.max_queued_requests, **shed,
             ray_actor_options=_actor_options(pl, _engine_env(cfg, pl, d.engine)),
+            # a replica on the prefill's node reads its KV from that node's pool, not over NIXL
+            request_router_config=RequestRouterConfig(
+                request_router_class=NodeAffinityRouter,
+                request_router_kwargs={"imbalance_threshold": cfg.routing.imbalance_threshold}),
             health_check_period_s=10, health_check_timeout_s=60, graceful_shutdown_timeout_s=20,
         )
         if pl.placement_group_bundles:
             opts.update(placement_group_bundles=pl.placement_group_bundles,
                         placement_group_strategy=pl.placement_group_strategy)
         decoders[d.name] = DecodeServer.options(**opts).bind(d.name, engine_config(cfg, d.model, d.engine, pl, kv),
-                                                             metrics)
+                                                             metrics, on_prefill_node)
 
     orch = Orchestrator.options(
         num_replicas=cfg.orchestrator.num_replicas, ray_actor_options={"num_cpus": cfg.orchestrator.num_cpus},

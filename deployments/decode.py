@@ -3,13 +3,16 @@
 Each replica runs a vLLM engine on the decoder with the PrefillShare connector as consumer:
 for a prompt whose base KV a prefill replica published, the engine loads it and computes only
 the last prompt token itself. Decoders without a compatible prefill module run without a
-connector and prefill privately.
+connector and prefill privately. A replica that lands on a prefill node (one offering the
+KV block server's resources) reads the producers' pool there, not ``pool.decode_path``.
 """
 from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
+import ray
 from ray import serve
 
 from app.engine.async_engine import EngineConfig, EngineRequestError, Sampling
@@ -17,10 +20,30 @@ from deployments.engine_host import EngineHost
 from deployments.messages import DecodeChunk, DecodeRequest
 
 
+@dataclass(frozen=True)
+class PrefillNodeEngine:
+    """The engine config for a replica on a node offering every one of ``resources``: its
+    connector reads the producers' pool (``pool.path``) there. Only needed where prefill and
+    decode "nodes" share one /dev/shm and decoders elsewhere use ``pool.decode_path``."""
+
+    resources: dict[str, float]
+    engine_config: EngineConfig
+
+
+def node_offers(resources: dict[str, float]) -> bool:
+    """Whether this process's Ray node advertises every resource named in ``resources``."""
+    me = ray.get_runtime_context().get_node_id()
+    node = next((n for n in ray.nodes() if n["NodeID"] == me), None)
+    return node is not None and all(k in node["Resources"] for k in resources)
+
+
 @serve.deployment(name="Decode")
 class DecodeServer(EngineHost):
-    async def __init__(self, model_name: str, engine_config: EngineConfig, metrics=None):
+    async def __init__(self, model_name: str, engine_config: EngineConfig, metrics=None,
+                       on_prefill_node: PrefillNodeEngine | None = None):
         self.model = model_name
+        if on_prefill_node is not None and node_offers(on_prefill_node.resources):
+            engine_config = on_prefill_node.engine_config
         await self._start_engine(engine_config, metrics)
 
     def _identity(self) -> dict:

@@ -48,7 +48,9 @@ def build_kv_server(cfg: AppConfig, staging_mib: int = 64):
         raise ConfigError("pool.transport: the KV block server is only needed with transport 'nixl'")
     opts: dict[str, Any] = {"num_cpus": 0.05}
     if cfg.pool.server_resources:
-        opts["resources"] = dict(cfg.pool.server_resources)
+        # pinned by its resources, it asks no CPU: a prefill node may then offer Ray no CPU, which
+        # keeps the ingress deployments (Serve spreads them over nodes with CPU) off that node
+        opts = {"num_cpus": 0, "resources": dict(cfg.pool.server_resources)}
     return KVBlockServer.options(ray_actor_options=opts).bind(cfg.pool.path, cfg.pool.nixl_listen, staging_mib)
 
 
