@@ -1,7 +1,7 @@
 """Fan one order record out to several agents with one call; print what each said and what
 sharing the prefill saved.
 
-    python examples/sdk_fanout.py --url http://127.0.0.1:8000 [--models lookup verify]
+    python examples/sdk_fanout.py --url http://127.0.0.1:8000 [--models lookup route]
 """
 from __future__ import annotations
 

@@ -16,7 +16,7 @@ from app.training import tasks
 from app.training.evaluate import METHODS
 
 TOKENIZER = Path(__file__).resolve().parents[1] / "checkpoints" / "tokenizer"
-AGENTS = ("lookup", "verify")
+AGENTS = ("lookup", "route")
 
 
 def _manifest(base: Path, agent: str, method: str, **training) -> DecodeManifest:
@@ -95,9 +95,9 @@ def test_eval_malformed_line(models, data, tmp_path, capsys):
 def test_eval_checkpoint_without_manifest(models, data, tmp_path, capsys):
     copy = tmp_path / "models"
     shutil.copytree(models, copy)
-    (copy / "baselines" / "fullft" / "verify" / "prefillshare.json").unlink()
+    (copy / "baselines" / "fullft" / "route" / "prefillshare.json").unlink()
     _assert_fails_cleanly(["eval", "--data", str(data), "--models", str(copy)], tmp_path / "o", capsys,
-                          f"{copy / 'baselines' / 'fullft' / 'verify'}: no prefillshare.json")
+                          f"{copy / 'baselines' / 'fullft' / 'route'}: no prefillshare.json")
 
 
 def test_eval_decoder_base_mismatch(models, data, tmp_path, capsys):

@@ -135,10 +135,11 @@ def test_serve_sh_prints_how_to_reach_the_app_and_the_shipped_decoders_answer(se
             # every decoder loaded the base's KV for all but the last prompt token
             assert r["usage"]["cached_tokens"] == r["usage"]["prompt_tokens"] - 1, r
             right[r["name"]] += tasks.parse_response(r["text"]) == examples[r["name"]].answer
-    # the eval table (checkpoints/eval/results.md) has tool_call and reschedule at 100% EM,
-    # lookup at ~96%, verify at ~57% (a yes/no guess would be 50%)
+    # the eval table (checkpoints/eval/results.md) has tool_call, reschedule and route at 100% EM,
+    # lookup at ~93%
     assert right["tool_call"] >= NUM_CONTEXTS - 1, right
     assert right["reschedule"] >= NUM_CONTEXTS - 1, right
+    assert right["route"] >= NUM_CONTEXTS - 1, right
     assert right["lookup"] >= NUM_CONTEXTS - 2, right
 
 
@@ -155,7 +156,7 @@ def test_serve_status_and_serve_deploy_on_the_running_cluster(served):
     app = st["applications"]["prefillshare"]
     assert app["status"] == "RUNNING"
     assert {"Router", "Orchestrator", "Metrics", "Prefill-base", "Decode-lookup", "Decode-tool_call",
-            "Decode-reschedule", "Decode-verify"} <= set(app["deployments"])
+            "Decode-reschedule", "Decode-route"} <= set(app["deployments"])
     # serve deploy: a changed config goes to the running cluster (the Metrics deployment's CPUs)
     new = _serve_config(served["port"], served["pool"], metrics_cpus=0.06)
     path = served["cfg_path"].with_name("serve2.yaml")

@@ -76,7 +76,7 @@ def test_base_in_memory_gets_no_gradient(base, examples):
 
 
 def test_layer_split_keeps_lower_layers_and_stores_only_upper(base, examples, tmp_path):
-    out = train_decoder(base, examples, "verify", tmp_path / "ls",
+    out = train_decoder(base, examples, "route", tmp_path / "ls",
                         TrainConfig(method="layer_split", shared_layers=2, **FAST), progress=False)
     stored = load_file(str(out / "upper_layers.safetensors"))
     assert stored and all(k.startswith(("model.layers.2.", "model.layers.3.", "model.norm.")) for k in stored)
@@ -121,6 +121,15 @@ def test_data_command_is_seeded_and_split_by_context(tmp_path):
     assert set(tasks.iter_agents(test)) == set(tasks.AGENTS) and len(tasks.AGENTS) >= 4
     for e in test:  # every agent's prompt is the shared context plus its instruction
         assert e.prompt.startswith(e.context) and e.instruction in e.prompt
+
+
+def test_records_and_each_agents_examples_do_not_depend_on_the_other_agents():
+    every = tasks.make_examples(30, seed=4)
+    two = tasks.make_examples(30, seed=4, agents=("route", "lookup"))
+    assert {e for e in every if e.agent in ("lookup", "route")} == set(two) and len(two) == 60
+    for e in every:
+        if e.agent == "route":
+            assert e.answer == tasks.HUB[e.context.split("city: ")[1].split("\n")[0]]
 
 
 @pytest.mark.parametrize("line, problem", [

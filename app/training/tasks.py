@@ -35,6 +35,8 @@ NOTE_WORDS = ("please", "call", "before", "noon", "thanks", "fragile", "leave", 
               "gift", "wrap", "urgent", "back", "gate", "ring", "twice", "no", "rush", "side",
               "entrance", "keep", "dry", "handle", "with", "care", "early", "morning")
 NEXT_DAY = {d: FIELDS["day"][(i + 1) % 7] for i, d in enumerate(FIELDS["day"])}
+HUBS = ("north", "south", "east", "west")
+HUB = {c: HUBS[i % len(HUBS)] for i, c in enumerate(FIELDS["city"])}  # which hub ships to a city
 
 
 # --- the prompt template: the single definition used by training, eval and serving ---
@@ -115,19 +117,15 @@ def _reschedule(rec: Record, rng: random.Random) -> tuple[str, str]:
     return "Q: move the delivery one day later. which\nday", NEXT_DAY[rec.value("day") or "mon"]
 
 
-def _verify(rec: Record, rng: random.Random) -> tuple[str, str]:
-    field, value = rng.choice(rec.fields)
-    asked = value if rng.random() < 0.5 else rng.choice([v for v in FIELDS[field] if v != value])
-    # the asked value is the last token, run by the decoder: "is it in the record?" is then one
-    # identity match against the base's KV of the context
-    return f"Q: yes or no?\n{field} {asked}", "yes" if asked == value else "no"
+def _route(rec: Record, rng: random.Random) -> tuple[str, str]:
+    return "Q: which hub ships to the\ncity", HUB[rec.value("city") or "oslo"]
 
 
 AGENTS = {
     "lookup": _lookup,          # retrieve the value of a named field
     "tool_call": _tool_call,    # emit a command-line tool call built from three fields
     "reschedule": _reschedule,  # retrieve the day, then map it to the next day
-    "verify": _verify,          # compare a field with a value named in the instruction
+    "route": _route,            # retrieve the city, then classify it into one of four hubs
 }
 
 
@@ -139,11 +137,12 @@ def make_examples(num_contexts: int, seed: int, agents: Iterable[str] = tuple(AG
             raise ValueError(f"unknown agent {a!r}; known: {', '.join(AGENTS)}")
     rng = random.Random(seed)
     out = []
-    for _ in range(num_contexts):
+    for i in range(num_contexts):
         rec = sample_record(rng)
         ctx = rec.text()
         for a in agents:
-            instruction, answer = AGENTS[a](rec, rng)
+            # each agent draws from a stream of its own: records stay the same whichever agents run
+            instruction, answer = AGENTS[a](rec, random.Random(f"{seed}/{i}/{a}"))
             out.append(Example(a, ctx, instruction, answer))
     return out
 
