@@ -145,6 +145,8 @@ class PoolConfig(_Strict):
         default_factory=list, description="transport 'nixl': host:port of the KV block servers on prefill nodes "
         "that decoders pull from (deployments/kv_server.py)")
     nixl_listen: str = Field("0.0.0.0:7701", description="transport 'nixl': where the KV block server listens")
+    nixl_timeout_s: float = Field(30.0, gt=0, description="transport 'nixl': a block server silent this long "
+                                  "is a miss and the decoder prefills privately")
     server_resources: dict[str, float] = Field(
         default_factory=dict, description="transport 'nixl': Ray resources that put the KV block server on the "
         "prefill node, e.g. {prefill_node: 0.01}")

@@ -123,7 +123,8 @@ def pool_specs(cfg: AppConfig):
         raise ConfigError("pool.nixl_peers: transport 'nixl' needs the host:port of at least one KV block "
                           "server (deployments/kv_server.py) for the decoders to pull from")
     return producer, PoolSpec(path=cfg.pool.decode_path or cfg.pool.path, transport="nixl",
-                              nixl_peers=tuple(cfg.pool.nixl_peers), **common)
+                              nixl_peers=tuple(cfg.pool.nixl_peers), nixl_timeout_s=cfg.pool.nixl_timeout_s,
+                              **common)
 
 
 def build(cfg: AppConfig):

@@ -43,6 +43,7 @@ def test_minimal_config_gets_defaults():
     (lambda c: c.update(decoders=[]), "decoders"),
     (lambda c: c.update(unknown_key=1), "unknown_key"),
     (lambda c: c["pool"].update(transport="carrier-pigeon"), "pool.transport"),
+    (lambda c: c["pool"].update(nixl_timeout_s=0), "pool.nixl_timeout_s"),
 ])
 def test_bad_config_names_the_field(mutate, field):
     cfg = minimal(pool={})
@@ -50,6 +51,17 @@ def test_bad_config_names_the_field(mutate, field):
     with pytest.raises(ConfigError) as e:
         load_config(cfg)
     assert field in str(e.value)
+
+
+def test_nixl_pool_settings_reach_the_decoders_pool_spec():
+    from app.serve_app import pool_specs
+
+    cfg = load_config(minimal(pool={"transport": "nixl", "nixl_peers": ["10.0.0.5:7701"], "nixl_timeout_s": 2.5,
+                                    "decode_path": "/dev/shm/decode", "capacity_gib": 0.25}))
+    producer, consumer = pool_specs(cfg)
+    assert (producer.transport, consumer.transport) == ("shm", "nixl")
+    assert consumer.nixl_peers == ("10.0.0.5:7701",) and consumer.nixl_timeout_s == 2.5
+    assert consumer.path == "/dev/shm/decode" and consumer.capacity_bytes == 1 << 28
 
 
 def test_missing_checkpoint_is_named(tmp_path):

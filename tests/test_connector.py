@@ -120,11 +120,10 @@ def stack(model_dirs, pool_dir, nixl_server):
     # from the producer's pool through a NIXL block server in its own process (loopback UCX).
     _, addr = nixl_server
     if addr is not None:
+        # a stalled peer costs NIXL_TIMEOUT_S, not the default 30 s
         remote_spec = PoolSpec(path=pool_dir + "-node2", capacity_bytes=256 << 20, transport="nixl",
-                               nixl_peers=(addr,))
+                               nixl_peers=(addr,), nixl_timeout_s=NIXL_TIMEOUT_S)
         kv = connector_config("consumer", "base-A", remote_spec, scope="dec-E")
-        # The pool spec's NIXL timeout (PoolSpec has no field for it yet): a stalled peer costs 3 s, not 30.
-        kv["kv_connector_extra_config"]["pool"]["nixl_timeout_s"] = NIXL_TIMEOUT_S
         cfgs["E"] = EngineConfig(model=model_dirs["B"], **common, kv_transfer_config=kv)
     # Same env for every engine, so they can start concurrently (startup dominates this file).
     os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)

@@ -225,6 +225,7 @@ class PoolSpec:
     transport: Literal["shm", "nixl"] = "shm"
     nixl_listen: str | None = None  # producer: "host:port" its NIXL block server listens on
     nixl_peers: tuple[str, ...] = ()  # consumer: producers' "host:port" to pull from
+    nixl_timeout_s: float = 30.0  # consumer: a peer silent this long is a miss (private prefill)
 
     def __post_init__(self) -> None:
         if not self.path:
@@ -233,6 +234,8 @@ class PoolSpec:
             raise ValueError("PoolSpec.capacity_bytes must be > 0")
         if self.lease_timeout_s <= 0:
             raise ValueError("PoolSpec.lease_timeout_s must be > 0")
+        if self.nixl_timeout_s <= 0:
+            raise ValueError("PoolSpec.nixl_timeout_s must be > 0")
         if self.transport not in ("shm", "nixl"):
             raise ValueError(f"PoolSpec.transport: {self.transport!r} is not 'shm' or 'nixl'")
 
