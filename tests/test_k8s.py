@@ -16,6 +16,8 @@ from app.kube.capacity import check_capacity
 from app.kube.crd import CrdValidator, ManifestInvalid
 from app.kube.helm import helm_binary
 from app.kube.render import (
+    API_KEYS_ENV,
+    API_KEYS_SECRET_KEY,
     RenderError,
     SERVE_PORT,
     merge_patch,
@@ -372,3 +374,34 @@ def test_helm_overrides_stay_valid(crds):
 def test_helm_unknown_variant_fails_with_a_reason():
     out = _helm("template", "demo", str(CHART), "--set", "variant=tpu")
     assert out.returncode != 0 and "files/rayservice-tpu.yaml" in out.stderr
+
+
+@pytest.mark.parametrize("path", MANIFESTS, ids=lambda p: p.name)
+def test_manifests_require_api_keys_from_a_secret_in_every_pod(path):
+    """Issue 7: keys at the ingress are on in the KubeRay manifests (off by default locally)."""
+    from app.config import load_config
+
+    doc = _load(path)
+    for app in yaml.safe_load(doc["spec"]["serveConfigV2"])["applications"]:
+        auth = load_config(app["args"]["config"]).auth
+        assert auth.required and auth.keys_env == API_KEYS_ENV
+    cluster = doc["spec"]["rayClusterConfig"]
+    pods = [cluster["headGroupSpec"]["template"]] + [g["template"] for g in cluster["workerGroupSpecs"]]
+    for pod in pods:  # the Router replica may land on any pod
+        for c in pod["spec"]["containers"]:
+            ref = next(e["valueFrom"]["secretKeyRef"] for e in c["env"] if e["name"] == API_KEYS_ENV)
+            assert ref == {"name": "prefillshare-api-keys", "key": API_KEYS_SECRET_KEY}
+
+
+def test_api_keys_command_prints_a_secret_the_app_reads(capsys):
+    from app.auth import load_keyring
+    from app.cli import main as cli
+
+    assert cli(["k8s", "api-keys", "team-a", "team-b", "--namespace", "ml"]) == 0
+    secret = yaml.safe_load(capsys.readouterr().out)
+    assert secret["kind"] == "Secret" and secret["metadata"] == {"name": "prefillshare-api-keys", "namespace": "ml"}
+    ring = load_keyring(None, API_KEYS_ENV, required=True,
+                        environ={API_KEYS_ENV: secret["stringData"][API_KEYS_SECRET_KEY]})
+    assert ring.tenants == {"team-a", "team-b"}
+    key = next(k for k, t in yaml.safe_load(secret["stringData"][API_KEYS_SECRET_KEY]).items() if t == "team-b")
+    assert ring.lookup(f"Bearer {key}").name == "team-b" and ring.lookup("Bearer sk-wrong") is None

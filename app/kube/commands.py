@@ -10,7 +10,7 @@ import yaml
 
 from app.kube.capacity import check_capacity
 from app.kube.crd import CrdValidator
-from app.kube.render import PROJECT_ROOT, render_all, secret_manifest, to_yaml
+from app.kube.render import PROJECT_ROOT, api_keys_secret_manifest, render_all, secret_manifest, to_yaml
 
 DEFAULT_CRDS = PROJECT_ROOT.parent / "shared" / "kuberay"
 
@@ -27,6 +27,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     s = sub.add_parser("secret", help="print a Secret holding a fresh random Ray auth token")
     s.add_argument("--name", default="prefillshare-ray-token")
     s.add_argument("--namespace", default=None)
+    k = sub.add_parser("api-keys", help="print a Secret of fresh random API keys, one per tenant (apiKeysSecret)")
+    k.add_argument("tenants", nargs="+", help="tenant names, e.g. team-a team-b")
+    k.add_argument("--name", default="prefillshare-api-keys")
+    k.add_argument("--namespace", default=None)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -58,6 +62,10 @@ def run(args: argparse.Namespace) -> int:
         return 1 if bad else 0
     if args.k8s_cmd == "secret":
         print(to_yaml(secret_manifest(args.name, secrets.token_hex(32), args.namespace)), end="")
+        return 0
+    if args.k8s_cmd == "api-keys":
+        keys = {f"sk-{secrets.token_hex(24)}": t for t in args.tenants}
+        print(to_yaml(api_keys_secret_manifest(args.name, keys, args.namespace)), end="")
         return 0
     raise AssertionError(args.k8s_cmd)
 

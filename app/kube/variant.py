@@ -119,6 +119,10 @@ class Variant(_Strict):
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = Field("IfNotPresent", alias="imagePullPolicy")
     ray_version: str = Field(alias="rayVersion")
     auth_secret: str = Field(alias="authSecret", pattern=_DNS_LABEL)
+    api_keys_secret: str | None = Field(
+        None, alias="apiKeysSecret", pattern=_DNS_LABEL,
+        description="Secret whose key `api_keys` (YAML mapping API key -> tenant) reaches every pod as "
+        "PREFILLSHARE_API_KEYS; the app then requires keys (auth.required)")
     service_name: str = Field(alias="serviceName", pattern=_DNS_LABEL)
     service_type: Literal["ClusterIP", "NodePort", "LoadBalancer"] = Field("ClusterIP", alias="serviceType")
     model_storage: ModelStorage = Field(alias="modelStorage")
