@@ -182,13 +182,17 @@ class LimitsConfig(_Strict):
     max_body_bytes: int = Field(1 << 20, ge=1024, description="larger request bodies get 413")
     max_header_bytes: int = Field(32 << 10, ge=1024, description="larger header blocks get 431")
     retry_after_s: int = Field(1, ge=1, description="Retry-After (seconds) sent with 429 and 503")
+    prefill_wait_s: float = Field(
+        5.0, gt=0, description="how long a fan-out waits for a replica of its prefill module to take the "
+        "call (none running: its node is gone) before the decoders prefill privately")
 
 
 class RoutingConfig(_Strict):
-    """Prefix-locality routing of prefill calls."""
+    """Prefix-locality routing of prefill calls; node affinity of decode calls."""
 
     imbalance_threshold: int = Field(
-        4, ge=1, description="leave the locality replica when it has this many more ongoing requests than the least loaded"
+        4, ge=1, description="leave the preferred replica (prefix locality for prefill, the prefill's node for "
+        "decode) when it has this many more ongoing requests than the least loaded"
     )
     max_tracked_prefixes: int = Field(10_000, ge=1)
 

@@ -79,7 +79,7 @@ def plan_app(cfg: AppConfig) -> tuple[AppPlan, dict[str, str]]:
     decoders = tuple(resolve_decoder(cfg, d, module_ids) for d in cfg.decoders)
     lim = cfg.limits
     plan = AppPlan(str(cfg.path(cfg.tokenizer)), modules, decoders, lim.max_tokens_default, lim.max_tokens_cap,
-                   lim.max_agents, lim.max_rounds, lim.request_timeout_s)
+                   lim.max_agents, lim.max_rounds, lim.request_timeout_s, lim.prefill_wait_s)
     return plan, module_ids
 
 

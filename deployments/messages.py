@@ -138,9 +138,7 @@ class AppPlan:
     max_agents: int
     max_rounds: int
     request_timeout_s: float
-    # how long a request waits for a prefill replica to take it (none running: its node is gone)
-    # before its decoders prefill privately
-    prefill_wait_s: float = 5.0
+    prefill_wait_s: float = 5.0  # limits.prefill_wait_s
 
     def decoder(self, name: str) -> DecoderPlan | None:
         return next((d for d in self.decoders if d.name == name), None)

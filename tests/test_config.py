@@ -64,6 +64,15 @@ def test_nixl_pool_settings_reach_the_decoders_pool_spec():
     assert consumer.path == "/dev/shm/decode" and consumer.capacity_bytes == 1 << 28
 
 
+def test_prefill_wait_reaches_the_plan_and_must_be_positive():
+    from app.serve_app import plan_app
+
+    plan, _ = plan_app(load_config(minimal(limits={"prefill_wait_s": 1.5})))
+    assert plan.prefill_wait_s == 1.5
+    with pytest.raises(ConfigError, match="limits.prefill_wait_s"):
+        load_config(minimal(limits={"prefill_wait_s": 0}))
+
+
 def test_missing_checkpoint_is_named(tmp_path):
     cfg = load_config(minimal(root=str(tmp_path), tokenizer=str(ROOT / "checkpoints" / "tokenizer")))
     with pytest.raises(ConfigError, match=r"prefill_modules\[0\]\.model"):
