@@ -11,7 +11,9 @@ from __future__ import annotations
 import random
 from collections.abc import Callable, Sequence
 
-from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
+from ray.serve.request_router import PendingRequest, RunningReplica
+
+from deployments.prefix_router import QueueLenRouter
 
 
 def rank_by_node(
@@ -42,17 +44,11 @@ def preferred_node(pending: PendingRequest | None) -> str | None:
     return getattr(pending.args[0], "prefer_node", None)
 
 
-class NodeAffinityRouter(RequestRouter):
+class NodeAffinityRouter(QueueLenRouter):
     """Serve request router: same node as the prefill first, load fallback."""
 
     def initialize_state(self, imbalance_threshold: int = 4, **_):
         self.imbalance_threshold = int(imbalance_threshold)
-
-    def _queue_len(self, rid: str) -> int:
-        for r in self._replicas_list:
-            if r.replica_id.unique_id == rid:
-                return self.replica_queue_len_cache.get(r.replica_id) or 0
-        return 0
 
     async def choose_replicas(
         self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None

@@ -89,7 +89,17 @@ def request_keys(pending: PendingRequest | None) -> tuple[str, ...]:
     return tuple(getattr(pending.args[0], "locality_keys", ()) or ())
 
 
-class PrefixLocalityRouter(RequestRouter):
+class QueueLenRouter(RequestRouter):
+    """A RequestRouter whose ranking functions look up a replica's cached queue length by id."""
+
+    def _queue_len(self, rid: str) -> int:
+        for r in self._replicas_list:
+            if r.replica_id.unique_id == rid:
+                return self.replica_queue_len_cache.get(r.replica_id) or 0
+        return 0
+
+
+class PrefixLocalityRouter(QueueLenRouter):
     """Serve request router: prefix locality on prefill module block keys, load fallback."""
 
     def initialize_state(self, imbalance_threshold: int = 4, max_tracked_prefixes: int = 10_000,
@@ -101,12 +111,6 @@ class PrefixLocalityRouter(RequestRouter):
         self._metrics = None
         self._keys_by_request: dict[str, tuple[str, ...]] = {}
         self.fallbacks = 0
-
-    def _queue_len(self, rid: str) -> int:
-        for r in self._replicas_list:
-            if r.replica_id.unique_id == rid:
-                return self.replica_queue_len_cache.get(r.replica_id) or 0
-        return 0
 
     async def choose_replicas(
         self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
