@@ -33,3 +33,13 @@ def test_engine_args_and_kv_sizes_use_the_resolved_dtype(tmp_path, monkeypatch):
     assert EngineConfig(model=str(tmp_path)).engine_args().dtype == "float32"
     assert kv_bytes_per_token(tmp_path, "auto") == 2 * 2 * 2 * 16 * 4
     assert kv_bytes_per_token(tmp_path, "bfloat16") == 2 * 2 * 2 * 16 * 2
+
+
+def test_gpu_memory_utilization_reaches_vllm_only_when_set(tmp_path):
+    """Several engines share one GPU only if each asks vLLM for a small free fraction at start."""
+    (tmp_path / "config.json").write_text('{"num_hidden_layers": 2, "hidden_size": 64}')
+    default = EngineConfig(model=str(tmp_path)).engine_args().gpu_memory_utilization
+    assert EngineConfig(model=str(tmp_path), gpu_memory_utilization=0.05).engine_args().gpu_memory_utilization == 0.05
+    assert default != 0.05
+    with pytest.raises(ValueError, match="EngineConfig.gpu_memory_utilization"):
+        EngineConfig(model=str(tmp_path), gpu_memory_utilization=1.5)

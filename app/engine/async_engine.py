@@ -70,6 +70,9 @@ class EngineConfig:
     model: str
     dtype: str = "auto"  # app.engine.compute_dtype: bfloat16 where computed natively, else float32
     kv_space_gib: float = 1.0
+    # GPUs only: vLLM refuses to start unless this fraction of the device is free; the KV size is
+    # kv_space_gib regardless. Lower it to put several engines on one GPU. None: vLLM's default.
+    gpu_memory_utilization: float | None = None
     max_model_len: int = 1024
     block_size: int = 32
     max_num_batched_tokens: int | None = None
@@ -96,6 +99,8 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.dtype: unsupported {self.dtype!r}")
         if self.kv_space_gib <= 0:
             raise ValueError("EngineConfig.kv_space_gib must be > 0")
+        if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError("EngineConfig.gpu_memory_utilization must be in (0, 1]")
         if self.block_size <= 0 or self.block_size % 16:
             raise ValueError("EngineConfig.block_size must be a positive multiple of 16")
         if self.max_model_len <= 1:
@@ -142,6 +147,8 @@ class EngineConfig:
             kv_cache_memory_bytes=int(self.kv_space_gib * (1 << 30)),
             disable_log_stats=False,
         )
+        if self.gpu_memory_utilization is not None:
+            kw["gpu_memory_utilization"] = self.gpu_memory_utilization
         if mnbt is not None:
             kw["max_num_batched_tokens"] = mnbt
             kw["enable_chunked_prefill"] = True

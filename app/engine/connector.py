@@ -118,6 +118,7 @@ class PrefillShareConnector(KVConnectorBase_V1):
         self._plans: dict[str, tuple[list[BlockEntry], str | None, int]] = {}
         self._ready: dict[str, LoadSpec] = {}
         self._report: dict[str, dict[str, Any]] = {}
+        self._blocks: dict[str, list[int]] = {}  # block ids per request, for vLLM without bind_kv_cache_manager
         # worker side
         self._layout: BlockLayout | None = None
         self._invalid: set[int] = set()
@@ -185,13 +186,35 @@ class PrefillShareConnector(KVConnectorBase_V1):
             self.pool.release(lease)
             self._report.pop(rid, None)
             return
-        (block_ids,) = self._kv_cache_manager.get_block_ids(rid)[:1]
+        self._blocks[rid] = list(blocks.get_block_ids()[0])
+        block_ids = self._block_ids(rid)
         self._ready[rid] = LoadSpec(rid, entries, list(block_ids[first : first + len(entries)]), lease)
         self.pool.count(self.scope, hits=1, hit_tokens=num_external_tokens)
+
+    def _block_ids(self, rid: str) -> list[int]:
+        """The request's KV block ids (first cache group). vLLM >= 0.27 binds its block manager to
+        the connector; older ones (vllm 0.26, the CUDA build that matches torch 2.11) do not, so
+        the ids the scheduler announced are tracked in ``_blocks``."""
+        manager = getattr(self, "_kv_cache_manager", None)
+        if manager is not None:
+            return list(manager.get_block_ids(rid)[0])
+        return self._blocks.get(rid, [])
+
+    def _track_blocks(self, scheduler_output: "SchedulerOutput") -> None:
+        for r in scheduler_output.scheduled_new_reqs:
+            self._blocks[r.req_id] = list(r.block_ids[0])
+        cached = scheduler_output.scheduled_cached_reqs
+        for rid, new in zip(cached.req_ids, cached.new_block_ids):
+            if rid in cached.resumed_req_ids:
+                self._blocks[rid] = list(new[0]) if new else []
+            elif new:
+                self._blocks.setdefault(rid, []).extend(new[0])
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
         meta = PrefillShareMeta(loads=list(self._ready.values()))
         self._ready.clear()
+        if getattr(self, "_kv_cache_manager", None) is None:
+            self._track_blocks(scheduler_output)
         if self.share_role == "producer":
             steps: list[tuple[str, int]] = [(r.req_id, r.num_computed_tokens)
                                             for r in scheduler_output.scheduled_new_reqs]
@@ -212,7 +235,7 @@ class PrefillShareConnector(KVConnectorBase_V1):
 
     def _save_spec(self, req: "Request") -> SaveSpec | None:
         keys = shared_block_keys(self.module_id, req.cache_salt, list(req.prompt_token_ids or []), self.block_size)
-        (block_ids,) = self._kv_cache_manager.get_block_ids(req.request_id)[:1]
+        block_ids = self._block_ids(req.request_id)
         if len(block_ids) < len(keys):
             log.warning("PrefillShare: request %s has %d blocks for %d keys; not saved",
                         req.request_id, len(block_ids), len(keys))
@@ -230,6 +253,7 @@ class PrefillShareConnector(KVConnectorBase_V1):
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         rid = request.request_id
         self._requests.pop(rid, None)
+        self._blocks.pop(rid, None)
         plan = self._plans.pop(rid, None)
         if plan is not None:
             self.pool.release(plan[1])
