@@ -404,3 +404,29 @@ def test_pool_full_of_pinned_blocks_drops_a_new_fan_out_whose_decoders_prefill_p
             assert o.num_cached_tokens == len(x) - 1 and o.token_ids == shared_ref(hf, "A", n, x), n
     finally:
         pool.set_capacity(old_cap)
+
+
+def test_block_ids_are_tracked_from_scheduler_output_when_vllm_binds_no_block_manager():
+    """vllm 0.26 (the CUDA build matching torch 2.11, run on the H200) gives the connector no block
+    manager; the ids come from the scheduler's new/cached request data, chunk by chunk."""
+    from types import SimpleNamespace as NS
+
+    from app.engine.connector import PrefillShareConnector
+
+    c = object.__new__(PrefillShareConnector)
+    c._blocks = {}
+
+    def step(new=(), cached=(), resumed=()):
+        ids = [rid for rid, _ in cached]
+        c._track_blocks(NS(scheduled_new_reqs=[NS(req_id=r, block_ids=(b,)) for r, b in new],
+                           scheduled_cached_reqs=NS(req_ids=ids, new_block_ids=[b for _, b in cached],
+                                                    resumed_req_ids=set(resumed))))
+
+    step(new=[("a", [4, 5]), ("b", [9])])
+    step(cached=[("a", ([6],)), ("b", None)])
+    assert c._block_ids("a") == [4, 5, 6] and c._block_ids("b") == [9]
+    step(cached=[("b", ([1, 2],))], resumed=["b"])  # preempted and resumed: new ids replace the old
+    assert c._block_ids("b") == [1, 2] and c._block_ids("missing") == []
+    # a bound block manager (vllm >= 0.27) is preferred over the tracked ids
+    c._kv_cache_manager = NS(get_block_ids=lambda rid: ([7, 8],))
+    assert c._block_ids("a") == [7, 8]
