@@ -839,12 +839,12 @@ def test_the_killed_prefill_replica_is_replaced_and_fan_outs_share_again(app, re
 
 
 def test_soak_smoke_sends_mixed_traffic_without_errors_and_the_app_accounts_for_each(app, tmp_path):
-    """`prefillshare soak` for ~20 s (PREFILLSHARE_SOAK_S to change it) in two windows: a
+    """`prefillshare soak` for ~10 s (PREFILLSHARE_SOAK_S to change it) in two windows: a
     well-formed report, no errors, and the Router admitted and completed exactly what was sent.
     The command prints its report (see it with -s)."""
     from app.cli import main
 
-    duration = float(os.environ.get("PREFILLSHARE_SOAK_S", "20"))
+    duration = float(os.environ.get("PREFILLSHARE_SOAK_S", "10"))
     report_file = tmp_path / "soak.json"
     rc = main(["soak", "--url", app["url"], "--duration", str(duration), "--window", str(duration / 2),
                "--concurrency", "2", "--models", "alpha", "--api-key", KEY_A, "--json", str(report_file)])

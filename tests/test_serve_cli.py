@@ -32,14 +32,12 @@ SHIPPED = ROOT / "checkpoints"
 NUM_CONTEXTS = 6
 
 
-def _serve_config(port: int, pool: str, metrics_cpus: float | None = None) -> dict:
+def _serve_config(port: int, pool: str) -> dict:
     """serve_config.yaml as shipped, on a free port and a private pool path."""
     cfg = yaml.safe_load((ROOT / "serve_config.yaml").read_text())
     cfg["http_options"]["port"] = port
     app_cfg = cfg["applications"][0]["args"]["config"]
     app_cfg["pool"]["path"] = pool
-    if metrics_cpus is not None:
-        app_cfg["metrics"]["num_cpus"] = metrics_cpus
     return cfg
 
 
@@ -157,25 +155,30 @@ def test_serve_status_and_serve_deploy_on_the_running_cluster(served):
     assert app["status"] == "RUNNING"
     assert {"Router", "Orchestrator", "Metrics", "Prefill-base", "Decode-lookup", "Decode-tool_call",
             "Decode-reschedule", "Decode-route"} <= set(app["deployments"])
-    # serve deploy: a changed config goes to the running cluster (the Metrics deployment's CPUs)
-    new = _serve_config(served["port"], served["pool"], metrics_cpus=0.06)
+    # serve deploy: a changed config goes to the running cluster. The change is a deployment
+    # option (the Metrics deployment's CPUs), which Serve applies to that deployment alone; a
+    # changed application arg would give every deployment a new code version and restart all
+    # five engines (~5 minutes on 2 cores) for the same check.
+    new = _serve_config(served["port"], served["pool"])
+    new["applications"][0]["deployments"] = [{"name": "Metrics", "ray_actor_options": {"num_cpus": 0.06}}]
     path = served["cfg_path"].with_name("serve2.yaml")
     path.write_text(yaml.safe_dump(new))
+    deployments_before = _status(served["env"])["applications"]["prefillshare"]["deployments"]
     dep = subprocess.run([SERVE, "deploy", str(path)], env=served["env"], capture_output=True, text=True, timeout=120)
     assert dep.returncode == 0, dep.stderr
-    deadline_polls = 150
-    for _ in range(deadline_polls):  # waiting for the update to roll out
-        st = _status(served["env"])
-        app = st["applications"]["prefillshare"]
+    for _ in range(150):  # waiting for the update to roll out
         cpus = None
         cfg = subprocess.run([SERVE, "config"], env=served["env"], capture_output=True, text=True, timeout=120)
         if cfg.returncode == 0:
-            cpus = yaml.safe_load(cfg.stdout)["args"]["config"]["metrics"]["num_cpus"]
-        if app["status"] == "RUNNING" and cpus == 0.06:
+            over = {d["name"]: d for d in yaml.safe_load(cfg.stdout).get("deployments") or []}
+            cpus = over.get("Metrics", {}).get("ray_actor_options", {}).get("num_cpus")
+        app = _status(served["env"])["applications"]["prefillshare"]  # read after the config
+        if cpus == 0.06 and app["status"] == "RUNNING" and app["deployments"]["Metrics"]["status"] == "HEALTHY":
             break
-        time.sleep(2)
+        time.sleep(1)
     else:
         pytest.fail(f"serve deploy did not roll out: {app}")
+    assert set(app["deployments"]) == set(deployments_before)
     status, body = _get(served["url"] + "/ready")
     assert status == 200, body
     assert json.loads(body)["ready"] is True
