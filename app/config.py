@@ -28,8 +28,11 @@ class EngineSettings(_Strict):
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
         "auto", description="auto: bfloat16 on GPUs and CPUs with native bf16, else float32 (app.engine.compute_dtype)")
     max_model_len: int = Field(1024, ge=16)
-    kv_cache_gib: float = Field(0.25, gt=0, description="VLLM_CPU_KVCACHE_SPACE per engine (CPU)")
-    gpu_memory_utilization: float = Field(0.85, gt=0, le=1, description="used on GPUs only")
+    kv_cache_gib: float = Field(0.25, gt=0, description="KV cache per engine (vLLM kv_cache_memory_bytes), CPU or GPU")
+    gpu_memory_utilization: float = Field(
+        0.85, gt=0, le=1,
+        description="GPUs only: vLLM starts only if this fraction of the GPU is free (the KV size is "
+        "kv_cache_gib); lower it to put several engines on one GPU")
     block_size: int = Field(32, ge=16, multiple_of=16, description="CPU attention needs a multiple of 32")
     max_num_seqs: int = Field(16, ge=1)
     enforce_eager: bool = True

@@ -91,6 +91,7 @@ def engine_config(cfg: AppConfig, model: str, eng: EngineSettings, placement: Pl
         model=str(cfg.path(model)), tokenizer=str(cfg.path(cfg.tokenizer)), dtype=eng.dtype,
         kv_space_gib=eng.kv_cache_gib, max_model_len=eng.max_model_len, block_size=eng.block_size,
         max_num_seqs=eng.max_num_seqs, omp_threads_bind=eng.threads_bind, enforce_eager=eng.enforce_eager,
+        gpu_memory_utilization=eng.gpu_memory_utilization,
         kv_transfer_config=kv_transfer_config, seed=eng.seed, request_timeout_s=cfg.limits.request_timeout_s,
         extra_env={**cfg.engine_env, **placement.env},
     )

@@ -73,6 +73,17 @@ def test_prefill_wait_reaches_the_plan_and_must_be_positive():
         load_config(minimal(limits={"prefill_wait_s": 0}))
 
 
+def test_engine_settings_reach_the_engine_config_gpu_fraction_included():
+    from app.serve_app import engine_config
+
+    cfg = load_config(minimal(decoders=[{"name": "lookup", "model": "checkpoints/decoders/lookup",
+                                         "engine": {"gpu_memory_utilization": 0.2, "kv_cache_gib": 0.5}}]))
+    d = cfg.decoders[0]
+    ec = engine_config(cfg, d.model, d.engine, d.placement, None)
+    assert ec.gpu_memory_utilization == 0.2 and ec.kv_space_gib == 0.5
+    assert ec.engine_args().gpu_memory_utilization == 0.2
+
+
 def test_missing_checkpoint_is_named(tmp_path):
     cfg = load_config(minimal(root=str(tmp_path), tokenizer=str(ROOT / "checkpoints" / "tokenizer")))
     with pytest.raises(ConfigError, match=r"prefill_modules\[0\]\.model"):
