@@ -186,15 +186,14 @@ class PrefillShareConnector(KVConnectorBase_V1):
             self.pool.release(lease)
             self._report.pop(rid, None)
             return
-        self._blocks[rid] = list(blocks.get_block_ids()[0])
-        block_ids = self._block_ids(rid)
+        block_ids = blocks.get_block_ids()[0]  # every block of the request, as the scheduler holds them
         self._ready[rid] = LoadSpec(rid, entries, list(block_ids[first : first + len(entries)]), lease)
         self.pool.count(self.scope, hits=1, hit_tokens=num_external_tokens)
 
     def _block_ids(self, rid: str) -> list[int]:
-        """The request's KV block ids (first cache group). vLLM >= 0.27 binds its block manager to
-        the connector; older ones (vllm 0.26, the CUDA build that matches torch 2.11) do not, so
-        the ids the scheduler announced are tracked in ``_blocks``."""
+        """The request's KV block ids (first cache group), for saving. vLLM >= 0.27 binds its block
+        manager to the connector; older ones (vllm 0.26, the CUDA build that matches torch 2.11) do
+        not, so the ids the scheduler announced are tracked in ``_blocks``."""
         manager = getattr(self, "_kv_cache_manager", None)
         if manager is not None:
             return list(manager.get_block_ids(rid)[0])
