@@ -15,9 +15,9 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from dataclasses import replace
-from collections.abc import AsyncIterator, Iterator, Sequence
-from typing import Any, Mapping
+from typing import Any
 
 import httpx
 
@@ -45,7 +45,6 @@ from agents.types import (
     Usage,
     parse_agent_result,
     parse_run,
-    parse_run_usage,
 )
 from agents.workflow import Agent, Join, Sampling, Workflow
 
@@ -240,7 +239,7 @@ class Client:
     def close(self) -> None:
         self._http.close()
 
-    def __enter__(self) -> "Client":
+    def __enter__(self) -> Client:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -393,7 +392,7 @@ class RunStream:
     per agent name). `await run.result()` waits for the end.
     """
 
-    def __init__(self, client: "AsyncClient", body: dict, timeout: float | None):
+    def __init__(self, client: AsyncClient, body: dict, timeout: float | None):
         self._client, self._body, self._timeout = client, body, timeout
         rounds = body.get("rounds") if isinstance(body.get("rounds"), list) else []
         names = {a["name"] for a in body.get("agents") or []} | {a["name"] for r in rounds for a in r}
@@ -405,7 +404,7 @@ class RunStream:
         self._task: asyncio.Task | None = None
         self._resp: httpx.Response | None = None
 
-    async def __aenter__(self) -> "RunStream":
+    async def __aenter__(self) -> RunStream:
         t0 = time.perf_counter()
         self._resp = await self._client._request("POST", "/v1/agents/run", self._body, stream=True,
                                                  timeout=self._timeout)
@@ -502,7 +501,7 @@ class AsyncClient:
     async def aclose(self) -> None:
         await self._http.aclose()
 
-    async def __aenter__(self) -> "AsyncClient":
+    async def __aenter__(self) -> AsyncClient:
         return self
 
     async def __aexit__(self, *exc) -> None:

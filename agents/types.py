@@ -7,7 +7,7 @@ from sending the request) unless the server reports its own.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Union
+from typing import Any
 
 from agents.errors import AgentFailedError
 
@@ -73,7 +73,7 @@ class RunUsage:
     def saved_fraction(self) -> float:
         return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
-    def __add__(self, other: "RunUsage") -> "RunUsage":
+    def __add__(self, other: RunUsage) -> RunUsage:
         return RunUsage(*(getattr(self, f) + getattr(other, f) for f in self.__dataclass_fields__))
 
 
@@ -111,7 +111,7 @@ class RunResult:
     def failures(self) -> tuple[AgentResult, ...]:
         return tuple(r for r in self.results if not r.ok)
 
-    def raise_for_errors(self) -> "RunResult":
+    def raise_for_errors(self) -> RunResult:
         if self.failures:
             raise AgentFailedError(self.failures)
         return self
@@ -143,7 +143,7 @@ class RunDone:
     result: RunResult
 
 
-RunEvent = Union[AgentDelta, AgentDone, RoundDone, RunDone]
+RunEvent = AgentDelta | AgentDone | RoundDone | RunDone
 
 
 @dataclass(frozen=True)

@@ -11,8 +11,9 @@ from __future__ import annotations
 import enum
 import re
 import string
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Mapping, Sequence, Union
+from typing import Any
 
 from agents.errors import WorkflowError
 from agents.types import AgentResult
@@ -65,7 +66,7 @@ class Agent:
         except ValueError as e:
             raise WorkflowError(f"agent {self.label}: instruction template: {e}") from None
 
-    def render(self, variables: Mapping[str, Any] | None = None) -> "Agent":
+    def render(self, variables: Mapping[str, Any] | None = None) -> Agent:
         """This agent with its instruction's placeholders filled in."""
         variables = dict(variables or {})
         missing = self.placeholders() - set(variables)
@@ -98,7 +99,7 @@ JoinFn = Callable[[str, Sequence[AgentResult]], str]
 @dataclass(frozen=True)
 class Workflow:
     rounds: tuple[tuple[Agent, ...], ...]
-    join: Union[Join, JoinFn] = Join.SERVER
+    join: Join | JoinFn = Join.SERVER
 
     def __post_init__(self):
         rounds = tuple(tuple(r) for r in self.rounds)
@@ -116,12 +117,12 @@ class Workflow:
             raise WorkflowError("join: use Join.SERVER, Join.NONE or a function (context, results) -> context")
 
     @classmethod
-    def fan_out(cls, *agents: Agent) -> "Workflow":
+    def fan_out(cls, *agents: Agent) -> Workflow:
         """One round: every agent over the same context."""
         return cls((tuple(agents),))
 
     @classmethod
-    def pipeline(cls, *rounds: Sequence[Agent] | Agent, join: Union[Join, JoinFn] = Join.SERVER) -> "Workflow":
+    def pipeline(cls, *rounds: Sequence[Agent] | Agent, join: Join | JoinFn = Join.SERVER) -> Workflow:
         """Rounds in order, e.g. planner -> [workers] -> aggregator."""
         return cls(tuple((r,) if isinstance(r, Agent) else tuple(r) for r in rounds), join)
 

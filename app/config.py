@@ -81,7 +81,7 @@ class Placement(_Strict):
     env: dict[str, str] = Field(default_factory=dict, description="extra env vars for the replica")
 
     @model_validator(mode="after")
-    def _bundles_hold_actor(self) -> "Placement":
+    def _bundles_hold_actor(self) -> Placement:
         if self.placement_group_bundles is not None:
             if not self.placement_group_bundles:
                 raise ValueError("placement_group_bundles: give at least one bundle or leave it out")
@@ -158,7 +158,7 @@ class PoolConfig(_Strict):
         "decode 'nodes' share one machine's /dev/shm, as in a local multi-raylet test cluster")
 
     @model_validator(mode="after")
-    def _nixl(self) -> "PoolConfig":
+    def _nixl(self) -> PoolConfig:
         # An empty nixl_peers is refused when the app is built (app/serve_app.py:pool_specs), not
         # here: manifests are validated offline before their cluster's addresses are known.
         if self.transport == "nixl":
@@ -238,7 +238,7 @@ class AppConfig(_Strict):
     )
 
     @model_validator(mode="after")
-    def _cross_refs(self) -> "AppConfig":
+    def _cross_refs(self) -> AppConfig:
         names = [p.name for p in self.prefill_modules]
         dup = {n for n in names if names.count(n) > 1}
         if dup:

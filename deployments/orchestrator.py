@@ -115,7 +115,7 @@ class Orchestrator:
             for a in agents:
                 a.error = f"overloaded: prefill module {module}: {e}"
             return
-        except asyncio.TimeoutError:
+        except TimeoutError:
             resp.cancel()
             self._fallback("prefill_unavailable")
             return

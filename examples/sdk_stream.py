@@ -11,7 +11,8 @@ import random
 import sys
 
 from agents import Agent, AsyncClient, Sampling, one_line
-from app.training.tasks import AGENTS as TASKS, Record
+from app.training.tasks import AGENTS as TASKS
+from app.training.tasks import Record
 
 RECORD = Record((("item", "desk"), ("name", "omar"), ("city", "rome"), ("qty", "2"), ("day", "fri")),
                 ("fragile", "handle", "with", "care"))

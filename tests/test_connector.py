@@ -89,8 +89,9 @@ def nixl_server(pool_dir):
     if not NIXL:
         yield None, None
         return
-    from app.engine.kv_pool import KVPool
     from test_nixl import start_server
+
+    from app.engine.kv_pool import KVPool
 
     KVPool(pool_dir, capacity_bytes=256 << 20)
     server, addr = start_server(pool_dir)

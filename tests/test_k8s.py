@@ -18,8 +18,8 @@ from app.kube.helm import helm_binary
 from app.kube.render import (
     API_KEYS_ENV,
     API_KEYS_SECRET_KEY,
-    RenderError,
     SERVE_PORT,
+    RenderError,
     merge_patch,
     parse_ray_resources_param,
     render_all,

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from app.kube.capacity import cluster_pools
 from app.config import load_config
+from app.kube.capacity import cluster_pools
 
 pytestmark = pytest.mark.serve
 

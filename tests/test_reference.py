@@ -10,8 +10,15 @@ import torch
 from app.handover import split_prompt
 from app.models.checkpoint import load_model
 from app.models.shapes import save_random_model
-from app.reference import (batched_prompt_kv, greedy_from_kv, kv_from_bytes, kv_to_bytes, prompt_kv,
-                           shared_greedy, shared_greedy_batch)
+from app.reference import (
+    batched_prompt_kv,
+    greedy_from_kv,
+    kv_from_bytes,
+    kv_to_bytes,
+    prompt_kv,
+    shared_greedy,
+    shared_greedy_batch,
+)
 from app.training import tasks
 from app.training.tokenizer import load_tokenizer
 

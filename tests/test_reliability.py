@@ -176,11 +176,11 @@ def test_serve_script_keeps_ray_token_auth_on_unless_told_otherwise():
 
 
 def test_unimplemented_openai_options_are_refused_and_agent_bodies_have_none():
+    from types import SimpleNamespace
+
     from deployments.messages import AppPlan
     from deployments.prompts import Prompter
     from deployments.router import AgentBody, ApiError, CompletionBody, Router
-
-    from types import SimpleNamespace
 
     plan = AppPlan(str(ROOT / "checkpoints" / "tokenizer"), (), (), 8, 64, 4, 4, 60.0)
     state = SimpleNamespace(plan=plan, prompter=Prompter(plan.tokenizer))  # the Router's validation state

@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
+from random_models import free_port, make_models
 
 from agents import (
     Agent,
@@ -29,8 +30,6 @@ from agents import (
     Sampling,
     one_line,
 )
-
-from random_models import free_port, make_models
 
 pytestmark = [pytest.mark.serve, pytest.mark.engine]
 

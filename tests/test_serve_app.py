@@ -23,7 +23,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from random_models import free_port, make_models
 
 pytestmark = [pytest.mark.serve, pytest.mark.engine]

@@ -19,10 +19,10 @@ from pathlib import Path
 
 import pytest
 import yaml
-
-from app.training import tasks
 from random_models import free_port
 from test_serve_app import _get, _post
+
+from app.training import tasks
 
 pytestmark = [pytest.mark.serve, pytest.mark.engine]
 

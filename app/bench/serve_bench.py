@@ -26,7 +26,7 @@ import socket
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from app.bench.models import SMALL, ModelShape
@@ -281,9 +281,9 @@ def run(cfg: ServeBenchConfig, log=print) -> dict:
     from ray import serve
 
     from app.bench import models as bm
+    from app.bench.client import open_loop
     from app.bench.systems import app_config
     from app.bench.workload import ContextMaker, make_sessions
-    from app.bench.client import open_loop
     from app.config import load_config
     from app.serve_app import build
 

@@ -340,7 +340,7 @@ class Engine:
                 raise EngineError(f"engine for {cfg.model!r} failed to start: {e}") from e
 
     @classmethod
-    async def start(cls, cfg: EngineConfig) -> "Engine":
+    async def start(cls, cfg: EngineConfig) -> Engine:
         """Build the engine without blocking the event loop."""
         return await asyncio.to_thread(cls, cfg)
 
@@ -396,7 +396,7 @@ class Engine:
                     out = await asyncio.wait_for(agen.__anext__(), timeout=max(left, 0.001))
                 except StopAsyncIteration:
                     return
-                except asyncio.TimeoutError as e:
+                except TimeoutError as e:
                     raise EngineError(f"request {rid} timed out after {self.cfg.request_timeout_s}s") from e
                 comp = out.outputs[0]
                 new = list(comp.token_ids)
@@ -431,8 +431,8 @@ class Engine:
                        kv_transfer_params=None) -> EngineOutput:
         """Run a request to the end and return its last output (all tokens)."""
         last = None
-        async for last in self.generate(prompt_token_ids, sampling, request_id, cache_salt, kv_transfer_params):
-            pass
+        async for out in self.generate(prompt_token_ids, sampling, request_id, cache_salt, kv_transfer_params):
+            last = out
         if last is None:
             raise EngineError("engine returned no output")
         return last
@@ -461,7 +461,7 @@ class Engine:
         self._check_alive()
         try:
             await asyncio.wait_for(self._llm.check_health(), timeout=timeout_s)
-        except asyncio.TimeoutError as e:
+        except TimeoutError as e:
             raise EngineError(f"engine health check timed out after {timeout_s}s") from e
         except Exception as e:  # noqa: BLE001
             raise EngineError(f"engine unhealthy: {e}") from e
@@ -478,7 +478,7 @@ class Engine:
             # Drop the reference now: AsyncLLM.__del__ at interpreter exit is noisy.
             self._llm = None
 
-    def __enter__(self) -> "Engine":
+    def __enter__(self) -> Engine:
         return self
 
     def __exit__(self, *exc) -> None:

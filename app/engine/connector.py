@@ -97,8 +97,8 @@ def open_pool(spec: dict[str, Any]) -> KVPool:
 class PrefillShareConnector(KVConnectorBase_V1):
     """Producer on the base's engine, consumer on decoders' engines; see the module doc."""
 
-    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole,
-                 kv_cache_config: "KVCacheConfig | None" = None):
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
+                 kv_cache_config: KVCacheConfig | None = None):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
         for name in ("role", "prefill_module_id", "pool"):
@@ -136,10 +136,10 @@ class PrefillShareConnector(KVConnectorBase_V1):
                            spec.block_size)
 
     # ================================ scheduler side ======================================
-    def on_new_request(self, request: "Request") -> None:
+    def on_new_request(self, request: Request) -> None:
         self._requests[request.request_id] = request
 
-    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         if self.share_role != "consumer":
             return 0, False
         rid = request.request_id
@@ -176,7 +176,7 @@ class PrefillShareConnector(KVConnectorBase_V1):
             log.info("PrefillShare: request %s prefills privately (%s: %s)", rid, kind, detail)
         self._report[rid] = {"loaded_tokens": 0, "fallback": kind, "detail": detail}
 
-    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int):
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int):
         rid = request.request_id
         plan = self._plans.pop(rid, None)
         if plan is None:
@@ -199,7 +199,7 @@ class PrefillShareConnector(KVConnectorBase_V1):
             return list(manager.get_block_ids(rid)[0])
         return self._blocks.get(rid, [])
 
-    def _track_blocks(self, scheduler_output: "SchedulerOutput") -> None:
+    def _track_blocks(self, scheduler_output: SchedulerOutput) -> None:
         for r in scheduler_output.scheduled_new_reqs:
             self._blocks[r.req_id] = list(r.block_ids[0])
         cached = scheduler_output.scheduled_cached_reqs
@@ -209,7 +209,7 @@ class PrefillShareConnector(KVConnectorBase_V1):
             elif new:
                 self._blocks.setdefault(rid, []).extend(new[0])
 
-    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         meta = PrefillShareMeta(loads=list(self._ready.values()))
         self._ready.clear()
         if getattr(self, "_kv_cache_manager", None) is None:
@@ -232,7 +232,7 @@ class PrefillShareConnector(KVConnectorBase_V1):
                     meta.saves.append(spec)
         return meta
 
-    def _save_spec(self, req: "Request") -> SaveSpec | None:
+    def _save_spec(self, req: Request) -> SaveSpec | None:
         keys = shared_block_keys(self.module_id, req.cache_salt, list(req.prompt_token_ids or []), self.block_size)
         block_ids = self._block_ids(req.request_id)
         if len(block_ids) < len(keys):
@@ -249,7 +249,7 @@ class PrefillShareConnector(KVConnectorBase_V1):
         return SaveSpec(req.request_id, [k.key for k in keys], [k.num_tokens for k in keys],
                         list(block_ids[: len(keys)]), pins)
 
-    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         rid = request.request_id
         self._requests.pop(rid, None)
         self._blocks.pop(rid, None)
@@ -273,7 +273,7 @@ class PrefillShareConnector(KVConnectorBase_V1):
                         self.layout_name)
         self.layout_name = self._layout.layout
 
-    def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         if not isinstance(meta, PrefillShareMeta) or not meta.loads:
             return

@@ -55,7 +55,7 @@ class BlockLayout:
 
     @classmethod
     def from_caches(cls, caches: list[torch.Tensor], block_size: int, num_kv_heads: int,
-                    head_size: int, num_blocks: int | None = None) -> "BlockLayout":
+                    head_size: int, num_blocks: int | None = None) -> BlockLayout:
         if not caches:
             raise ValueError("no KV cache tensors registered")
         t = caches[0]

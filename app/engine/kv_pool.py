@@ -239,7 +239,7 @@ class KVPool:
         out: set[str] = set()
         for i in range(0, len(keys), 500):
             chunk = keys[i : i + 500]
-            q = "SELECT key FROM blocks WHERE key IN (%s)" % ",".join("?" * len(chunk))
+            q = f"SELECT key FROM blocks WHERE key IN ({','.join('?' * len(chunk))})"
             out.update(r[0] for r in db.execute(q, chunk))
         return out
 

@@ -144,7 +144,7 @@ class NixlBlockServer:
                 self.agent.get_new_notifs()
             time.sleep(0.001 if self.tickets else 0.02)
 
-    def start(self) -> "NixlBlockServer":
+    def start(self) -> NixlBlockServer:
         self.thread.start()
         self.progress.start()
         return self

@@ -9,7 +9,6 @@ from pathlib import Path
 import yaml
 
 from app.kube.capacity import check_capacity
-from app.kube.crd import CrdValidator
 from app.kube.render import PROJECT_ROOT, api_keys_secret_manifest, render_all, secret_manifest, to_yaml
 
 DEFAULT_CRDS = PROJECT_ROOT.parent / "shared" / "kuberay"
@@ -43,6 +42,8 @@ def run(args: argparse.Namespace) -> int:
         return 1 if args.check and stale else 0
     if args.k8s_cmd == "validate":
         files = [Path(f) for f in args.files] or sorted((PROJECT_ROOT / "k8s").glob("rayservice-*.yaml"))
+        from app.kube.crd import CrdValidator  # jsonschema: the `k8s` extra
+
         validator = CrdValidator.from_dir(args.crds)
         bad = 0
         for f in files:

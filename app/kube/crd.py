@@ -14,9 +14,10 @@ are update-time immutability rules plus an enum on `managedBy`, which the manife
 from __future__ import annotations
 
 import copy
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 import jsonschema
 import yaml
@@ -148,7 +149,7 @@ class CrdValidator:
         self._validators = {k: _Validator(c.schema) for k, c in self._by_kind.items()}
 
     @classmethod
-    def from_dir(cls, crd_dir: str | Path, version: str = "v1") -> "CrdValidator":
+    def from_dir(cls, crd_dir: str | Path, version: str = "v1") -> CrdValidator:
         paths = sorted(Path(crd_dir).glob("*.yaml"))
         if not paths:
             raise FileNotFoundError(f"no CRD files in {crd_dir}")

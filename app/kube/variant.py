@@ -48,7 +48,7 @@ class PodShape(_Strict):
     )
 
     @model_validator(mode="after")
-    def _store_fits_shm(self) -> "PodShape":
+    def _store_fits_shm(self) -> PodShape:
         if self.object_store_gib is not None:
             if self.shm is None:
                 raise ValueError("objectStoreGiB needs shm (the object store lives in /dev/shm)")
@@ -71,7 +71,7 @@ class WorkerGroup(PodShape):
     node_selector: dict[str, str] = Field(default_factory=dict, alias="nodeSelector")
 
     @model_validator(mode="after")
-    def _bounds(self) -> "WorkerGroup":
+    def _bounds(self) -> WorkerGroup:
         if not self.min_replicas <= self.replicas <= self.max_replicas:
             raise ValueError(
                 f"worker group {self.name}: need minReplicas <= replicas <= maxReplicas, "
@@ -88,7 +88,7 @@ class ModelStorage(_Strict):
     claim_name: str | None = Field(None, alias="claimName", pattern=_DNS_LABEL)
 
     @model_validator(mode="after")
-    def _claim(self) -> "ModelStorage":
+    def _claim(self) -> ModelStorage:
         if (self.kind == "pvc") != (self.claim_name is not None):
             raise ValueError("modelStorage.claimName is required for kind 'pvc' and not allowed for 'image'")
         return self

@@ -25,7 +25,7 @@ from app.models import checkpoint
 from app.models.compat import check
 from app.models.identity import CheckpointError
 from app.models.manifest import read_manifest
-from app.reference import batched_prompt_kv, batched_greedy_from_kv
+from app.reference import batched_greedy_from_kv, batched_prompt_kv
 from app.training import batches, tasks
 from app.training.tokenizer import load_tokenizer
 
@@ -50,7 +50,7 @@ class ModelSet:
     layersplit: Path
 
     @classmethod
-    def under(cls, root: str | Path) -> "ModelSet":
+    def under(cls, root: str | Path) -> ModelSet:
         root = Path(root)
         return cls(root / "base", root / "decoders", root / "baselines" / "fullft", root / "baselines" / "layersplit")
 

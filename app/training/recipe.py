@@ -41,7 +41,7 @@ def _done(path: Path) -> bool:
     try:
         read_manifest(path)
         return True
-    except Exception:
+    except Exception:  # noqa: BLE001 - any unreadable manifest means the step is not done
         return False
 
 
