@@ -60,11 +60,11 @@ class Profile:
 # --- CPU profile: measured on this project's 2-core box, one pinned thread per engine --------------
 # Model: random-weight Llama ~94M (hidden 1024, 8 layers, 16 heads, 4 KV heads, head_dim 64), bf16.
 _CPU_KV_BYTES = 2 * 8 * 4 * 64 * 2  # = 8 KiB/token
-# Prefill 0.55 s (1K), 1.35 s (2K), 3.48 s (4K) tokens, cold (PLATFORM.md "Measured per-core costs").
+# Prefill 0.55 s (1K), 1.35 s (2K), 3.48 s (4K) tokens, cold (docs/platform.md "Measured per-core costs").
 # Fit t = a*L + b*L^2 through 1K and 4K: a = 4.33e-4 s/token, b = 1.017e-7 s/token^2 (gives 1.31 s at 2K).
 _CPU_PREFILL_A, _CPU_PREFILL_B = 4.33e-4, 1.017e-7
 # Decode per sequence per token at batch 16: 1.0 ms (16-token context), 2.5 / 3.8 / 6.2 ms (1K/2K/4K)
-# (PLATFORM.md). Line through 16 and 4096 tokens: 1.27 us per context token; the rest (0.98 ms x 16
+# (docs/platform.md). Line through 16 and 4096 tokens: 1.27 us per context token; the rest (0.98 ms x 16
 # sequences) is the step's weight cost shared by the batch.
 _CPU_DEC_CTX = (6.2e-3 - 1.0e-3) / (4096 - 16)
 _CPU_DEC_STEP = (1.0e-3 - 16 * _CPU_DEC_CTX) * 16
@@ -79,7 +79,7 @@ _CPU_LINK_BPS = (64 << 20) / 0.29
 CPU_MEASURED = Profile(
     name="cpu-measured",
     note="94M Llama bf16, one core per replica, 2 cores per node; costs measured on this 2-core box "
-         "(PLATFORM.md, docs/engine.md), node link = NIXL over loopback",
+         "(docs/platform.md, docs/engine.md), node link = NIXL over loopback",
     unit="core", replicas_per_node=2, kv_bytes_per_token=_CPU_KV_BYTES,
     prefill_s_per_token=_CPU_PREFILL_A, prefill_s_per_token2=_CPU_PREFILL_B,
     decode_step_s=_CPU_DEC_STEP, decode_s_per_ctx_token=_CPU_DEC_CTX, max_batch=16,

@@ -7,7 +7,7 @@
 # device call can carry one folder next to the 37 MiB tracked tree, under the 64 MiB limit).
 # On the box: cat the chunks into one file, `tar -xJf payload.tar.xz -C /tmp/site`, then
 #   PYTHONPATH=/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 bash scripts/gpu_check.sh --out $OUT
-# (session 4: 5 calls of ~6 s each after a ~40 s start, then ~190 s for the check).
+# (measured: 5 calls of ~6 s each after a ~40 s start, then ~190 s for the check).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out="${1:-.gpu}"; chunk="${2:-25}"

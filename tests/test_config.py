@@ -104,7 +104,7 @@ def test_serve_config_yaml_is_valid_for_serve_and_for_the_app():
     assert len(cfg.decoders) >= 3
     engines = sum(p.placement.num_replicas for p in cfg.prefill_modules) + sum(
         d.placement.num_replicas for d in cfg.decoders)
-    # ~1.35 GiB per engine beyond its KV space (PLATFORM.md): keep the default app small.
+    # ~1.35 GiB per engine beyond its KV space (docs/platform.md): keep the default app small.
     gib = sum((1.35 + p.engine.kv_cache_gib) * p.placement.num_replicas for p in cfg.prefill_modules) + sum(
         (1.35 + d.engine.kv_cache_gib) * d.placement.num_replicas for d in cfg.decoders)
     assert engines >= 4 and gib < 10

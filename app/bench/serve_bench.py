@@ -34,7 +34,7 @@ from app.bench.systems import SYSTEMS, Topology
 from app.bench.workload import WorkloadSpec
 
 PROJECT = Path(__file__).resolve().parents[2]
-GIB_PER_ENGINE = 1.4  # beyond its KV space (docs/PLATFORM measurements)
+GIB_PER_ENGINE = 1.4  # beyond its KV space (docs/platform.md)
 
 
 @dataclass(frozen=True)

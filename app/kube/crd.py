@@ -1,6 +1,6 @@
 """Validate manifests against a CRD's openAPIV3Schema the way the API server would, offline.
 
-No API server runs here (PLATFORM.md), so `kubectl apply --dry-run=client` cannot check a
+No API server runs here (docs/platform.md), so `kubectl apply --dry-run=client` cannot check a
 RayService. The CRD's structural schema is the next best oracle, but used as plain JSON Schema
 it is lenient where the API server is strict: unknown fields pass (the server rejects them
 under kubectl's default strict field validation), `x-kubernetes-list-map-keys` duplicates pass,

