@@ -121,3 +121,65 @@ def test_bf16_on_disk(base):
     assert {t.dtype for t in tensors.values()} == {torch.bfloat16}
     cfg = json.loads((base / "config.json").read_text())
     assert cfg["num_key_value_heads"] == 1 and cfg["head_dim"] == 64 and cfg["tie_word_embeddings"]
+
+
+def _adapter_from(base: Path, out: Path, base_id: str | None = None, rank: int = 4) -> Path:
+    """A real PEFT adapter on the base, exported the way `prefillshare train --lora` does."""
+    from peft import LoraConfig, get_peft_model
+
+    from app.models.checkpoint import load_model, save_adapter
+    from app.models.manifest import AdapterSpec
+
+    targets = ("q_proj", "v_proj")
+    model = get_peft_model(load_model(base), LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=list(targets)))
+    base_id = base_id or prefill_module_id(base)
+    manifest = DecodeManifest(agent="lookup", prefill_module_id=base_id, tokenizer_hash=tokenizer_hash(base),
+                              training={"method": "cache_conditioned", "lora": True},
+                              adapter=AdapterSpec(base_id, rank, targets, 2.0 * rank))
+    return save_adapter(model, out, base, manifest)
+
+
+def test_adapter_manifest_round_trip_and_compat(base, tmp_path):
+    out = _adapter_from(base, tmp_path / "ad")
+    assert (out / "adapter_config.json").is_file() and not (out / "config.json").exists()
+    m = read_manifest(out)
+    assert m.weights == "adapter" and m.adapter.rank == 4 and set(m.adapter.target_modules) == {"q_proj", "v_proj"}
+    assert m.adapter.base_prefill_module_id == prefill_module_id(base) and m.prompt.format == "suite"
+    assert check(base, out).shared
+
+
+def test_adapter_of_another_base_is_refused_with_the_reason(base, tmp_path):
+    out = _adapter_from(base, tmp_path / "ad", base_id="pm-00000000000000aa")
+    verdict = check(base, out)
+    assert not verdict.shared
+    assert verdict.reasons == (f"adapter belongs to base pm-00000000000000aa, not {prefill_module_id(base)} "
+                               "(an adapter only runs on the weights it was trained on)",)
+
+
+@pytest.mark.parametrize("edit, problem", [
+    (lambda d: d["adapter"].update(format="lokr"), "adapter.format must be one of peft"),
+    (lambda d: d["adapter"].update(rank=0), "'adapter.rank' must be a positive integer"),
+    (lambda d: d["adapter"].pop("base_prefill_module_id"), "'adapter.base_prefill_module_id' missing"),
+    (lambda d: d["adapter"].update(target_modules=[]), "'adapter.target_modules' must be a non-empty list"),
+    (lambda d: d.update(prompt={"format": "chat_template"}), "'prompt.template_sha256' missing"),
+    (lambda d: d.update(prompt={"format": "xml"}), "prompt.format must be one of"),
+])
+def test_bad_adapter_or_prompt_block_names_the_field(base, tmp_path, edit, problem):
+    out = _adapter_from(base, tmp_path / "ad")
+    data = json.loads((out / "prefillshare.json").read_text())
+    edit(data)
+    (out / "prefillshare.json").write_text(json.dumps(data))
+    with pytest.raises(ManifestError) as err:
+        read_manifest(out)
+    assert str(err.value).startswith(f"{out / 'prefillshare.json'}: ") and problem in str(err.value)
+
+
+def test_adapter_files_that_disagree_with_the_manifest_fail(base, tmp_path):
+    from app.models.identity import CheckpointError
+
+    out = _adapter_from(base, tmp_path / "ad")
+    cfg = json.loads((out / "adapter_config.json").read_text())
+    cfg["r"] = 16
+    (out / "adapter_config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match="adapter_config.json: rank r=16 but prefillshare.json says adapter.rank=4"):
+        check(base, out)

@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 from app.models.identity import CheckpointError
 from app.models.manifest import DecodeManifest, read_manifest, write_manifest
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 UPPER_LAYERS_FILE = "upper_layers.safetensors"
 
 
@@ -46,12 +46,14 @@ def _publish(tmp: Path, out_dir: Path) -> None:
 
 
 def save_model(model: PreTrainedModel, out_dir: str | Path, tokenizer_dir: str | Path,
-               manifest: DecodeManifest | None = None) -> Path:
+               manifest: DecodeManifest | None = None, extra_files: dict[str, str] | None = None) -> Path:
     out_dir = Path(out_dir)
     tmp = _staging(out_dir)
     # a bf16 copy, so that config.json's dtype states what the weights are
     copy.deepcopy(model).to(torch.bfloat16).save_pretrained(str(tmp), safe_serialization=True)
     copy_tokenizer(tokenizer_dir, tmp)
+    for name, text in (extra_files or {}).items():
+        (tmp / name).write_text(text, encoding="utf-8")
     if manifest is not None:
         write_manifest(tmp, manifest)
     _publish(tmp, out_dir)
@@ -73,6 +75,21 @@ def save_upper_layers(model: PreTrainedModel, first_layer: int, out_dir: str | P
     return out_dir
 
 
+def save_adapter(peft_model, out_dir: str | Path, tokenizer_dir: str | Path, manifest: DecodeManifest,
+                 extra_files: dict[str, str] | None = None) -> Path:
+    """Adapter-only decoder: PEFT's ``save_pretrained`` (adapter_config.json + adapter_model.safetensors),
+    the tokenizer and the manifest, published whole. ``extra_files``: name -> text (e.g. a chat template)."""
+    out_dir = Path(out_dir)
+    tmp = _staging(out_dir)
+    peft_model.save_pretrained(str(tmp), safe_serialization=True)
+    copy_tokenizer(tokenizer_dir, tmp)
+    for name, text in (extra_files or {}).items():
+        (tmp / name).write_text(text, encoding="utf-8")
+    write_manifest(tmp, manifest)
+    _publish(tmp, out_dir)
+    return out_dir
+
+
 def load_model(path: str | Path, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
     path = Path(path)
     if not (path / "config.json").is_file():
@@ -85,6 +102,10 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32) -> PreTrain
 def load_decoder(path: str | Path, base_dir: str | Path, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
     """A decoder of any kind as a full model (layer-split ones are assembled over the base)."""
     manifest = read_manifest(path)
+    if manifest.weights == "adapter":
+        from peft import PeftModel
+
+        return PeftModel.from_pretrained(load_model(base_dir, dtype), str(path)).merge_and_unload().eval()
     if manifest.weights != "upper_layers":
         return load_model(path, dtype)
     model = load_model(base_dir, dtype)

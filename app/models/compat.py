@@ -3,14 +3,16 @@
 KV handed over must have the shape the decoder's attention expects (layers, KV heads, head
 dim), the same positions encoding (RoPE), the same dtype, and come from the same token ids
 (tokenizer). Beyond shape, the decoder must have been trained cache-conditioned on THIS base:
-any other decoder reads KV it was never trained on (the "naive reuse" baseline).
+any other decoder reads KV it was never trained on (the "naive reuse" baseline). An
+adapter-only decoder (PEFT LoRA) runs on the base's own weights, so it is checked against the
+base it names (``adapter.base_prefill_module_id``) and its adapter files, not a config of its own.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
 
-from app.models.identity import load_config_dict, prefill_module_id, tokenizer_hash
+from app.models.identity import CheckpointError, load_config_dict, prefill_module_id, tokenizer_hash
 from app.models.manifest import read_manifest
 
 
@@ -64,6 +66,28 @@ def check_configs(base: dict, decoder: dict) -> list[str]:
     return reasons
 
 
+def check_adapter_files(decoder_dir: str | Path, adapter) -> None:
+    """An adapter directory holds PEFT's files, and they say what the manifest says."""
+    import json
+
+    cfg_path = Path(decoder_dir) / "adapter_config.json"
+    if not cfg_path.is_file():
+        raise CheckpointError(f"{decoder_dir}: no adapter_config.json (the manifest describes a PEFT adapter)")
+    if not any((Path(decoder_dir) / f).is_file() for f in ("adapter_model.safetensors", "adapter_model.bin")):
+        raise CheckpointError(f"{decoder_dir}: no adapter_model.safetensors")
+    try:
+        cfg = json.loads(cfg_path.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{cfg_path}: not valid JSON ({e.msg})") from None
+    if cfg.get("r") != adapter.rank:
+        raise CheckpointError(f"{cfg_path}: rank r={cfg.get('r')} but prefillshare.json says adapter.rank={adapter.rank}")
+    targets = cfg.get("target_modules")
+    targets = sorted([targets] if isinstance(targets, str) else targets or [])
+    if targets != sorted(adapter.target_modules):
+        raise CheckpointError(f"{cfg_path}: target_modules {targets} but prefillshare.json says "
+                              f"adapter.target_modules={sorted(adapter.target_modules)}")
+
+
 def check(base_dir: str | Path, decoder_dir: str | Path, base_id: str | None = None) -> Compatibility:
     """Compare a decoder checkpoint (with its manifest) against a prefill module checkpoint.
 
@@ -72,16 +96,24 @@ def check(base_dir: str | Path, decoder_dir: str | Path, base_id: str | None = N
     """
     manifest = read_manifest(decoder_dir)
     reasons = []
-    base_tok, dec_tok = tokenizer_hash(base_dir), tokenizer_hash(decoder_dir)
+    base_tok = tokenizer_hash(base_dir)
+    dec_tok = tokenizer_hash(decoder_dir) if (Path(decoder_dir) / "tokenizer.json").is_file() or \
+        manifest.adapter is None else manifest.tokenizer_hash
     if base_tok != dec_tok:
         reasons.append(f"tokenizer differs: prefill module {base_tok}, decoder {dec_tok}")
     elif manifest.tokenizer_hash != base_tok:
         reasons.append(f"tokenizer differs: manifest declares {manifest.tokenizer_hash}, prefill module has {base_tok}")
-    base_cfg = load_config_dict(base_dir)
-    dec_cfg = load_config_dict(decoder_dir)
-    reasons += check_configs(base_cfg, dec_cfg)
     base_id = base_id or prefill_module_id(base_dir)
-    if manifest.prefill_module_id != base_id:
+    if manifest.adapter is not None:
+        # an adapter runs on the base's own weights: the shapes agree by construction, the base must be THIS one
+        check_adapter_files(decoder_dir, manifest.adapter)
+        if manifest.adapter.base_prefill_module_id != base_id:
+            reasons.append(f"adapter belongs to base {manifest.adapter.base_prefill_module_id}, not {base_id} "
+                           "(an adapter only runs on the weights it was trained on)")
+    else:
+        reasons += check_configs(load_config_dict(base_dir), load_config_dict(decoder_dir))
+    adapter_said_it = manifest.adapter is not None and manifest.adapter.base_prefill_module_id == manifest.prefill_module_id
+    if manifest.prefill_module_id != base_id and not adapter_said_it:
         reasons.append(f"decoder was trained on prefill module {manifest.prefill_module_id}, not {base_id}")
     if manifest.method != "cache_conditioned":
         reasons.append(f"decoder was trained with {manifest.method} (its own prefill), not cache-conditioned on the shared KV")

@@ -1,22 +1,71 @@
 """The decode-module manifest ``prefillshare.json``, written beside a decoder's checkpoint.
 
-It says which prefill module the decoder consumes (base id, tokenizer hash) and how it was
-trained, so that a server can decide, before loading anything, whether the decoder may use
-the shared prefill or must prefill privately.
+It says which prefill module the decoder consumes (base id, tokenizer hash), how it was
+trained, how its prompts are rendered (so serving builds the token ids training used) and,
+for an adapter-only checkpoint, which LoRA adapter it is and on which base it applies. A
+server decides from it, before loading anything, whether the decoder may use the shared
+prefill or must prefill privately.
 """
 from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 MANIFEST_NAME = "prefillshare.json"
 METHODS = ("cache_conditioned", "full_ft", "layer_split")
+PROMPT_FORMATS = ("suite", "text", "chat_template")
+ADAPTER_FORMATS = ("peft",)
 
 
 class ManifestError(ValueError):
     """Missing or malformed manifest; the message names the file."""
+
+
+@dataclass(frozen=True)
+class PromptFormat:
+    """How a decoder's prompts were rendered into token ids in training.
+
+    - ``suite``: ``context + "\\n" + instruction``; chat turns join as context, the last user
+      turn is the instruction; answers are generated with a leading space, then eos.
+    - ``text``: prompt/completion data, the prompt text as given (agents: ``context\\ninstruction``).
+    - ``chat_template``: the Jinja chat template whose sha256 is ``template_sha256`` (stored in the
+      decoder directory as ``template_file``), applied with ``add_generation_prompt``; an agent
+      request is ``[system?] + user(context + "\\n" + instruction)``, so the context comes first
+      and every agent with the same system prompt shares the rendered prefix.
+    """
+
+    format: str = "suite"
+    template_sha256: str | None = None
+    template_file: str | None = None
+    system: str | None = None  # the system turn agent requests get (chat_template only)
+
+    def to_dict(self) -> dict:
+        return {k: v for k, v in (("format", self.format), ("template_sha256", self.template_sha256),
+                                  ("template_file", self.template_file), ("system", self.system)) if v is not None}
+
+
+@dataclass(frozen=True)
+class AdapterSpec:
+    """An adapter-only decoder: PEFT LoRA weights that apply on top of the prefill module itself.
+
+    ``base_prefill_module_id`` is the id of the model the adapter was trained on (the base),
+    so one copy of the base weights serves the prefill and, with the adapter on, the decode.
+    """
+
+    base_prefill_module_id: str
+    rank: int
+    target_modules: tuple[str, ...]
+    alpha: float | None = None
+    format: str = "peft"
+
+    def to_dict(self) -> dict:
+        out = {"format": self.format, "base_prefill_module_id": self.base_prefill_module_id, "rank": self.rank,
+               "target_modules": list(self.target_modules)}
+        if self.alpha is not None:
+            out["alpha"] = self.alpha
+        return out
 
 
 @dataclass(frozen=True)
@@ -26,6 +75,8 @@ class DecodeManifest:
     tokenizer_hash: str
     training: dict = field(default_factory=dict)  # {"method": ..., "steps", "lr", "lora", "shared_layers", ...}
     kind: str = "decode_module"
+    prompt: PromptFormat = PromptFormat()
+    adapter: AdapterSpec | None = None
 
     @property
     def method(self) -> str:
@@ -33,19 +84,76 @@ class DecodeManifest:
 
     @property
     def weights(self) -> str:
-        """"full": an HF checkpoint; "upper_layers": only the layers above the shared ones (layer-split)."""
+        """"full": an HF checkpoint; "upper_layers": only the layers above the shared ones (layer-split);
+        "adapter": PEFT adapter weights only (applied on the base)."""
+        if self.adapter is not None:
+            return "adapter"
         return self.training.get("weights", "full")
 
+    def to_dict(self) -> dict:
+        out = {"kind": self.kind, "agent": self.agent, "prefill_module_id": self.prefill_module_id,
+               "tokenizer_hash": self.tokenizer_hash, "training": self.training, "prompt": self.prompt.to_dict()}
+        if self.adapter is not None:
+            out["adapter"] = self.adapter.to_dict()
+        return out
+
     def to_json(self) -> str:
-        return json.dumps(asdict(self), indent=2, sort_keys=True) + "\n"
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True, ensure_ascii=False) + "\n"
 
 
 def write_manifest(directory: str | Path, manifest: DecodeManifest) -> Path:
     path = Path(directory) / MANIFEST_NAME
     tmp = path.with_name(MANIFEST_NAME + ".tmp")
-    tmp.write_text(manifest.to_json())
+    tmp.write_text(manifest.to_json(), encoding="utf-8")
     os.replace(tmp, path)
     return path
+
+
+def _str_field(path: Path, data: dict, key: str, where: str = "") -> str:
+    value = data.get(key)
+    if not isinstance(value, str) or not value:
+        raise ManifestError(f"{path}: field {where + key!r} missing or not a string")
+    return value
+
+
+def _prompt(path: Path, data) -> PromptFormat:
+    if data is None:  # manifests written before the field existed: the suite rendering
+        return PromptFormat()
+    if not isinstance(data, dict):
+        raise ManifestError(f"{path}: field 'prompt' must be an object")
+    fmt = data.get("format", "suite")
+    if fmt not in PROMPT_FORMATS:
+        raise ManifestError(f"{path}: prompt.format must be one of {', '.join(PROMPT_FORMATS)}, got {fmt!r}")
+    for key in ("template_sha256", "template_file", "system"):
+        if data.get(key) is not None and not isinstance(data[key], str):
+            raise ManifestError(f"{path}: field 'prompt.{key}' must be a string")
+    if fmt == "chat_template":
+        _str_field(path, data, "template_sha256", "prompt.")
+        _str_field(path, data, "template_file", "prompt.")
+        if "/" in data["template_file"] or data["template_file"].startswith("."):
+            raise ManifestError(f"{path}: prompt.template_file must name a file inside the decoder directory")
+    return PromptFormat(fmt, data.get("template_sha256"), data.get("template_file"), data.get("system"))
+
+
+def _adapter(path: Path, data) -> AdapterSpec | None:
+    if data is None:
+        return None
+    if not isinstance(data, dict):
+        raise ManifestError(f"{path}: field 'adapter' must be an object")
+    fmt = data.get("format")
+    if fmt not in ADAPTER_FORMATS:
+        raise ManifestError(f"{path}: adapter.format must be one of {', '.join(ADAPTER_FORMATS)}, got {fmt!r}")
+    base = _str_field(path, data, "base_prefill_module_id", "adapter.")
+    rank = data.get("rank")
+    if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
+        raise ManifestError(f"{path}: field 'adapter.rank' must be a positive integer, got {rank!r}")
+    targets = data.get("target_modules")
+    if not isinstance(targets, list) or not targets or not all(isinstance(t, str) and t for t in targets):
+        raise ManifestError(f"{path}: field 'adapter.target_modules' must be a non-empty list of module names")
+    alpha = data.get("alpha")
+    if alpha is not None and (not isinstance(alpha, int | float) or isinstance(alpha, bool)):
+        raise ManifestError(f"{path}: field 'adapter.alpha' must be a number")
+    return AdapterSpec(base, rank, tuple(targets), alpha, fmt)
 
 
 def read_manifest(directory: str | Path) -> DecodeManifest:
@@ -53,17 +161,22 @@ def read_manifest(directory: str | Path) -> DecodeManifest:
     if not path.is_file():
         raise ManifestError(f"{directory}: no {MANIFEST_NAME} (not a decode module; train it with `prefillshare train`)")
     try:
-        data = json.loads(path.read_text())
+        data = json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as e:
         raise ManifestError(f"{path}: not valid JSON ({e.msg})") from None
+    except UnicodeDecodeError:
+        raise ManifestError(f"{path}: not UTF-8 text") from None
     if not isinstance(data, dict):
         raise ManifestError(f"{path}: expected a JSON object")
     if data.get("kind") != "decode_module":
         raise ManifestError(f"{path}: kind must be 'decode_module', got {data.get('kind')!r}")
     for key in ("agent", "prefill_module_id", "tokenizer_hash"):
-        if not isinstance(data.get(key), str) or not data[key]:
-            raise ManifestError(f"{path}: field {key!r} missing or not a string")
+        _str_field(path, data, key)
     training = data.get("training", {})
     if not isinstance(training, dict) or training.get("method") not in METHODS:
         raise ManifestError(f"{path}: training.method must be one of {', '.join(METHODS)}")
-    return DecodeManifest(data["agent"], data["prefill_module_id"], data["tokenizer_hash"], training)
+    adapter = _adapter(path, data.get("adapter"))
+    if adapter is not None and training.get("method") == "layer_split":
+        raise ManifestError(f"{path}: an adapter-only decoder cannot be a layer_split baseline")
+    return DecodeManifest(data["agent"], data["prefill_module_id"], data["tokenizer_hash"], training,
+                          prompt=_prompt(path, data.get("prompt")), adapter=adapter)

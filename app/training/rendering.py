@@ -1,0 +1,164 @@
+"""Prompt rendering: one function from a request (or a training record) to token ids.
+
+Training renders every record with a :class:`Renderer` built from the decoder's prompt format
+and records that format in the manifest; serving (deployments/prompts.py) rebuilds the same
+Renderer from the manifest, so the token ids of a request are the ids the decoder was trained
+on. Three formats (``PromptFormat``): the suite's ``context\\ninstruction``, plain
+prompt/completion text, and a Jinja chat template applied with ``add_generation_prompt``.
+"""
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from app.models.manifest import MANIFEST_NAME, DecodeManifest, PromptFormat, read_manifest
+
+Messages = Sequence[tuple[str, str]]  # (role, content) text pairs
+TEMPLATE_FILE = "chat_template.jinja"
+# a conversation every usable template must render (deploy-time and train-time check)
+PROBE = (("system", "probe system"), ("user", "probe user"), ("assistant", "probe answer"), ("user", "probe again"))
+
+
+class RenderError(ValueError):
+    """A prompt cannot be rendered the recorded way; the message names the file or decoder."""
+
+
+def template_sha256(text: str) -> str:
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def join_suite(context: str, instruction: str) -> str:
+    """The suite's prompt text (``app.training.tasks.render_prompt``)."""
+    return f"{context}\n{instruction}"
+
+
+@dataclass(frozen=True)
+class Renderer:
+    """How prompts become token ids for one decoder. Plain strings: it crosses process boundaries."""
+
+    fmt: PromptFormat = PromptFormat()
+    template: str | None = None  # the Jinja text, chat_template only
+
+    def __post_init__(self):
+        if self.fmt.format == "chat_template":
+            if not self.template:
+                raise RenderError("a chat_template rendering needs the template text")
+            if self.fmt.template_sha256 != template_sha256(self.template):
+                raise RenderError(f"template sha256 {template_sha256(self.template)} does not match the recorded "
+                                  f"{self.fmt.template_sha256}")
+
+    @classmethod
+    def chat(cls, template: str, system: str | None = None) -> Renderer:
+        return cls(PromptFormat("chat_template", template_sha256(template), TEMPLATE_FILE, system), template)
+
+    @classmethod
+    def for_decoder(cls, decoder_dir: str | Path, manifest: DecodeManifest | None = None) -> Renderer:
+        """The rendering recorded in a decoder's manifest, with its template file verified."""
+        decoder_dir = Path(decoder_dir)
+        manifest = manifest or read_manifest(decoder_dir)
+        fmt = manifest.prompt
+        if fmt.format != "chat_template":
+            return cls(fmt)
+        path = decoder_dir / fmt.template_file
+        if not path.is_file():
+            raise RenderError(f"{decoder_dir / MANIFEST_NAME}: prompt.template_file {fmt.template_file!r} is not in "
+                              f"{decoder_dir}")
+        text = path.read_text(encoding="utf-8")
+        if template_sha256(text) != fmt.template_sha256:
+            raise RenderError(f"{path}: unknown template: its sha256 {template_sha256(text)[:16]}... is not the "
+                              f"{fmt.template_sha256[:16]}... recorded in {MANIFEST_NAME} (the decoder was trained "
+                              "with another template)")
+        return cls(fmt, text)
+
+    @property
+    def format(self) -> str:
+        return self.fmt.format
+
+    def extra_files(self) -> dict[str, str]:
+        """Files an exported decoder carries so the rendering can be rebuilt from its directory."""
+        return {self.fmt.template_file: self.template} if self.format == "chat_template" else {}
+
+    # --- chat templates ---
+    def _render(self, tok, messages: Messages, add_generation_prompt: bool) -> str:
+        try:
+            text = tok.apply_chat_template([{"role": r, "content": c} for r, c in messages], chat_template=self.template,
+                                           add_generation_prompt=add_generation_prompt, tokenize=False)
+        except Exception as e:  # noqa: BLE001 - jinja raises many types; all mean "cannot render"
+            raise RenderError(f"chat template does not render: {type(e).__name__}: {e}") from None
+        if not isinstance(text, str):
+            raise RenderError(f"chat template rendered {type(text).__name__}, not text")
+        return text
+
+    def _ids(self, tok, text: str) -> list[int]:
+        # templates write their own special tokens (bos, turn markers): no post-processor additions
+        return list(tok(text, add_special_tokens=False)["input_ids"])
+
+    def check(self, tok, where: str) -> None:
+        """Raise RenderError (naming ``where``) unless this rendering works with ``tok``."""
+        if self.format != "chat_template":
+            return
+        try:
+            prompt = self._render(tok, PROBE, True)
+            self._split(tok, [*PROBE, ("assistant", "probe reply")])
+        except RenderError as e:
+            raise RenderError(f"{where}: {e}") from None
+        if not self._ids(tok, prompt):
+            raise RenderError(f"{where}: chat template renders an empty prompt")
+
+    def _split(self, tok, messages: Messages) -> tuple[str, str]:
+        prompt = self._render(tok, messages[:-1], True)
+        full = self._render(tok, messages, False)
+        if not full.startswith(prompt):
+            raise RenderError("chat template does not render the final assistant turn as a continuation of the "
+                              "generation prompt (add_generation_prompt)")
+        return prompt, full[len(prompt):]
+
+    # --- the three entry points ---
+    def chat_ids(self, tok, messages: Messages) -> list[int]:
+        """A conversation ending in a user turn -> prompt ids (generation prompt included)."""
+        if self.format == "chat_template":
+            return self._ids(tok, self._render(tok, messages, True))
+        *earlier, (_, last) = messages  # suite/text: earlier turns are the context, one line each
+        text = join_suite("\n".join(c for _, c in earlier), last) if earlier else last
+        return list(tok(text)["input_ids"])
+
+    def agent_messages(self, context: str, instruction: str) -> list[tuple[str, str]]:
+        """An agent request as a conversation: the shared context first, then the agent's instruction."""
+        system = [("system", self.fmt.system)] if self.fmt.system else []
+        return [*system, ("user", join_suite(context, instruction))]
+
+    def agent_ids(self, tok, context: str, instruction: str) -> list[int]:
+        return self.chat_ids(tok, self.agent_messages(context, instruction))
+
+    def training_ids(self, tok, messages: Messages) -> tuple[list[int], list[int]]:
+        """(prompt ids, response ids) of a conversation ending in the assistant turn to learn.
+
+        The response is what the decoder must generate after the prompt, ending in eos (the token
+        serving stops at): the template's continuation for chat templates, ``" answer"`` for the
+        suite, the completion as written for text.
+        """
+        eos = tok.eos_token_id
+        if eos is None:
+            raise RenderError("the tokenizer has no eos token: a decoder could never end its answer")
+        *prompt_msgs, (_, answer) = messages
+        if self.format == "chat_template":
+            prompt, rest = self._split(tok, messages)
+            p_ids, r_ids = self._ids(tok, prompt), self._ids(tok, rest)
+        else:
+            p_ids = self.chat_ids(tok, prompt_msgs)
+            r_ids = list(tok((" " if self.format == "suite" else "") + answer, add_special_tokens=False)["input_ids"])
+        return p_ids, _end_with_eos(r_ids, eos)
+
+    def text_ids(self, tok, prompt: str, completion: str) -> tuple[list[int], list[int]]:
+        """(prompt ids, response ids) of a prompt/completion record: the texts as written."""
+        if tok.eos_token_id is None:
+            raise RenderError("the tokenizer has no eos token: a decoder could never end its answer")
+        r_ids = list(tok(completion, add_special_tokens=False)["input_ids"])
+        return list(tok(prompt)["input_ids"]), _end_with_eos(r_ids, tok.eos_token_id)
+
+
+def _end_with_eos(ids: list[int], eos: int) -> list[int]:
+    """Up to and including the first eos (what serving stops at), eos appended when absent."""
+    return ids[: ids.index(eos) + 1] if eos in ids else [*ids, eos]
