@@ -124,6 +124,10 @@ class AppMetrics:
         self.bytes_moved = Counter("prefillshare_kv_bytes_moved",
                                    "Bytes of KV decoders loaded from the pool", ["model"], registry=r)
         self.fallbacks = Counter("prefillshare_fallbacks", "Fallbacks by reason", ["reason"], registry=r)
+        self.router_failovers = Counter(
+            "prefillshare_router_failovers",
+            "Requests a project request router failed on (by exception type) and left to Serve's default choice",
+            ["deployment", "error"], registry=r)
         self.queue = Gauge("prefillshare_queue_length", "Requests in flight in a replica",
                            ["deployment", "replica"], registry=r)
         self.prefill_seconds = Histogram("prefillshare_prefill_seconds", "Prefill call latency per module",
@@ -152,6 +156,9 @@ class AppMetrics:
             self._hit_total += hit
             self.pool_hit_ratio.set(self._hit_total / self._lookup_total)
 
+    def router_failover(self, deployment: str, error: str) -> None:
+        self.router_failovers.labels(deployment, error).inc()
+
     def prefill(self, rec: PrefillRecord) -> None:
         self.prefill_computed.labels("prefill", rec.prefill_module).inc(rec.computed_tokens)
         self.prefill_saved.labels("prefill", rec.prefill_module).inc(rec.cached_tokens)
@@ -176,6 +183,9 @@ class MetricsServer:
 
     def fallback(self, reason: str, n: int = 1) -> None:
         self.m.fallbacks.labels(reason).inc(n)
+
+    def router_failover(self, deployment: str, error: str) -> None:
+        self.m.router_failover(deployment, error)
 
     def queue(self, deployment: str, replica: str, n: int) -> None:
         self.m.queue.labels(deployment, replica).set(n)

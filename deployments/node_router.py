@@ -5,6 +5,7 @@ shared-memory pool; any other replica first pulls it across nodes (NIXL). So a d
 carries the prefill replica's node id (``DecodeRequest.prefer_node``) and goes to a replica on
 that node when one exists, unless that replica has ``imbalance_threshold`` more ongoing
 requests than the least loaded one: then load wins, because a pull costs less than a queue.
+On one node every replica is on the prefill's node, so this is least-loaded routing.
 """
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from collections.abc import Callable, Sequence
 
 from ray.serve.request_router import PendingRequest, RunningReplica
 
-from deployments.prefix_router import QueueLenRouter
+from deployments.safe_router import SafeRouter
 
 
 def rank_by_node(
@@ -44,19 +45,16 @@ def preferred_node(pending: PendingRequest | None) -> str | None:
     return getattr(pending.args[0], "prefer_node", None)
 
 
-class NodeAffinityRouter(QueueLenRouter):
+class NodeAffinityRouter(SafeRouter):
     """Serve request router: same node as the prefill first, load fallback."""
 
-    def initialize_state(self, imbalance_threshold: int = 4, **_):
+    def initialize_state(self, imbalance_threshold: int = 4, **kwargs):
+        super().initialize_state(**kwargs)
         self.imbalance_threshold = int(imbalance_threshold)
 
-    async def choose_replicas(
-        self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
-    ) -> list[list[RunningReplica]]:
-        by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
-        tiers = rank_by_node([(rid, r.node_id) for rid, r in by_id.items()], preferred_node(pending_request),
-                             self._queue_len, self.imbalance_threshold)
-        if pending_request is not None:
-            # Every tier is tried before backing off; without this the routing loop spins.
-            pending_request.routing_context.should_backoff = True
+    def rank(self, candidates: list[RunningReplica], pending: PendingRequest | None,
+             queue_len: dict[str, int]) -> list[list[RunningReplica]]:
+        by_id = {r.replica_id.unique_id: r for r in candidates}
+        tiers = rank_by_node([(rid, r.node_id) for rid, r in by_id.items()], preferred_node(pending),
+                             lambda rid: queue_len.get(rid, 0), self.imbalance_threshold)
         return [[by_id[r] for r in tier] for tier in tiers]

@@ -17,7 +17,9 @@ import random
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
-from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
+from ray.serve.request_router import PendingRequest, RunningReplica
+
+from deployments.safe_router import SafeRouter
 
 log = logging.getLogger("ray.serve")
 
@@ -89,63 +91,36 @@ def request_keys(pending: PendingRequest | None) -> tuple[str, ...]:
     return tuple(getattr(pending.args[0], "locality_keys", ()) or ())
 
 
-class QueueLenRouter(RequestRouter):
-    """A RequestRouter whose ranking functions look up a replica's cached queue length by id."""
-
-    def _queue_len(self, rid: str) -> int:
-        for r in self._replicas_list:
-            if r.replica_id.unique_id == rid:
-                return self.replica_queue_len_cache.get(r.replica_id) or 0
-        return 0
-
-
-class PrefixLocalityRouter(QueueLenRouter):
+class PrefixLocalityRouter(SafeRouter):
     """Serve request router: prefix locality on prefill module block keys, load fallback."""
 
-    def initialize_state(self, imbalance_threshold: int = 4, max_tracked_prefixes: int = 10_000,
-                         metrics_deployment: str | None = None, app_name: str | None = None, **_):
+    def initialize_state(self, imbalance_threshold: int = 4, max_tracked_prefixes: int = 10_000, **kwargs):
+        super().initialize_state(**kwargs)
         self.imbalance_threshold = int(imbalance_threshold)
         self.table = LocalityTable(int(max_tracked_prefixes))
-        self._metrics_deployment = metrics_deployment
-        self._metrics_app = app_name
-        self._metrics = None
-        self._keys_by_request: dict[str, tuple[str, ...]] = {}
-        self.fallbacks = 0
 
-    async def choose_replicas(
-        self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
-    ) -> list[list[RunningReplica]]:
-        by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
-        keys = request_keys(pending_request)
-        tiers, reason = choose(keys, list(by_id), self._queue_len, self.table, self.imbalance_threshold)
+    def rank(self, candidates: list[RunningReplica], pending: PendingRequest | None,
+             queue_len: dict[str, int]) -> list[list[RunningReplica]]:
+        by_id = {r.replica_id.unique_id: r for r in candidates}
+        tiers, reason = choose(request_keys(pending), list(by_id), lambda rid: queue_len.get(rid, 0), self.table,
+                               self.imbalance_threshold)
         if reason:
-            self.fallbacks += 1
             self._count_fallback(reason)
-        if pending_request is not None:
-            # Every tier is tried before backing off; without this the routing loop spins.
-            pending_request.routing_context.should_backoff = True
-            if keys:
-                self._keys_by_request[pending_request.metadata.internal_request_id] = keys
         return [[by_id[r] for r in tier] for tier in tiers]
 
-    def on_request_routed(self, pending_request: PendingRequest, replica_id, result) -> None:
-        keys = self._keys_by_request.pop(pending_request.metadata.internal_request_id, ())
+    def routed(self, pending: PendingRequest, replica_id: str) -> None:
+        keys = request_keys(pending)
         if keys:
-            self.table.record(keys, replica_id.unique_id)
+            self.table.record(keys, replica_id)
 
     def on_replica_actor_died(self, replica_id) -> None:
         self.table.forget(replica_id.unique_id)
         super().on_replica_actor_died(replica_id)
 
     def _count_fallback(self, reason: str) -> None:
-        """Fire-and-forget to the metrics deployment; routing never waits on metrics."""
-        if not self._metrics_deployment:
-            return
+        handle = self.metrics_handle()
         try:
-            if self._metrics is None:
-                from ray import serve
-
-                self._metrics = serve.get_deployment_handle(self._metrics_deployment, self._metrics_app)
-            self._metrics.fallback.remote(reason, 1)
+            if handle is not None:
+                handle.fallback.remote(reason, 1)
         except Exception as e:  # noqa: BLE001 - metrics are best effort
             log.debug("could not count a routing fallback: %s", e)

@@ -1,15 +1,23 @@
-"""The decode router's choice: a replica on the prefill's node first, unless it is overloaded.
+"""The decode router's choice, and the project's routers inside Serve's routing loop.
 
-Pure: ``rank_by_node`` takes (replica id, node id) pairs and a queue-length lookup, as the
-Serve router gives it. The end-to-end check (requests land on the prefill node's replica and
-pull nothing over NIXL) is in tests/test_multinode.py.
+``rank_by_node`` is pure: it takes (replica id, node id) pairs and a queue-length lookup, as the
+Serve router gives it. The routers are then run in Serve's own RequestRouter loop, in-process
+(see below). The end-to-end check (requests land on the prefill node's replica and pull nothing
+over NIXL) is in tests/test_multinode.py.
 """
 from __future__ import annotations
 
+import asyncio
 from types import SimpleNamespace
 
-from deployments.messages import DecodeRequest, SamplingSpec
+import pytest
+from ray.serve._private.common import DeploymentHandleSource, DeploymentID, ReplicaID, RequestMetadata
+from ray.serve.request_router import PendingRequest
+
+from deployments import node_router
+from deployments.messages import DecodeRequest, PrefillRequest, SamplingSpec
 from deployments.node_router import preferred_node, rank_by_node
+from deployments.prefix_router import PrefixLocalityRouter
 
 REPLICAS = [("d1", "node-d"), ("p1", "node-p"), ("d2", "node-d")]
 
@@ -45,3 +53,106 @@ def test_the_node_comes_from_the_decode_request():
     assert preferred_node(SimpleNamespace(args=[req])) == "node-p"
     assert preferred_node(SimpleNamespace(args=[])) is None
     assert preferred_node(None) is None
+
+
+# --- the routers inside Serve's routing loop ---------------------------------------------------
+# Serve's RequestRouter runs in the caller's process: it queues PendingRequests, runs the
+# router's choose_replicas in routing tasks and probes replicas for their queue length. Here the
+# real loop runs in-process over replicas that answer the probe; every wait is bounded, so a
+# request the loop loses fails the test instead of hanging CI.
+
+DEPLOYMENT = DeploymentID(name="Decode-x", app_name="t")
+ROUTE_TIMEOUT_S = 10
+
+
+class _Replica:
+    """What the routing loop reads of a running replica: id, node, capacity, a queue-length probe."""
+
+    def __init__(self, uid: str, node: str):
+        self.replica_id = ReplicaID(unique_id=uid, deployment_id=DEPLOYMENT)
+        self.node_id, self.availability_zone = node, None
+        self.multiplexed_model_ids: set[str] = set()
+        self.max_ongoing_requests = 8
+
+    async def get_queue_len(self, *, deadline_s: float) -> int:
+        return 0
+
+
+def _router(cls, **kwargs):
+    r = cls(deployment_id=DEPLOYMENT, handle_source=DeploymentHandleSource.REPLICA, use_replica_queue_len_cache=True)
+    r.initialize_state(**kwargs)
+    r.update_replicas([_Replica("p1", "node-p"), _Replica("d1", "node-d")])
+    return r
+
+
+def _pending(arg, internal_id: str) -> PendingRequest:
+    return PendingRequest(args=[arg], kwargs={}, metadata=RequestMetadata(request_id="r", internal_request_id=internal_id))
+
+
+def _decode_arg(node: str | None = "node-p"):
+    return DecodeRequest("r", (1, 2), SamplingSpec(max_tokens=1), prefer_node=node)
+
+
+async def _route(router, pendings) -> list[str]:
+    chosen = await asyncio.wait_for(asyncio.gather(*[router._choose_replica_for_request(p) for p in pendings]),
+                                    ROUTE_TIMEOUT_S)
+    return [c.replica_id.unique_id for c in chosen]
+
+
+@pytest.mark.parametrize("cls,arg", [
+    (node_router.NodeAffinityRouter, _decode_arg()),
+    (PrefixLocalityRouter, PrefillRequest("r", ((1, 2, 3),), locality_keys=("k1",))),
+])
+def test_two_calls_made_while_serving_one_request_both_get_a_replica(cls, arg):
+    """Serve gives every handle call a replica makes while serving one request that request's
+    internal id: an agent run with two agents on one decoder sends two such calls at once. Both
+    must be routed (Serve's base router fulfils only the request indexed under that id)."""
+    async def run():
+        router = _router(cls)
+        chosen = await _route(router, [_pending(arg, "one-request"), _pending(arg, "one-request")])
+        assert len(chosen) == 2
+        if cls is node_router.NodeAffinityRouter:
+            assert chosen == ["p1", "p1"]  # both on the prefill's node
+
+    asyncio.run(run())
+
+
+def test_an_exception_in_the_node_ranking_fails_over_to_serves_default_choice(monkeypatch):
+    def broken(*_a, **_k):
+        raise RuntimeError("ranking broke")
+
+    async def run():
+        router = _router(node_router.NodeAffinityRouter)
+        failovers: list[tuple[str, str]] = []
+        router.report_failover = lambda error: failovers.append((router._deployment_id.name, error))
+        monkeypatch.setattr(node_router, "rank_by_node", broken)
+        chosen = await _route(router, [_pending(_decode_arg(), "a"), _pending(_decode_arg(), "b")])
+        assert set(chosen) <= {"p1", "d1"} and len(chosen) == 2
+        assert failovers == [("Decode-x", "RuntimeError")] * 2
+
+    asyncio.run(run())
+
+
+def test_a_malformed_prefill_request_is_routed_by_default_and_counted():
+    bad = PrefillRequest("r", ((1, 2, 3),), locality_keys=5)  # not a sequence of keys
+
+    async def run():
+        router = _router(PrefixLocalityRouter)
+        failovers: list[str] = []
+        router.report_failover = failovers.append
+        pending = _pending(bad, "a")
+        (chosen,) = await _route(router, [pending])
+        assert chosen in {"p1", "d1"} and failovers == ["TypeError"]
+        router.on_request_routed(pending, router._replicas_list[0].replica_id, None)  # must not raise either
+        assert failovers == ["TypeError", "TypeError"]
+
+    asyncio.run(run())
+
+
+def test_router_failovers_are_rendered_in_metrics():
+    from deployments.metrics import AppMetrics
+
+    m = AppMetrics()
+    m.router_failover("Decode-x", "RuntimeError")
+    m.router_failover("Decode-x", "RuntimeError")
+    assert 'prefillshare_router_failovers_total{deployment="Decode-x",error="RuntimeError"} 2.0' in m.render().decode()
