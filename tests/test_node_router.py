@@ -15,9 +15,15 @@ from ray.serve._private.common import DeploymentHandleSource, DeploymentID, Repl
 from ray.serve.request_router import PendingRequest
 
 from deployments import node_router
-from deployments.messages import DecodeRequest, PrefillRequest, SamplingSpec
+from deployments.messages import DecodeRequest, PrefillRequest
 from deployments.node_router import preferred_node, rank_by_node
 from deployments.prefix_router import PrefixLocalityRouter
+
+
+def _decode_arg(node: str | None = "node-p") -> DecodeRequest:
+    """A decode request as the router sees it (it reads only ``prefer_node``; no sampling needed)."""
+    return DecodeRequest("r", (1, 2), None, prefer_node=node)
+
 
 REPLICAS = [("d1", "node-d"), ("p1", "node-p"), ("d2", "node-d")]
 
@@ -49,7 +55,7 @@ def test_no_preference_or_no_replica_on_that_node_ranks_by_load():
 
 
 def test_the_node_comes_from_the_decode_request():
-    req = DecodeRequest("r", (1, 2), SamplingSpec(max_tokens=1), prefer_node="node-p")
+    req = _decode_arg("node-p")
     assert preferred_node(SimpleNamespace(args=[req])) == "node-p"
     assert preferred_node(SimpleNamespace(args=[])) is None
     assert preferred_node(None) is None
@@ -89,8 +95,6 @@ def _pending(arg, internal_id: str) -> PendingRequest:
     return PendingRequest(args=[arg], kwargs={}, metadata=RequestMetadata(request_id="r", internal_request_id=internal_id))
 
 
-def _decode_arg(node: str | None = "node-p"):
-    return DecodeRequest("r", (1, 2), SamplingSpec(max_tokens=1), prefer_node=node)
 
 
 async def _route(router, pendings) -> list[str]:
