@@ -1,41 +1,101 @@
-"""Token ids of the prompts the app sends to engines, built with the project's template.
+"""Token ids of the prompts the app sends to engines, rendered the way each decoder was trained.
 
-Agent prompts are tokenized whole with `app.training.tasks.render_prompt`, exactly as in
-training, so a served decoder sees the token ids it was trained on. The shared part of a
-fan-out is then the longest common token prefix (computed, never assumed from the text).
+Every decoder's manifest records its prompt format (``prompt`` block: the suite's
+``context\\ninstruction``, plain text, or a chat template by sha256). :meth:`Prompter.from_config`
+rebuilds each decoder's :class:`app.training.rendering.Renderer` at deploy time, and refuses a
+decoder whose rendering it cannot reproduce (template file missing or with another hash,
+template that does not render). ``agent_prompt``/``chat_prompt`` with ``model=`` then produce
+exactly the token ids training produced for the same request. The shared part of a fan-out is
+the longest common token prefix (computed, never assumed from the text): agent requests put
+the shared context first, so agents with the same format share it.
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from app.engine.kv_keys import block_keys
-from app.training.tasks import render_prompt
+from app.training.rendering import Renderer, RenderError
+
+__all__ = ["Prompter", "RenderError", "common_prefix", "decoder_renderers", "locality_keys"]
+
+
+def decoder_renderers(cfg) -> dict[str, Renderer]:
+    """{served decoder name: its Renderer} for an AppConfig, checked against the app's tokenizer.
+
+    A decoder (or a decode group's adapter) without a manifest renders the suite way; a manifest
+    whose rendering cannot be reproduced raises :class:`RenderError` naming the config field.
+    """
+    from app.models.manifest import ManifestError, read_manifest
+    from app.training.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(cfg.path(cfg.tokenizer))
+    out: dict[str, Renderer] = {}
+    entries = []
+    for i, d in enumerate(cfg.decoders):
+        adapters = getattr(d, "adapters", None) or []
+        if adapters:
+            entries += [(a.name, cfg.path(a.path), f"decoders[{i}].adapters[{j}]") for j, a in enumerate(adapters)]
+        else:
+            entries.append((d.name, cfg.path(d.model), f"decoders[{i}]"))
+    for name, path, where in entries:
+        try:
+            manifest = read_manifest(path)
+        except ManifestError:
+            out[name] = Renderer()  # no manifest: not trained here; the suite rendering, as always
+            continue
+        try:
+            renderer = Renderer.for_decoder(path, manifest)
+        except RenderError as e:
+            raise RenderError(f"{where} ({name}): {e}") from None
+        renderer.check(tok, f"{where} ({name}): {path}")
+        out[name] = renderer
+    return out
 
 
 class Prompter:
-    def __init__(self, tokenizer_path: str):
+    """Requests -> token ids. ``renderers`` maps served decoder names to their Renderer; a model not
+    in it (or ``model=None``) renders the suite way, the format of the shipped decoders."""
+
+    def __init__(self, tokenizer_path: str, renderers: Mapping[str, Renderer] | None = None):
         from transformers import AutoTokenizer
 
         self.tok = AutoTokenizer.from_pretrained(tokenizer_path)
         self.eos_token_id = self.tok.eos_token_id
         self.vocab_size = len(self.tok)  # token-id prompts must stay below this
+        self.renderers: dict[str, Renderer] = dict(renderers or {})
+        for name, r in self.renderers.items():
+            r.check(self.tok, f"decoder {name!r}")
+
+    @classmethod
+    def from_config(cls, cfg) -> Prompter:
+        """Built from an AppConfig: the app tokenizer plus every decoder's recorded rendering.
+        Raises RenderError (deploy time) for a rendering it cannot reproduce."""
+        return cls(str(cfg.path(cfg.tokenizer)), decoder_renderers(cfg))
+
+    def renderer(self, model: str | None) -> Renderer:
+        return self.renderers.get(model, _SUITE) if model is not None else _SUITE
 
     def encode(self, text: str) -> list[int]:
         """Ids as the engines' tokenizer makes them (BOS from the post-processor)."""
         return list(self.tok(text)["input_ids"])
 
-    def agent_prompt(self, context: str, instruction: str) -> list[int]:
-        return self.encode(render_prompt(context, instruction))
+    def agent_prompt(self, context: str, instruction: str, model: str | None = None) -> list[int]:
+        """One agent's prompt: the shared context first, then its instruction, in ``model``'s format."""
+        return self.renderer(model).agent_ids(self.tok, context, instruction)
 
-    def chat_prompt(self, messages: Sequence[tuple[str, str]]) -> list[int]:
-        """Chat turns -> (context, instruction): the last user turn is the instruction,
-        every earlier turn's content joins the context, one line each."""
-        *earlier, (_, last) = messages
-        context = "\n".join(content for _, content in earlier)
-        return self.agent_prompt(context, last)
+    def chat_prompt(self, messages: Sequence[tuple[str, str]], model: str | None = None) -> list[int]:
+        """(role, content) text turns ending in a user turn -> prompt ids in ``model``'s format: its
+        chat template with the generation prompt, or (suite) earlier turns as context lines and the
+        last turn as the instruction."""
+        if not messages:
+            raise RenderError("messages: at least one message is needed")
+        return self.renderer(model).chat_ids(self.tok, messages)
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.tok.decode(list(ids), skip_special_tokens=True)
+
+
+_SUITE = Renderer()
 
 
 def common_prefix(prompts: Sequence[Sequence[int]]) -> list[int]:
