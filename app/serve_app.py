@@ -193,14 +193,12 @@ def build(cfg: AppConfig):
             ray_actor_options=_actor_options(pl, _engine_env(cfg, pl, d.engine)),
             health_check_period_s=10, health_check_timeout_s=60, graceful_shutdown_timeout_s=20,
         )
-        if cfg.pool.transport == "nixl":
-            # across nodes a replica on the prefill's node reads its KV from that node's pool instead
-            # of pulling it; on one node every replica reads the same pool, so Serve's default router.
-            # (NodeAffinityRouter on the single-node test app hung a fan-out with two agents on one
-            # decoder: not root-caused yet, see docs/scaling.md.)
-            opts["request_router_config"] = RequestRouterConfig(
-                request_router_class=NodeAffinityRouter,
-                request_router_kwargs={"imbalance_threshold": cfg.routing.imbalance_threshold})
+        # a replica on the prefill's node reads the KV from that node's pool instead of pulling it
+        # across nodes; on one node every replica is on it, and the router ranks by load alone
+        opts["request_router_config"] = RequestRouterConfig(
+            request_router_class=NodeAffinityRouter,
+            request_router_kwargs={"imbalance_threshold": cfg.routing.imbalance_threshold,
+                                   "metrics_deployment": "Metrics"})
         if pl.placement_group_bundles:
             opts.update(placement_group_bundles=pl.placement_group_bundles,
                         placement_group_strategy=pl.placement_group_strategy)
