@@ -98,8 +98,58 @@ class Placement(_Strict):
         return self
 
 
-class PrefillModuleConfig(_Strict):
-    """A shared frozen base: one PrefillServer deployment, N replicas."""
+class AdapterConfig(_Strict):
+    """One LoRA decoder of a group: served under ``name`` (the OpenAI ``model`` and agent name)."""
+
+    name: str
+    path: str = Field(description="adapter directory: PEFT adapter_config.json + weights + prefillshare.json")
+    rank: int = Field(ge=1, description="the adapter's LoRA rank (checked against adapter_config.json's r)")
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        if not _NAME.match(v):
+            raise ValueError("use letters, digits, '_', '.', '-' (max 63 chars)")
+        return v
+
+
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's allowed max_lora_rank values
+
+
+class LoRAGroup(_Strict):
+    """LoRA adapters one engine hosts over its ``model`` (a decode group, or a per-adapter prefill)."""
+
+    adapters: list[AdapterConfig] = Field(
+        default_factory=list, description="LoRA adapters of `model` this engine serves; empty: the full model")
+    max_lora_rank: int = Field(16, description=f"largest adapter rank the engine accepts, one of {LORA_RANKS}")
+    max_loras: int | None = Field(
+        None, ge=1, description="adapters the group may hold (all run in one batch); default: as many as declared")
+
+    @model_validator(mode="after")
+    def _lora_limits(self):
+        if self.max_lora_rank not in LORA_RANKS:
+            raise ValueError(f"max_lora_rank: {self.max_lora_rank} is not one of {LORA_RANKS}")
+        names = [a.name for a in self.adapters]
+        dup = sorted({n for n in names if names.count(n) > 1})
+        if dup:
+            raise ValueError(f"adapters: duplicate name(s) {dup}")
+        for j, a in enumerate(self.adapters):
+            if a.rank > self.max_lora_rank:
+                raise ValueError(f"adapters[{j}].rank: {a.rank} is above the group's max_lora_rank "
+                                 f"{self.max_lora_rank}")
+        if self.max_loras is not None and len(self.adapters) > self.max_loras:
+            raise ValueError(f"adapters: {len(self.adapters)} declared, the group allows max_loras="
+                             f"{self.max_loras}")
+        return self
+
+    @property
+    def lora_slots(self) -> int:
+        return self.max_loras or max(1, len(self.adapters))
+
+
+class PrefillModuleConfig(LoRAGroup):
+    """A shared frozen base: one PrefillServer deployment, N replicas. With ``adapters`` it is
+    a per-adapter prefill (each adapter computes its own KV; nothing is shared across them)."""
 
     name: str
     model: str = Field(description="HF checkpoint directory of the base")
@@ -114,11 +164,14 @@ class PrefillModuleConfig(_Strict):
         return v
 
 
-class DecoderConfig(_Strict):
-    """A task model served under `name` (the OpenAI `model` and the agent name)."""
+class DecoderConfig(LoRAGroup):
+    """A task model served under `name` (the OpenAI `model` and the agent name), or, with
+    ``adapters``, a decode group: one engine on ``model`` (the base) serving each adapter under
+    its own name; ``name`` then names the group's deployment."""
 
     name: str
-    model: str = Field(description="HF checkpoint directory with a prefillshare.json manifest")
+    model: str = Field(description="HF checkpoint directory with a prefillshare.json manifest; for a decode "
+                       "group the base checkpoint the adapters apply to")
     prefill_module: str | None = Field(
         "auto",
         description="name of a configured prefill module; 'auto' picks the one whose id the "
@@ -135,6 +188,11 @@ class DecoderConfig(_Strict):
         if not _NAME.match(v):
             raise ValueError("use letters, digits, '_', '.', '-' (max 63 chars)")
         return v
+
+    @property
+    def served_names(self) -> list[str]:
+        """The names requests address: the decoder's own, or its adapters' in a decode group."""
+        return [a.name for a in self.adapters] if self.adapters else [self.name]
 
 
 class PoolConfig(_Strict):
@@ -175,6 +233,11 @@ class LimitsConfig(_Strict):
 
     max_tokens_default: int = Field(32, ge=1)
     max_tokens_cap: int = Field(256, ge=1)
+    max_n: int = Field(8, ge=1, description="most sequences (OpenAI n) one request may ask for")
+    max_logprobs: int = Field(20, ge=0, le=20, description="most alternatives per token (logprobs, "
+                              "top_logprobs); vLLM's engines return at most 20")
+    max_stop_strings: int = Field(4, ge=0, description="most stop strings per request (OpenAI allows 4)")
+    max_stop_chars: int = Field(64, ge=1, description="longest stop string")
     max_agents: int = Field(16, ge=1)
     max_rounds: int = Field(4, ge=1)
     request_timeout_s: float = Field(120.0, gt=0)
@@ -247,6 +310,10 @@ class AppConfig(_Strict):
         dup = {n for n in dnames if dnames.count(n) > 1}
         if dup:
             raise ValueError(f"decoders: duplicate name(s) {sorted(dup)}")
+        served = [n for d in self.decoders for n in d.served_names]
+        dup = {n for n in served if served.count(n) > 1}
+        if dup:
+            raise ValueError(f"decoders: name(s) {sorted(dup)} served twice (decoder or adapter names)")
         for i, d in enumerate(self.decoders):
             if d.prefill_module not in (None, "auto") and d.prefill_module not in names:
                 raise ValueError(
@@ -278,6 +345,9 @@ class AppConfig(_Strict):
         for i, d in enumerate(self.decoders):
             if not (self.path(d.model) / "config.json").is_file():
                 problems.append(f"decoders[{i}].model: no config.json in {self.path(d.model)}")
+            for j, a in enumerate(d.adapters):
+                if not (self.path(a.path) / "adapter_config.json").is_file():
+                    problems.append(f"decoders[{i}].adapters[{j}].path: no adapter_config.json in {self.path(a.path)}")
         if self.auth.keys_file and not self.path(self.auth.keys_file).is_file():
             problems.append(f"auth.keys_file: no file {self.path(self.auth.keys_file)}")
         if problems:

@@ -185,3 +185,47 @@ def shipped_models(root: str | Path, checkpoints: str | Path, n: int, dtype: str
     return ModelSet(str(base), tuple(str(d) for d in decs[:n]), tuple(own), kv_bytes_per_token(base, dtype), 0,
                     f"shipped checkpoints ({ck}): base + {', '.join(d.name for d in decs[:n])}, "
                     f"computed in {compute_dtype.resolve(dtype)}")
+
+
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def random_adapter(out_dir: str | Path, base_dir: str | Path, agent: str, rank: int, seed: int,
+                   b_std: float = 0.01, targets: tuple[str, ...] = LORA_TARGETS) -> Path:
+    """A PEFT LoRA adapter of ``base_dir`` with random A and B (PEFT itself starts B at zero, which
+    would leave the base unchanged), plus its prefillshare.json (adapter block naming the base).
+    A large ``b_std`` changes the base's greedy tokens visibly (tests); speed does not depend on it."""
+    import torch
+    from safetensors.torch import save_file
+
+    from app.models.identity import prefill_module_id, tokenizer_hash
+    from app.models.manifest import AdapterSpec, DecodeManifest, write_manifest
+
+    out, base = Path(out_dir), Path(base_dir)
+    cfg = json.loads((base / "config.json").read_text())
+    h, inter, layers = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
+    hd = cfg.get("head_dim") or h // cfg["num_attention_heads"]
+    q, kv = cfg["num_attention_heads"] * hd, cfg.get("num_key_value_heads", cfg["num_attention_heads"]) * hd
+    dims = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h), "gate_proj": (h, inter),
+            "up_proj": (h, inter), "down_proj": (inter, h)}
+    where = {t: "self_attn" if t.endswith(("q_proj", "k_proj", "v_proj", "o_proj")) else "mlp" for t in targets}
+    gen = torch.Generator().manual_seed(seed)
+    state = {}
+    for i in range(layers):
+        for t in targets:
+            fan_in, fan_out = dims[t]
+            key = f"base_model.model.model.layers.{i}.{where[t]}.{t}"
+            state[f"{key}.lora_A.weight"] = torch.randn(rank, fan_in, generator=gen) / fan_in ** 0.5
+            state[f"{key}.lora_B.weight"] = torch.randn(fan_out, rank, generator=gen) * b_std
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(state, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
+    (out / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": rank, "lora_dropout": 0.0,
+        "target_modules": list(targets), "bias": "none", "base_model_name_or_path": str(base),
+        "fan_in_fan_out": False, "inference_mode": True, "use_rslora": False, "use_dora": False,
+        "modules_to_save": None}, indent=2))
+    base_id = prefill_module_id(base)
+    write_manifest(out, DecodeManifest(
+        agent, base_id, tokenizer_hash(base), {"method": "cache_conditioned", "note": "random LoRA weights"},
+        adapter=AdapterSpec(base_id, rank, tuple(targets), float(rank))))
+    return out
