@@ -194,13 +194,14 @@ def _tool_call_formats(cfg: AppConfig) -> dict[str, str]:
 
 
 # vLLM on the CPU runs its worker in a third process unless this is off; inside EngineCore it
-# measured fewer processes, less memory and quicker starts (docs/engine.md, "Engine footprint").
+# measured less memory and CPU per session (docs/engine.md, "Engine footprint"). Only with
+# threads_bind 'nobind': vLLM pins OpenMP threads to a core list only from its multiprocess executor.
 CPU_ENGINE_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
 
 def engine_env(cfg: AppConfig, p: Placement, eng: EngineSettings) -> dict[str, str]:
     """The one set of env vars an engine replica gets (its Ray runtime env and its engine core)."""
-    base = {} if p.num_gpus else dict(CPU_ENGINE_ENV)
+    base = dict(CPU_ENGINE_ENV) if not p.num_gpus and eng.threads_bind == "nobind" else {}
     return {**base, "VLLM_CPU_OMP_THREADS_BIND": eng.threads_bind, "TOKENIZERS_PARALLELISM": "false",
             "HF_HUB_OFFLINE": "1", **cfg.engine_env, **p.env}
 

@@ -1,9 +1,11 @@
-"""`prefillshare bench serve`: pure parts on made-up data, then one short real run.
+"""`prefillshare bench serve`: pure parts on made-up data, every system's app config, one short real run.
 
-The real run deploys the three systems (tiny random model, N=2, L=128, one load point of a
-few seconds each) and checks that the outputs are well-formed and agree with each other:
-no timing is asserted, only structure and accounting (tokens, ratios, files).
-Run through scripts/test.sh (loopback-only network namespace).
+The real run deploys the three LoRA systems (tiny random model and adapters, N=2, L=128, one
+load point of a few seconds each; five engines in all) and checks that the outputs are
+well-formed and agree with each other: no timing is asserted, only structure and accounting
+(tokens, ratios, files). The full-decoder systems a, b, c are the same application with other
+configs: their configs are built and planned here without engines, and the Serve tests run
+that application. Run through scripts/test.sh (loopback-only network namespace).
 """
 from __future__ import annotations
 
@@ -74,43 +76,93 @@ def test_percentiles_bound_and_summary_accounting():
     assert max_sustainable([p], slo_s=5.0) is None  # a session failed: not sustainable
     q = summarize("b", spec, "rate", 0.1, res[:3], 0.0, 30.0, {}, {}, 0.0, 10, None)
     c = compare([p, q], costs, "b", 5.0)
-    assert c.throughput_ratio == pytest.approx(1.0) and c.p95_ratios == [(0.1, pytest.approx(1.0))]
+    assert c.throughput_ratio == pytest.approx(1.0) and c.p95_ratios == [(0.1, 1.0, 1.0, 1.0)]
+    assert c.throughput_spread is None and c.verdict == "one run: no spread"
+
+
+def test_repeats_give_a_spread_and_a_reading():
+    from dataclasses import replace
+
+    from app.bench.report import spread_verdict
+
+    spec = WorkloadSpec(256, 2, 4, 1)
+
+    def point(system, rate, repeat, p95):
+        r = SessionResult(0, sent=0.0, scheduled=0.0, done=p95, rounds_s=[p95])
+        r.agents = [AgentTiming(0, "agent0", 0.0, ttft_s=0.1, e2e_s=p95, prompt_tokens=260, completion_tokens=4)]
+        p = summarize(system, spec, "concurrency", 1.0, [r] * int(rate * 10), 0.0, 10.0, {}, {}, 0.0, 10, 1.0)
+        return replace(p, repeat=repeat)
+
+    # a-lora twice as fast in every repeat; c-lora's p95 1.5x / 3x a-lora's
+    pts = [point("a-lora", 0.4, 0, 1.0), point("c-lora", 0.2, 0, 1.5), point("a-lora", 0.6, 1, 1.0),
+           point("c-lora", 0.3, 1, 3.0)]
+    costs = {"a-lora": PhaseCosts(1.0, 0.1, 0.5), "c-lora": PhaseCosts(1.0, 1.0, 0.5)}
+    c = compare(pts, costs, "c-lora", None, "a-lora")
+    assert c.repeats == 2 and c.throughput_ratio == pytest.approx(2.0) and c.verdict == "better"
+    assert c.p95_ratios == [(1.0, pytest.approx(2.25), pytest.approx(1.5), pytest.approx(3.0))]
+    assert c.throughput_bound == pytest.approx((1.0 + 1.0 + 1.0) / (1.0 + 0.1 + 1.0))
+    assert c.finished_sessions == {"a-lora": 10, "c-lora": 5}
+    assert spread_verdict(0.8, 1.3) == "no measurable difference" and spread_verdict(0.5, 0.9) == "worse"
+
+
+def test_every_system_is_a_valid_app_config(tmp_path):
+    """The six systems' configs load and plan (adapters checked, per-adapter KV where it belongs); no engine starts."""
+    from app.bench.models import SMALL, random_models
+    from app.bench.systems import SYSTEMS, Topology, app_config
+    from app.config import load_config
+    from app.serve_app import build, plan_app
+
+    mset = random_models(tmp_path / "m", 2, SMALL, TOKENIZER, "float32", lora_rank=8)
+    topo = Topology(kv_cache_gib=0.125, prefill_replicas=1, lora_rank=8, colocated_replicas=1)
+    plans = {}
+    for system in SYSTEMS:
+        cfg = load_config(app_config(system, mset, 2, topo, TOKENIZER, "/dev/shm/unused"))
+        plans[system], _ = plan_app(cfg)
+        assert [d.name for d in plans[system].decoders] == ["agent0", "agent1"]
+        build(cfg)  # binds the deployments; nothing starts without serve.run
+    assert all(d.prefill_module == "base" and d.adapter == d.name and d.prefill_adapter is None
+               for d in plans["a-lora"].decoders)
+    assert all(d.prefill_module == "own" and d.prefill_adapter == d.name for d in plans["b-lora"].decoders)
+    assert all(d.prefill_module is None and d.group == "lora-group" for d in plans["c-lora"].decoders)
+    assert all(d.adapter is None for s in ("a", "b", "c") for d in plans[s].decoders)
 
 
 @pytest.mark.serve
 @pytest.mark.engine
-def test_short_run_of_three_systems_is_well_formed(tmp_path):
+def test_short_run_of_the_lora_systems_is_well_formed(tmp_path):
     from app.bench.models import SMALL
     from app.bench.serve_bench import ServeBenchConfig, run
     from app.bench.systems import Topology
 
+    systems = ("a-lora", "b-lora", "c-lora")
     cfg = ServeBenchConfig(
-        systems=("a", "b", "c"), fanouts=(2,), lengths=(128,), rounds=(2,), output_tokens=4, rates=(0.5,),
+        systems=systems, fanouts=(2,), lengths=(128,), rounds=(2,), output_tokens=4, rates=(0.5,),
         duration_s=3.0, max_sessions=4, probes=1, warmup=1, shape=SMALL,
-        topology=Topology(kv_cache_gib=0.125, prefill_replicas=1), out=str(tmp_path / "out"),
-        model_dir=str(tmp_path / "models"), seed=random.Random().randint(0, 999))
+        topology=Topology(kv_cache_gib=0.125, prefill_replicas=1, lora_rank=8, colocated_replicas=1),
+        out=str(tmp_path / "out"), model_dir=str(tmp_path / "models"), seed=random.Random().randint(0, 999))
     doc = run(cfg)
     out = tmp_path / "out"
     assert json.loads((out / "results.json").read_text())["points"] == doc["points"]
     for f in ("results.md", "p95_vs_load.png", "throughput_vs_n.png"):
         assert (out / f).stat().st_size > 0
     pts = {p["system"]: p for p in doc["points"]}
-    assert set(pts) == {"a", "b", "c"}
+    assert set(pts) == set(systems)
     for s, p in pts.items():
         assert p["ok"] == p["sent"] >= 1, (s, p["errors"])
         assert p["fanout_latency"]["p50"] <= p["fanout_latency"]["p95"] <= p["fanout_latency"]["p99"]
         # every agent of every round generated exactly O tokens (EOS cannot win with the zeroed row)
         assert p["output_tok_per_s"] * p["wall_s"] == pytest.approx(p["ok"] * 2 * 2 * 4)
         assert p["cpu_s_per_session"] > 0 and p["prefill_tokens_computed_per_session"] > 0
-    # the shared base computes each context once; per-model prefill computes it once per decoder
-    assert pts["a"]["prefill_tokens_computed_per_session"] < pts["b"]["prefill_tokens_computed_per_session"]
-    assert pts["a"]["pool_hit_ratio"] == pytest.approx(1.0) and pts["c"]["pool_hit_ratio"] is None
-    assert pts["c"]["pool_peak_bytes"] == 0 and pts["a"]["pool_peak_bytes"] >= 0
+    # the shared base computes each context once; per-adapter prefill computes it once per adapter
+    assert pts["a-lora"]["prefill_tokens_computed_per_session"] < pts["b-lora"]["prefill_tokens_computed_per_session"]
+    # every adapter's request found its KV: the base's (a-lora) or its own adapter's (b-lora, keyed per adapter)
+    assert pts["a-lora"]["pool_hit_ratio"] == pytest.approx(1.0) and pts["b-lora"]["pool_hit_ratio"] == pytest.approx(1.0)
+    assert pts["c-lora"]["pool_hit_ratio"] is None and pts["c-lora"]["pool_peak_bytes"] == 0
     # round 2 extends round 1's context: every engine that saw round 1 finds it in its prefix cache
     assert all(p["cache_hit_ratio"] > 0 for p in pts.values())
-    assert {c["baseline"] for c in doc["comparisons"]} == {"b", "c"}
+    assert {(c["system"], c["baseline"]) for c in doc["comparisons"]} == {("a-lora", "b-lora"), ("a-lora", "c-lora")}
     for c in doc["comparisons"]:
         assert c["throughput_bound"] > 0 and c["throughput_ratio"] > 0
-    assert set(doc["phase_costs"]["128"]) == {"a", "b", "c"}
+    assert set(doc["phase_costs"]["128"]) == set(systems)
     md = (out / "results.md").read_text()
-    assert "| a prefillshare | 2 | 128 | 2 |" in md and "bound" in md
+    assert "| a-lora prefillshare-lora | 2 | 128 | 2 |" in md and "bound" in md

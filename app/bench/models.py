@@ -110,6 +110,8 @@ def _view(src: Path, dst: Path, tag: str, tokenizer_dir: Path) -> Path:
     dst.mkdir(parents=True, exist_ok=True)
     for f in src.glob("*.safetensors"):
         link = dst / f.name
+        if link.is_symlink() and link.resolve() != f.resolve():
+            link.unlink()  # a view of another shape's weights
         if not link.exists():
             link.symlink_to(f.resolve())
     cfg = json.loads((src / "config.json").read_text())
@@ -129,6 +131,7 @@ class ModelSet:
     kv_bytes_per_token: int
     params: int
     description: str
+    adapters: tuple[str, ...] = ()  # *-lora systems: LoRA adapter directories of base
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -142,8 +145,9 @@ def _manifest(d: Path, agent: str, module_id: str, tok_hash: str) -> None:
 
 
 def random_models(root: str | Path, n: int, shape: ModelShape, tokenizer_dir: str | Path,
-                  dtype: str = "auto") -> ModelSet:
-    """Base + n shared-prefill decoders + n own-prefill decoders over one random weight file."""
+                  dtype: str = "auto", lora_rank: int = 16) -> ModelSet:
+    """Base + n shared-prefill decoders + n own-prefill decoders over one random weight file,
+    and n random LoRA adapters of the base (rank ``lora_rank``) for the *-lora systems."""
     from app.models.identity import prefill_module_id, tokenizer_hash
 
     root, tokenizer_dir = Path(root), Path(tokenizer_dir)
@@ -158,13 +162,16 @@ def random_models(root: str | Path, n: int, shape: ModelShape, tokenizer_dir: st
         o = _view(src, root / f"own-{i}", f"own-{i}", tokenizer_dir)
         _manifest(o, f"agent{i}", prefill_module_id(o), tok_hash)
         own.append(str(o))
+    adapters = tuple(str(random_adapter(root / f"lora-{i}", base, f"agent{i}", lora_rank, seed=100 + i))
+                     for i in range(n))
     from transformers import AutoTokenizer
 
     vocab = len(AutoTokenizer.from_pretrained(str(tokenizer_dir)))
     params = shape.params(vocab)
     return ModelSet(str(base), tuple(shared), tuple(own), kv_bytes_per_token(base, dtype), params,
                     f"random-weight Llama {params / 1e6:.0f}M (hidden {shape.hidden}, {shape.layers} layers, "
-                    f"{shape.heads} heads, {shape.kv_heads} KV heads), computed in {compute_dtype.resolve(dtype)}")
+                    f"{shape.heads} heads, {shape.kv_heads} KV heads), computed in {compute_dtype.resolve(dtype)}; "
+                    f"random LoRA adapters rank {lora_rank} on all 7 projections", adapters)
 
 
 def shipped_models(root: str | Path, checkpoints: str | Path, n: int, dtype: str = "auto") -> ModelSet:

@@ -6,7 +6,8 @@ from pathlib import Path
 from app.bench.report import PointResult
 from app.bench.systems import SYSTEMS
 
-_STYLE = {"a": ("tab:green", "o"), "b": ("tab:red", "s"), "c": ("tab:blue", "^")}
+_STYLE = {"a": ("tab:green", "o"), "b": ("tab:red", "s"), "c": ("tab:blue", "^"),
+          "a-lora": ("darkgreen", "P"), "b-lora": ("darkred", "X"), "c-lora": ("navy", "v")}
 
 
 def _plt():
@@ -40,10 +41,15 @@ def p95_vs_load(points: list[PointResult], path: str | Path, title: str = "") ->
         for s in SYSTEMS:
             ps = sorted([p for p in points if (p.system, p.fanout, p.context_tokens, p.rounds) == (s, n, L, R)
                          and p.fanout_latency["p95"] is not None], key=lambda p: p.load)
-            if ps:
+            if ps:  # median over repeats, the min-max as an error bar
+                import statistics
+
                 c, m = _STYLE[s]
-                ax.plot([p.load for p in ps], [p.fanout_latency["p95"] for p in ps], marker=m, color=c,
-                        label=f"{s} {SYSTEMS[s]}")
+                loads = sorted({p.load for p in ps})
+                ys = [[p.fanout_latency["p95"] for p in ps if p.load == x] for x in loads]
+                mid = [statistics.median(y) for y in ys]
+                ax.errorbar(loads, mid, yerr=[[a - min(y) for a, y in zip(mid, ys)], [max(y) - a for a, y in zip(mid, ys)]],
+                            marker=m, color=c, capsize=3, label=f"{s} {SYSTEMS[s]}")
         mode = next((p.mode for p in points if (p.fanout, p.context_tokens, p.rounds) == (n, L, R)), "rate")
         ax.set_xlabel("offered load (sessions/s)" if mode == "rate" else "concurrent sessions")
         ax.set_ylabel("p95 fan-out latency (s)")

@@ -9,7 +9,7 @@ import re
 from dataclasses import asdict, dataclass, field
 
 from app.bench.client import SessionResult
-from app.bench.systems import SYSTEMS
+from app.bench.systems import PAIRS, SYSTEMS
 
 
 def percentile(xs: list[float], q: float) -> float | None:
@@ -77,9 +77,16 @@ class PointResult:
     decoder_kv_peak_bytes: float      # modelled: in-flight agents' (prompt + output) tokens x bytes/token
     cpu_s_per_session: float | None
     errors: list[str] = field(default_factory=list)
+    repeat: int = 0                   # which repeat of this (system, N, L, R, load) point
+    loadavg: float | None = None      # the machine's 1-minute load average when the point ended
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    @property
+    def kv_held_peak_bytes(self) -> float:
+        """KV held at the peak: the pool's blocks plus the decoders' modelled resident KV."""
+        return self.pool_peak_bytes + self.decoder_kv_peak_bytes
 
 
 def summarize(system: str, spec, mode: str, load: float, results: list[SessionResult], t0: float, t_end: float,
@@ -144,11 +151,20 @@ class PhaseCosts:
         return self.first_s + (n - 1) * self.marginal_s + n * self.decode_s
 
 
-def throughput_bound(costs: dict[str, PhaseCosts], n: int, baseline: str) -> float | None:
-    """Upper bound on max-throughput(a) / max-throughput(baseline) when the CPU is the limit."""
-    if "a" not in costs or baseline not in costs:
+def throughput_bound(costs: dict[str, PhaseCosts], n: int, baseline: str, subject: str = "a") -> float | None:
+    """Upper bound on max-throughput(subject) / max-throughput(baseline) when the CPU is the limit."""
+    if subject not in costs or baseline not in costs:
         return None
-    return costs[baseline].work(n) / costs["a"].work(n)
+    return costs[baseline].work(n) / costs[subject].work(n)
+
+
+def spread_verdict(lo: float | None, hi: float | None) -> str:
+    """How to read a ratio with its spread over repeats."""
+    if lo is None or hi is None:
+        return "one run: no spread"
+    if lo <= 1.0 <= hi:
+        return "no measurable difference"
+    return "better" if lo > 1.0 else "worse"
 
 
 # --- cross-system comparison ---------------------------------------------------------
@@ -167,43 +183,83 @@ class Comparison:
     label: str
     baseline: str
     slo_s: float | None
-    max_rate: dict                # system -> max sustainable sessions/s (or None)
-    max_throughput: dict          # system -> best achieved sessions/s
-    throughput_ratio: float | None   # max_throughput[a] / max_throughput[baseline]
+    max_rate: dict                # system -> max sustainable sessions/s (or None), first repeat
+    max_throughput: dict          # system -> best achieved sessions/s (median over repeats)
+    throughput_ratio: float | None   # subject / baseline of best achieved sessions/s (median over repeats)
     throughput_bound: float | None
-    p95_ratios: list              # [(load, p95(baseline)/p95(a))]
-    p95_at_2x_unloaded: float | None  # ratio at the first load where baseline p95 >= 2x its unloaded p95
+    p95_ratios: list              # [(load, p95(baseline)/p95(subject) median over repeats, min, max)]
+    p95_at_2x_unloaded: float | None  # median ratio at the first load where baseline p95 >= 2x its unloaded p95
+    system: str = "a"
+    repeats: int = 1
+    throughput_spread: tuple | None = None  # (min, max) of the per-repeat throughput ratios
+    finished_sessions: dict = field(default_factory=dict)  # system -> finished sessions over all loads and repeats
 
     def to_dict(self) -> dict:
         return asdict(self)
 
+    @property
+    def verdict(self) -> str:
+        lo, hi = self.throughput_spread or (None, None)
+        return spread_verdict(lo, hi)
 
-def compare(points: list[PointResult], costs: dict[str, PhaseCosts], baseline: str, slo_s: float | None
-            ) -> Comparison | None:
-    by = {s: sorted([p for p in points if p.system == s], key=lambda p: p.load) for s in SYSTEMS}
-    if not by["a"] or not by[baseline]:
+
+def _median(xs: list[float]) -> float | None:
+    import statistics
+
+    return statistics.median(xs) if xs else None
+
+
+def compare(points: list[PointResult], costs: dict[str, PhaseCosts], baseline: str, slo_s: float | None,
+            subject: str = "a") -> Comparison | None:
+    """``subject`` against ``baseline`` on one (N, L, R): ratios per repeat, their median and spread."""
+    by = {s: sorted([p for p in points if p.system == s], key=lambda p: (p.load, p.repeat))
+          for s in (subject, baseline)}
+    if not by[subject] or not by[baseline]:
         return None
-    p0 = by["a"][0]
-    maxtp = {s: max((p.sessions_per_s for p in ps), default=None) for s, ps in by.items() if ps}
+    p0 = by[subject][0]
+    repeats = sorted({p.repeat for p in by[subject]} & {p.repeat for p in by[baseline]})
+
+    def best(s: str, r: int) -> float | None:
+        return max((p.sessions_per_s for p in by[s] if p.repeat == r), default=None)
+
+    per_rep = [best(subject, r) / best(baseline, r) for r in repeats if best(subject, r) and best(baseline, r)]
+    maxtp = {s: _median([x for r in repeats if (x := best(s, r)) is not None]) for s in by}
+    at = {(p.system, p.load, p.repeat): p.fanout_latency["p95"] for s in by for p in by[s]}
     ratios = []
-    a_at = {p.load: p for p in by["a"]}
-    for p in by[baseline]:
-        q = a_at.get(p.load)
-        if q and q.fanout_latency["p95"] and p.fanout_latency["p95"]:
-            ratios.append((p.load, p.fanout_latency["p95"] / q.fanout_latency["p95"]))
+    for load in sorted({p.load for p in by[baseline]}):
+        rs = [at[(baseline, load, r)] / at[(subject, load, r)] for r in repeats
+              if at.get((baseline, load, r)) and at.get((subject, load, r))]
+        if rs:
+            ratios.append((load, _median(rs), min(rs), max(rs)))
     at2 = None
-    base_unloaded = by[baseline][0].fanout_latency["p95"]
-    if base_unloaded:
-        for p in by[baseline]:
-            if p.fanout_latency["p95"] and p.fanout_latency["p95"] >= 2 * base_unloaded:
-                at2 = next((r for load, r in ratios if load == p.load), None)
+    base_p95 = {load: _median([x for r in repeats if (x := at.get((baseline, load, r)))])
+                for load in sorted({p.load for p in by[baseline]})}
+    loads = [load for load, v in base_p95.items() if v]
+    if loads:
+        unloaded = base_p95[loads[0]]
+        for load in loads:
+            if base_p95[load] >= 2 * unloaded:
+                at2 = next((r[1] for r in ratios if r[0] == load), None)
                 break
-    tr = (maxtp["a"] / maxtp[baseline]) if maxtp.get("a") and maxtp.get(baseline) else None
+    first = {s: [p for p in by[s] if p.repeat == (repeats[0] if repeats else 0)] for s in by}
     return Comparison(
         label=f"N={p0.fanout} L={p0.context_tokens} R={p0.rounds}", baseline=baseline, slo_s=slo_s,
-        max_rate={s: (max_sustainable(ps, slo_s) if slo_s else None) for s, ps in by.items() if ps},
-        max_throughput=maxtp, throughput_ratio=tr, throughput_bound=throughput_bound(costs, p0.fanout, baseline),
-        p95_ratios=ratios, p95_at_2x_unloaded=at2)
+        max_rate={s: (max_sustainable(ps, slo_s) if slo_s else None) for s, ps in first.items() if ps},
+        max_throughput=maxtp, throughput_ratio=_median(per_rep),
+        throughput_bound=throughput_bound(costs, p0.fanout, baseline, subject),
+        p95_ratios=ratios, p95_at_2x_unloaded=at2, system=subject, repeats=len(repeats),
+        throughput_spread=(min(per_rep), max(per_rep)) if len(per_rep) > 1 else None,
+        finished_sessions={s: sum(p.ok for p in by[s]) for s in by})
+
+
+def compare_all(points: list[PointResult], costs: dict[str, PhaseCosts], slo_s: float | None) -> list[Comparison]:
+    """Every (subject, baseline) pair of systems.PAIRS that ran."""
+    out = []
+    for subject, baseline in PAIRS:
+        c = compare(points, costs, baseline, slo_s, subject)
+        if c is not None:
+            out.append(c)
+    return out
 
 
 # --- Markdown ------------------------------------------------------------------------
@@ -212,33 +268,44 @@ def _f(x, fmt="{:.2f}") -> str:
 
 
 def points_table(points: list[PointResult]) -> str:
-    head = ("| system | N | L | R | load | ok/sent | fan-out p50/p95/p99 s | TTFT p50/p95/p99 s | sessions/s | "
-            "out tok/s | prefill tok/session | cache hit | pool peak MiB | dec KV peak MiB | CPU s/session |")
+    head = ("| system | N | L | R | load | rep | ok/sent | fan-out p50/p95/p99 s | TTFT p50/p95 s | sessions/s | "
+            "out tok/s | prefill tok/session | cache hit | KV held peak MiB (pool + decoders) | CPU s/session | "
+            "load avg |")
     rows = [head, "|" + "---|" * (head.count("|") - 1)]
     for p in points:
         fl, tt = p.fanout_latency, p.ttft
         load = f"{p.load:g}/s" if p.mode == "rate" else f"c={p.load:g}"
         rows.append(
-            f"| {p.system} {SYSTEMS[p.system]} | {p.fanout} | {p.context_tokens} | {p.rounds} | {load} | {p.ok}/{p.sent} | "
-            f"{_f(fl['p50'])}/{_f(fl['p95'])}/{_f(fl['p99'])} | {_f(tt['p50'])}/{_f(tt['p95'])}/{_f(tt['p99'])} | "
+            f"| {p.system} {SYSTEMS[p.system]} | {p.fanout} | {p.context_tokens} | {p.rounds} | {load} | {p.repeat} | "
+            f"{p.ok}/{p.sent} | {_f(fl['p50'])}/{_f(fl['p95'])}/{_f(fl['p99'])} | {_f(tt['p50'])}/{_f(tt['p95'])} | "
             f"{p.sessions_per_s:.3f} | {p.output_tok_per_s:.1f} | {p.prefill_tokens_computed_per_session:.0f} | "
-            f"{_f(p.cache_hit_ratio)} | {p.pool_peak_bytes / 2**20:.1f} | {p.decoder_kv_peak_bytes / 2**20:.1f} | "
-            f"{_f(p.cpu_s_per_session)} |")
+            f"{_f(p.cache_hit_ratio)} | {p.kv_held_peak_bytes / 2**20:.1f} ({p.pool_peak_bytes / 2**20:.1f} + "
+            f"{p.decoder_kv_peak_bytes / 2**20:.1f}) | {_f(p.cpu_s_per_session)} | {_f(p.loadavg, '{:.1f}')} |")
     return "\n".join(rows)
 
 
+def _spread(lo, hi) -> str:
+    return "" if lo is None else f" [{lo:.2f}-{hi:.2f}]"
+
+
 def comparison_table(comps: list[Comparison]) -> str:
-    head = ("| point | vs | max throughput a / base (sessions/s) | ratio | bound | ratio / bound | "
-            "p95(base)/p95(a) per load | at base 2x unloaded | max rate under SLO a / base |")
+    head = ("| point | system vs baseline | repeats, finished sessions | max throughput (sessions/s) | "
+            "ratio [min-max] | reading | bound | ratio / bound | p95(base)/p95(system) per load [min-max] | "
+            "at base 2x unloaded | max rate under SLO |")
     rows = [head, "|" + "---|" * (head.count("|") - 1)]
     for c in comps:
-        a, b = c.max_throughput.get("a"), c.max_throughput.get(c.baseline)
+        a, b = c.max_throughput.get(c.system), c.max_throughput.get(c.baseline)
         frac = c.throughput_ratio / c.throughput_bound if c.throughput_ratio and c.throughput_bound else None
-        p95s = ", ".join(f"{load:g}: {r:.2f}x" for load, r in c.p95_ratios) or "-"
+        lo, hi = c.throughput_spread or (None, None)
+        p95s = ", ".join(f"{r[0]:g}: {r[1]:.2f}x" + (_spread(r[2], r[3]) if c.repeats > 1 else "")
+                         for r in c.p95_ratios) or "-"
+        fin = c.finished_sessions
         rows.append(
-            f"| {c.label} | {c.baseline} {SYSTEMS[c.baseline]} | {_f(a, '{:.3f}')} / {_f(b, '{:.3f}')} | "
-            f"{_f(c.throughput_ratio, '{:.2f}x')} | {_f(c.throughput_bound, '{:.2f}x')} | {_f(frac, '{:.0%}')} | "
-            f"{p95s} | {_f(c.p95_at_2x_unloaded, '{:.2f}x')} | {_f(c.max_rate.get('a'), '{:g}')} / {_f(c.max_rate.get(c.baseline), '{:g}')} |")
+            f"| {c.label} | {c.system} vs {c.baseline} | {c.repeats}, {fin.get(c.system, 0)} / {fin.get(c.baseline, 0)} | "
+            f"{_f(a, '{:.3f}')} / {_f(b, '{:.3f}')} | {_f(c.throughput_ratio, '{:.2f}x')}{_spread(lo, hi)} | "
+            f"{c.verdict} | {_f(c.throughput_bound, '{:.2f}x')} | {_f(frac, '{:.0%}')} | {p95s} | "
+            f"{_f(c.p95_at_2x_unloaded, '{:.2f}x')} | {_f(c.max_rate.get(c.system), '{:g}')} / "
+            f"{_f(c.max_rate.get(c.baseline), '{:g}')} |")
     return "\n".join(rows)
 
 

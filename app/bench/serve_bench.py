@@ -1,11 +1,11 @@
-"""`prefillshare bench serve`: PrefillShare vs per-model P/D vs colocated, through one HTTP door.
+"""`prefillshare bench serve`: PrefillShare vs per-model P/D vs colocated (full or LoRA decoders), one HTTP door.
 
 One Ray cluster, one Serve HTTP proxy; the systems (app/bench/systems.py) are deployed one
 after another as the same Serve application with different configs, so every system runs on
 the same machine in the same run and answers the same seeded sessions. Per system:
   1. deploy, wait for /ready, one warm-up session;
   2. per context length, unloaded phase costs (one request at a time) for the work bound;
-  3. per (N, L, R) and load point, sessions at Poisson rate lambda (or fixed concurrency);
+  3. per (N, L, R), repeat and load point, sessions at Poisson rate lambda (or fixed concurrency);
      /metrics is read before and after (prefill tokens, cache hits, pool bytes), CPU seconds of
      every process of the cluster are summed;
   4. the application is deleted (its engines exit) before the next system starts.
@@ -39,7 +39,7 @@ GIB_PER_ENGINE = 1.4  # beyond its KV space (docs/platform.md)
 
 @dataclass(frozen=True)
 class ServeBenchConfig:
-    systems: tuple[str, ...] = ("a", "b", "c")
+    systems: tuple[str, ...] = ("a", "b", "c")  # and/or a-lora, b-lora, c-lora
     fanouts: tuple[int, ...] = (2,)
     lengths: tuple[int, ...] = (1024,)
     rounds: tuple[int, ...] = (1,)
@@ -50,6 +50,7 @@ class ServeBenchConfig:
     max_sessions: int = 200
     session_timeout_s: float = 300.0
     warmup: int = 4                        # warm-up sessions per system, sent together
+    repeats: int = 1                       # runs of every load point (fresh sessions each), for the spread
     probes: int = 2
     seed: int = 0
     models: str = "random"                 # "random" | "shipped"
@@ -78,6 +79,10 @@ class ServeBenchConfig:
             raise ValueError("--models: 'random' or 'shipped'")
         if self.duration_s <= 0:
             raise ValueError("--duration must be > 0 seconds")
+        if self.repeats < 1:
+            raise ValueError("--repeats must be >= 1")
+        if self.models == "shipped" and any(s.endswith("-lora") for s in self.systems):
+            raise ValueError("--systems: the *-lora systems need --models random (random LoRA adapters of the base)")
         for L in self.lengths:
             WorkloadSpec(L, 1, self.output_tokens, 1)
 
@@ -235,16 +240,16 @@ def _probe_costs(url: str, cfg: ServeBenchConfig, maker, L: int, n: int, system_
 
 
 def _run_point(url: str, cfg: ServeBenchConfig, system: str, spec: WorkloadSpec, load: float, maker,
-               kv_bytes_per_token: int):
+               kv_bytes_per_token: int, repeat: int = 0):
     from app.bench.client import closed_loop, open_loop
     from app.bench.report import summarize
     from app.bench.workload import make_sessions, poisson_arrivals
 
     # fresh contexts per load point (a context seen at an earlier point would hit prefix caches);
     # the same ones for every system
-    seed = f"{cfg.seed}-{cfg.mode}-{load:g}"
+    seed = f"{cfg.seed}-{cfg.mode}-{load:g}" + (f"-r{repeat}" if repeat else "")
     if cfg.mode == "rate":
-        arrivals = poisson_arrivals(load, cfg.duration_s, cfg.seed, cfg.max_sessions)
+        arrivals = poisson_arrivals(load, cfg.duration_s, cfg.seed + repeat, cfg.max_sessions)
         sessions = make_sessions(spec, len(arrivals), seed, maker)
     else:
         sessions = make_sessions(spec, cfg.max_sessions, seed, maker)
@@ -265,8 +270,9 @@ def _run_point(url: str, cfg: ServeBenchConfig, system: str, spec: WorkloadSpec,
     results, t0, t_end = asyncio.run(go())
     cpu = _cluster_cpu_s() - cpu0
     after = _metrics(url)
-    return summarize(system, spec, cfg.mode, load, results, t0, t_end, before, after, peak_box[0],
-                     kv_bytes_per_token, cpu)
+    p = summarize(system, spec, cfg.mode, load, results, t0, t_end, before, after, peak_box[0],
+                  kv_bytes_per_token, cpu)
+    return replace(p, repeat=repeat, loadavg=round(os.getloadavg()[0], 1))
 
 
 def _deployable_n(cfg: ServeBenchConfig, system: str) -> int:
@@ -291,7 +297,7 @@ def run(cfg: ServeBenchConfig, log=print) -> dict:
     n_max = max(cfg.fanouts)
     model_root = Path(cfg.model_dir) if os.path.isabs(cfg.model_dir) else PROJECT / cfg.model_dir
     if cfg.models == "random":
-        mset = bm.random_models(model_root, n_max, cfg.shape, tokenizer, cfg.topology.dtype)
+        mset = bm.random_models(model_root, n_max, cfg.shape, tokenizer, cfg.topology.dtype, cfg.topology.lora_rank)
         limit = cfg.shape.max_position
     else:
         mset = bm.shipped_models(model_root / "shipped", PROJECT / cfg.checkpoints, n_max, cfg.topology.dtype)
@@ -345,12 +351,14 @@ def run(cfg: ServeBenchConfig, log=print) -> dict:
                         log(f"[{system}] L={L} unloaded: first {c.first_s:.3f}s next {c.marginal_s:.3f}s "
                             f"decode {c.decode_s:.3f}s")
                 for spec in cfg.specs(n):
-                    for load in cfg.loads:
-                        p = _run_point(url, cfg, system, spec, load, maker, mset.kv_bytes_per_token)
-                        points.append(p)
-                        log(f"[{system}] {spec.label} load {load:g}: ok {p.ok}/{p.sent} fan-out p95 "
-                            f"{p.fanout_latency['p95'] or float('nan'):.2f}s {p.sessions_per_s:.3f} sess/s "
-                            f"{p.output_tok_per_s:.1f} tok/s" + (f" errors {p.errors[:2]}" if p.errors else ""))
+                    for rep_ in range(cfg.repeats):
+                        for load in cfg.loads:
+                            p = _run_point(url, cfg, system, spec, load, maker, mset.kv_bytes_per_token, rep_)
+                            points.append(p)
+                            log(f"[{system}] {spec.label} load {load:g} rep {rep_}: ok {p.ok}/{p.sent} fan-out p95 "
+                                f"{p.fanout_latency['p95'] or float('nan'):.2f}s {p.sessions_per_s:.3f} sess/s "
+                                f"{p.output_tok_per_s:.1f} tok/s load avg {p.loadavg}"
+                                + (f" errors {p.errors[:2]}" if p.errors else ""))
             finally:
                 serve.delete(f"bench-{system}")
                 shutil.rmtree(pool, ignore_errors=True)
@@ -369,23 +377,19 @@ def run(cfg: ServeBenchConfig, log=print) -> dict:
 def _document(cfg: ServeBenchConfig, mset, topo: Topology, deploy_s: dict, skipped: list, costs: dict,
               points: list) -> tuple[dict, list]:
     """The result document and the comparisons, from whatever has been measured so far."""
-    from app.bench.report import compare
+    from app.bench.report import compare_all
 
     n_max = max(cfg.fanouts)
     comps = []
     for spec in cfg.specs(n_max):
         pts = [p for p in points if (p.fanout, p.context_tokens, p.rounds) == (spec.fanout, spec.context_tokens,
                                                                               spec.rounds)]
-        ref = [p for p in pts if p.system == "b"] or pts
+        ref = [p for p in pts if p.system == "b"] or [p for p in pts if p.system == "c-lora"] or pts
         slo = cfg.slo_s
         if slo is None and ref:
             lowest = min(ref, key=lambda p: p.load)
             slo = cfg.slo_factor * lowest.fanout_latency["p95"] if lowest.fanout_latency["p95"] else None
-        for base in ("b", "c"):
-            if base in cfg.systems:
-                c = compare(pts, costs.get(spec.context_tokens, {}), base, slo)
-                if c is not None:
-                    comps.append(c)
+        comps += compare_all(pts, costs.get(spec.context_tokens, {}), slo)
     doc = {
         "config": _jsonable(asdict(cfg)),
         "machine": _machine(),
@@ -429,12 +433,15 @@ def render_markdown(doc: dict, points, comps, costs) -> str:
         f"Machine: {m['cpus']} CPUs, {m['memory_gib']} GiB, load average at end {m['loadavg_at_end']} "
         f"({m['time_utc']} UTC). Models: {doc['models']['description']}. Engines: KV space "
         f"{t['kv_cache_gib']} GiB, block {t['block_size']}, threads {t['threads_bind']}, "
-        f"max_model_len {t['max_model_len']}; system a uses {t['prefill_replicas']} shared prefill replica(s).",
+        f"max_model_len {t['max_model_len']}; systems a and a-lora use {t['prefill_replicas']} shared prefill "
+        f"replica(s); LoRA: rank {t['lora_rank']}, c-lora runs {t['colocated_replicas']} replica(s) of its "
+        f"multi-LoRA engine. Each load point ran {doc['config']['repeats']} time(s); a ratio whose spread over "
+        "repeats includes 1.0 reads \"no measurable difference\".",
         "",
         "## Per load point",
         points_table(points),
         "",
-        "## Ratios (PrefillShare a vs baseline) beside the work bound",
+        "## Ratios (PrefillShare vs baseline) beside the work bound",
         comparison_table(comps),
         "",
         "## Unloaded phase costs (bound inputs)",
@@ -484,7 +491,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     """Arguments of `prefillshare bench serve`."""
     a = parser.add_argument
     a("--quick", action="store_true", help="smoke run: small random model, N=2, L=128, one short load point")
-    a("--systems", help="comma list of a (prefillshare), b (disagg per-model P/D), c (colocated); default a,b,c")
+    a("--systems", help="comma list of a (prefillshare), b (disagg per-model P/D), c (colocated) and their LoRA "
+      "forms a-lora, b-lora, c-lora (c-lora: one multi-LoRA engine, what vLLM users run); default a,b,c")
     a("--fanouts", type=_ints, help="N agents per round, e.g. 2,4,8")
     a("--lengths", type=_ints, help="shared context tokens L, e.g. 1024,2048,4096")
     a("--rounds", type=_ints, help="R rounds per session, e.g. 1,3")
@@ -495,6 +503,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     a("--max-sessions", type=int, help="cap on sessions per load point (default 200)")
     a("--session-timeout", type=float, dest="session_timeout_s", help="seconds before a session counts as failed")
     a("--warmup", type=int, help="warm-up sessions per system, sent together (default 4)")
+    a("--repeats", type=int, help="runs of every load point, fresh sessions each (default 1); ratios get a spread")
     a("--probes", type=int, help="repeats of each unloaded phase-cost probe (default 2)")
     a("--seed", type=int)
     a("--models", choices=["random", "shipped"], help="random-weight Llama (default) or the shipped checkpoints")
@@ -505,6 +514,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     a("--threads-bind", help="VLLM_CPU_OMP_THREADS_BIND for every engine (default nobind)")
     a("--dtype", choices=["auto", "bfloat16", "float32"],
       help="engine compute dtype; auto (default): bfloat16 where computed natively, else float32")
+    a("--lora-rank", type=int, help="rank of the random LoRA adapters (default 16)")
+    a("--lora-kv-cache-gib", type=float, help="KV space of an engine holding the N adapters (default N x --kv-cache-gib)")
+    a("--colocated-replicas", type=int, help="c-lora: replicas of the multi-LoRA engine (default 2: one per core)")
     a("--max-engines", type=int, help="skip (and report) systems needing more engines (default 8)")
     a("--slo", type=float, dest="slo_s", help="p95 fan-out latency SLO in s (default 2x baseline b unloaded)")
     a("--slo-factor", type=float)
@@ -520,7 +532,7 @@ def config_from_args(args: argparse.Namespace) -> ServeBenchConfig:
         kw["topology"] = Topology(kv_cache_gib=0.125, prefill_replicas=1)
         kw["model_dir"] = "runs/bench/serve-models-quick"
     for name in ("fanouts", "lengths", "rounds", "output_tokens", "rates", "concurrency", "duration_s",
-                 "max_sessions", "session_timeout_s", "warmup", "probes", "seed", "models", "max_engines",
+                 "max_sessions", "session_timeout_s", "warmup", "repeats", "probes", "seed", "models", "max_engines",
                  "slo_s", "slo_factor", "out", "model_dir"):
         v = getattr(args, name, None)
         if v is not None:
@@ -533,7 +545,8 @@ def config_from_args(args: argparse.Namespace) -> ServeBenchConfig:
     over = {k: getattr(args, k) for k in ("hidden", "layers", "heads", "kv_heads", "intermediate")
             if getattr(args, k, None) is not None}
     topo = kw.get("topology", Topology())
-    tover = {k: getattr(args, k) for k in ("kv_cache_gib", "prefill_replicas", "threads_bind", "dtype")
+    tover = {k: getattr(args, k) for k in ("kv_cache_gib", "prefill_replicas", "threads_bind", "dtype", "lora_rank",
+                                           "lora_kv_cache_gib", "colocated_replicas")
              if getattr(args, k, None) is not None}
     kw["shape"] = replace(shape, **over)
     kw["topology"] = replace(topo, **tover)

@@ -10,6 +10,17 @@ HTTP routes with decoders named ``agent0..agent{n-1}``; only the topology differ
                     over through the same connector; nothing is shared across models;
   c  colocated      n engines that prefill and decode their own prompts, prefix caching on,
                     no prefill module and no connector.
+
+The same three with the n decoders as LoRA adapters of the base (random-weight adapters):
+
+  a-lora            the shared prefill module + ONE decode group holding the n adapters, loading
+                    the base's KV for every adapter's request;
+  b-lora            per-model P/D with adapters: one prefill engine holding the n adapters
+                    (each adapter computes its own prompt's KV, keyed per adapter) handing KV to
+                    one decode group holding the same n adapters;
+  c-lora            what vLLM users run today: engines holding the n adapters, prefix caching on,
+                    each adapter prefilling its own prompt (vLLM salts cached blocks per adapter);
+                    ``colocated_replicas`` replicas so that it uses every core, like a and b.
 """
 from __future__ import annotations
 
@@ -17,7 +28,10 @@ from dataclasses import dataclass
 
 from app.bench.models import ModelSet
 
-SYSTEMS = {"a": "prefillshare", "b": "disagg", "c": "colocated"}
+SYSTEMS = {"a": "prefillshare", "b": "disagg", "c": "colocated",
+           "a-lora": "prefillshare-lora", "b-lora": "disagg-lora", "c-lora": "multi-lora"}
+# (system under test, baseline) pairs the report compares
+PAIRS = (("a", "b"), ("a", "c"), ("a-lora", "b-lora"), ("a-lora", "c-lora"))
 
 
 @dataclass(frozen=True)
@@ -36,9 +50,16 @@ class Topology:
     max_agents: int = 16
     max_rounds: int = 4
     request_timeout_s: float = 600.0
+    lora_rank: int = 16
+    lora_kv_cache_gib: float | None = None  # KV space of an engine holding n adapters (default n x kv_cache_gib)
+    colocated_replicas: int = 2    # c-lora: replicas of the one multi-LoRA engine (one per core)
 
     def engines(self, system: str, n: int) -> int:
-        return {"a": self.prefill_replicas + n, "b": 2 * n, "c": n}[system]
+        return {"a": self.prefill_replicas + n, "b": 2 * n, "c": n, "a-lora": self.prefill_replicas + 1,
+                "b-lora": self.prefill_replicas + 1, "c-lora": self.colocated_replicas}[system]
+
+    def group_kv_gib(self, n: int) -> float:
+        return self.lora_kv_cache_gib or self.kv_cache_gib * n
 
 
 def decoder_names(n: int) -> list[str]:
@@ -49,14 +70,17 @@ def app_config(system: str, models: ModelSet, n: int, topo: Topology, tokenizer:
     """The AppConfig dict (app/config.py) of ``system`` with ``n`` decoders."""
     if system not in SYSTEMS:
         raise ValueError(f"--systems: unknown system {system!r} (choose from {', '.join(SYSTEMS)})")
-    if n > len(models.shared):
-        raise ValueError(f"--fanouts: {n} decoders asked, {len(models.shared)} model directories prepared")
+    have = len(models.adapters) if system.endswith("-lora") else len(models.shared)
+    if n > have:
+        raise ValueError(f"--fanouts: {n} decoders asked, {have} model directories prepared")
     engine = {"dtype": topo.dtype, "max_model_len": topo.max_model_len, "kv_cache_gib": topo.kv_cache_gib,
               "block_size": topo.block_size, "max_num_seqs": topo.max_num_seqs, "threads_bind": topo.threads_bind}
     dec_place = {"num_cpus": 0.1, "placement_group_bundles": [{"CPU": 0.1}], "max_ongoing_requests": 64}
     pf_place = {"num_cpus": 0.1, "max_ongoing_requests": 64}
     names = decoder_names(n)
-    if system == "a":
+    if system.endswith("-lora"):
+        prefill, decoders = _lora_system(system, models, n, topo, engine, dec_place, pf_place)
+    elif system == "a":
         prefill = [{"name": "base", "model": models.base, "engine": engine,
                     "placement": {**pf_place, "num_replicas": topo.prefill_replicas}}]
         decoders = [{"name": nm, "model": models.shared[i], "prefill_module": "base", "engine": engine,
@@ -81,3 +105,21 @@ def app_config(system: str, models: ModelSet, n: int, topo: Topology, tokenizer:
         "orchestrator": {"num_cpus": 0.05, "max_ongoing_requests": 1024},
         "engine_env": {"VLLM_HOST_IP": "127.0.0.1"},
     }
+
+
+def _lora_system(system: str, models: ModelSet, n: int, topo: Topology, engine: dict, dec_place: dict,
+                 pf_place: dict) -> tuple[list, list]:
+    """(prefill modules, decoders) of a-lora, b-lora or c-lora: one group engine holds the n adapters."""
+    adapters = [{"name": nm, "path": models.adapters[i], "rank": topo.lora_rank}
+                for i, nm in enumerate(decoder_names(n))]
+    lora = {"adapters": adapters, "max_lora_rank": topo.lora_rank, "max_loras": n}
+    group_engine = {**engine, "kv_cache_gib": topo.group_kv_gib(n), "max_num_seqs": topo.max_num_seqs * n}
+    group = {"name": "lora-group", "model": models.base, "engine": group_engine, "placement": dec_place, **lora}
+    pf = {**pf_place, "num_replicas": topo.prefill_replicas}
+    if system == "a-lora":
+        return [{"name": "base", "model": models.base, "engine": engine, "placement": pf}], \
+            [{**group, "prefill_module": "base"}]
+    if system == "b-lora":
+        return [{"name": "own", "model": models.base, "engine": group_engine, "placement": pf, **lora}], \
+            [{**group, "prefill_module": "own"}]
+    return [], [{**group, "prefill_module": None, "placement": {**dec_place, "num_replicas": topo.colocated_replicas}}]
