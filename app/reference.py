@@ -78,7 +78,8 @@ import safetensors.torch  # noqa: E402
 
 @dataclass
 class SharedKV:
-    """Base KV of a batch of right-padded prefixes: pads are masked out, never attended to."""
+    """Base KV of a batch of LEFT-padded prefixes: pads are masked out, never attended to, and
+    every row's real tokens sit next to what follows them (sliding windows stay right)."""
 
     cache: DynamicCache
     mask: torch.Tensor     # [B, P] long, 1 = real token
@@ -96,12 +97,26 @@ def pad_right(seqs: Sequence[Sequence[int]], pad_id: int, device=None) -> tuple[
     return ids, mask
 
 
+def pad_left(seqs: Sequence[Sequence[int]], pad_id: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids [B, T], mask [B, T]) with every sequence right-aligned."""
+    width = max(1, max(len(s) for s in seqs))
+    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long, device=device)
+    mask = torch.zeros((len(seqs), width), dtype=torch.long, device=device)
+    for i, s in enumerate(seqs):
+        if len(s):
+            ids[i, width - len(s):] = torch.tensor(list(s), dtype=torch.long)
+            mask[i, width - len(s):] = 1
+    return ids, mask
+
+
 def batched_prompt_kv(model: PreTrainedModel, prefixes: Sequence[Sequence[int]], pad_id: int = 0) -> SharedKV:
-    """KV of ``model`` over each prefix (no gradients: the prefill module is frozen)."""
-    ids, mask = pad_right(prefixes, pad_id, model.device)
+    """KV of ``model`` over each prefix (no gradients: the prefill module is frozen); positions
+    count real tokens only, so a row's KV equals its unpadded KV."""
+    ids, mask = pad_left(prefixes, pad_id, model.device)
     cache = DynamicCache()
     with torch.no_grad():
-        model(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True)
+        model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(1) - 1).clamp(min=0),
+              past_key_values=cache, use_cache=True)
     return SharedKV(cache, mask, mask.sum(1))
 
 

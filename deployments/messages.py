@@ -30,6 +30,7 @@ class PrefillRequest:
     shared_prefix: tuple[int, ...] = ()
     locality_keys: tuple[str, ...] = ()
     cache_salt: str | None = None
+    adapters: tuple[str | None, ...] = ()  # per prompt: the LoRA adapter computing its KV (per-adapter prefill)
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,7 @@ class DecodeRequest:
     kv_transfer_params: dict[str, Any] | None = None
     cache_salt: str | None = None
     prefer_node: str | None = None  # the prefill's node: deployments/node_router.py routes there first
+    adapter: str | None = None  # the LoRA adapter of a decode group this request runs with
 
 
 @dataclass
@@ -126,6 +128,9 @@ class DecoderPlan:
     private_detail: str | None  # readable reason
     kv_bytes_per_token: int
     max_model_len: int
+    group: str | None = None  # decode group (config decoder name) whose engine serves this LoRA decoder
+    adapter: str | None = None  # LoRA adapter name in that engine (None: a full-weight decoder)
+    prefill_adapter: str | None = None  # the prefill module computes this decoder's KV with this adapter
 
 
 @dataclass(frozen=True)

@@ -83,5 +83,6 @@ def test_padded_prefix_kv_matches_unpadded(models, prompts):
     for i, p in enumerate(prompts):
         alone = prompt_kv(base, p)
         for a, b in zip(kv.cache.layers, alone.layers):
-            torch.testing.assert_close(a.keys[i:i + 1, :, : len(p)], b.keys, rtol=1e-4, atol=1e-5)
-            torch.testing.assert_close(a.values[i:i + 1, :, : len(p)], b.values, rtol=1e-4, atol=1e-5)
+            width = a.keys.shape[2]  # left-padded: row i's tokens are the last len(p) slots
+            torch.testing.assert_close(a.keys[i:i + 1, :, width - len(p):], b.keys, rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(a.values[i:i + 1, :, width - len(p):], b.values, rtol=1e-4, atol=1e-5)

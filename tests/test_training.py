@@ -14,8 +14,8 @@ from app.models.compat import check
 from app.models.manifest import read_manifest
 from app.models.shapes import save_random_model
 from app.training import batches, tasks
-from app.training.cache_conditioned import TrainConfig, train_decoder
 from app.training.tokenizer import load_tokenizer
+from app.training.trainer import TrainConfig, train_decoder
 
 TOKENIZER = Path(__file__).resolve().parents[1] / "checkpoints" / "tokenizer"
 FAST = dict(steps=3, batch_size=4, lr=5e-3, warmup=1)

@@ -19,13 +19,14 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+from transformers import DynamicCache
 
 from app.handover import split_prompt
 from app.models import checkpoint
-from app.models.compat import check
-from app.models.identity import CheckpointError
+from app.models.compat import check, check_configs
+from app.models.identity import CheckpointError, load_config_dict, prefill_module_id
 from app.models.manifest import read_manifest
-from app.reference import batched_greedy_from_kv, batched_prompt_kv
+from app.reference import SharedKV, batched_greedy_from_kv
 from app.training import batches, tasks
 from app.training.tokenizer import load_tokenizer
 
@@ -90,27 +91,32 @@ def _score_agent(tok, base, runs: dict, enc: Sequence[batches.Encoded], batch_si
     Per batch each prefill model's prefix KV is computed once and shared by every method that
     reads it (the base's KV serves base, PrefillShare and naive reuse), for NLL and generation.
     """
-    eos, pad = tok.eos_token_id, tok.pad_token_id
+    eos, pad = tok.eos_token_id, batches.pad_id_of(tok)
     totals = {m: [0, 0.0, 0] for m in runs}  # correct, nll sum, answer tokens
     for i in range(0, len(enc), batch_size):
         chunk = enc[i: i + batch_size]
-        splits = [split_prompt(e.prompt) for e in chunk]
-        own = [o for _, o in splits]
+        batch = batches.collate(chunk, pad).to(_device(base))
+        own = [split_prompt(e.prompt)[1] for e in chunk]
         want = [tasks.parse_response(tok.decode(e.response[:-1])) for e in chunk]
         max_new = max(len(e.response) for e in chunk) + 2
-        kvs: dict[int, object] = {}
+        kvs: dict[int, batches.PrefixKV] = {}
         for method, (decoder, shared, _) in runs.items():
             prefill_model = base if shared else decoder
             if id(prefill_model) not in kvs:
-                kvs[id(prefill_model)] = batched_prompt_kv(prefill_model, [s for s, _ in splits], pad)
+                kvs[id(prefill_model)] = batches.prefix_kv(prefill_model, batch.prefix_ids, batch.prefix_mask)
             kv = kvs[id(prefill_model)]
-            nll, count = batches.nll_on_kv(decoder, kv, chunk, own, pad)
-            outs = batched_greedy_from_kv(decoder, kv, own, max_new, eos, pad)
+            nll, count = batches.shared_nll_batch(decoder, kv, batch)
+            shared_kv = SharedKV(DynamicCache(ddp_cache_data=kv.layers), kv.mask, kv.lengths)
+            outs = batched_greedy_from_kv(decoder, shared_kv, own, max_new, eos, pad)
             t = totals[method]
             t[0] += sum(int(_answer_text(tok, o, eos) == w) for o, w in zip(outs, want))
             t[1] += float(nll.sum())
             t[2] += int(count.sum())
     return {m: (100.0 * c / len(enc), s / max(1, n)) for m, (c, s, n) in totals.items()}
+
+
+def _device(model) -> torch.device:
+    return next(model.parameters()).device
 
 
 def evaluate(data_path: str | Path, models: ModelSet, batch_size: int = 64, limit: int | None = None) -> dict:
@@ -144,6 +150,87 @@ def evaluate(data_path: str | Path, models: ModelSet, batch_size: int = 64, limi
                         for m in runs}
     return {"data": str(data_path), "methods": list(METHODS),
             "agents": {a: {m: asdict(c) for m, c in row.items()} for a, row in table.items()}}
+
+
+def _eval_device() -> tuple[torch.device, torch.dtype]:
+    """A GPU in bf16 when there is one, else the CPU in float32 (bf16 is emulated on many CPUs)."""
+    if torch.cuda.is_available():
+        return torch.device("cuda"), torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return torch.device("cpu"), torch.float32
+
+
+def evaluate_paths(data_path: str | Path, base_dir: str | Path, decoder: str | Path | None = None,
+                   full_ft: str | Path | None = None, layer_split: str | Path | None = None,
+                   batch_size: int = 64, limit: int | None = None, agent_field: str = "agent") -> dict:
+    """The table for ONE agent's checkpoints given by path, any subset of methods, data in any format.
+
+    The agent and the prompt rendering come from the first given checkpoint's manifest; every
+    checkpoint is validated (manifest, built on this base; the decoder must be able to consume
+    the base's KV) before a model loads.
+    """
+    from app.training.data import read_records, render_records
+    from app.training.rendering import Renderer
+
+    base_dir = Path(base_dir)
+    if not (base_dir / "config.json").is_file():
+        raise CheckpointError(f"{base_dir}: no config.json (not a base checkpoint)")
+    given = {m: Path(p) for m, p in (("prefillshare", decoder), ("full_ft", full_ft), ("layer_split", layer_split))
+             if p is not None}
+    if not given:
+        raise CheckpointError("nothing to evaluate: give --decoder, --full-ft and/or --layer-split")
+    manifests = {m: read_manifest(p) for m, p in given.items()}
+    agents = {m.agent for m in manifests.values()}
+    if len(agents) > 1:
+        raise CheckpointError(f"the checkpoints are for different agents: {sorted(agents)}")
+    agent = agents.pop()
+    if "prefillshare" in given:
+        verdict = check(base_dir, given["prefillshare"])
+        if not verdict.shared:
+            raise CheckpointError(f"{given['prefillshare']}: cannot consume the base's KV: " + "; ".join(verdict.reasons))
+    base_id = None
+    for m, path in given.items():
+        if manifests[m].adapter is None and m != "prefillshare":
+            base_id = base_id or prefill_module_id(base_dir)
+            if manifests[m].prefill_module_id != base_id:
+                raise CheckpointError(f"{path}: trained on prefill module {manifests[m].prefill_module_id}, not {base_id}")
+            if m == "full_ft":
+                problems = check_configs(load_config_dict(base_dir), load_config_dict(path))
+                if problems:
+                    raise CheckpointError(f"{path}: naive reuse cannot read the base's KV: " + "; ".join(problems))
+    first = next(iter(given.values()))
+    renderer = Renderer.for_decoder(first, manifests[next(iter(given))])
+    tok = load_tokenizer(base_dir)
+    records = read_records(data_path, agent, agent_field)  # lines naming another agent are skipped
+    enc = render_records(records[:limit], tok, renderer)
+    device, dtype = _eval_device()
+    base = checkpoint.load_model(base_dir, dtype).to(device)
+    saved_share = sum(len(split_prompt(e.prompt)[0]) / len(e.prompt) for e in enc) / len(enc)
+    runs: dict[str, tuple] = {"base": (base, False, 0.0)}
+    if "full_ft" in given:
+        fullft = checkpoint.load_decoder(given["full_ft"], base_dir, dtype).to(device)
+        runs["full_ft"] = (fullft, False, 0.0)
+    if "prefillshare" in given:
+        runs["prefillshare"] = (checkpoint.load_decoder(given["prefillshare"], base_dir, dtype).to(device), True,
+                                saved_share)
+    if "full_ft" in given:
+        runs["naive_reuse"] = (runs["full_ft"][0], True, saved_share)
+    if "layer_split" in given:
+        shared = manifests["layer_split"].training.get("shared_layers", 0)
+        runs["layer_split"] = (checkpoint.load_decoder(given["layer_split"], base_dir, dtype).to(device), False,
+                               shared / base.config.num_hidden_layers)
+    scores = _score_agent(tok, base, runs, enc, batch_size)
+    row = {m: asdict(Cell(round(scores[m][0], 2), round(scores[m][1], 4), round(runs[m][2], 4), len(enc)))
+           for m in runs}
+    return {"data": str(data_path), "methods": [m for m in METHODS if m in runs], "agents": {agent: row},
+            "prompt_format": renderer.format}
+
+
+def merge_results(results: Sequence[dict]) -> dict:
+    """One table from per-agent results with the same methods."""
+    out = {"data": results[0]["data"], "methods": results[0]["methods"], "agents": {}}
+    for r in results:
+        out["agents"].update(r["agents"])
+    return out
 
 
 def to_markdown(result: dict) -> str:

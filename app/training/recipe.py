@@ -15,8 +15,8 @@ from pathlib import Path
 
 from app.models.manifest import read_manifest
 from app.training import tasks
-from app.training.cache_conditioned import TrainConfig, train_decoder
 from app.training.pretrain import PretrainConfig, pretrain_base
+from app.training.trainer import TrainConfig, has_checkpoint, train_decoder
 
 
 @dataclass(frozen=True)
@@ -94,7 +94,7 @@ def run_recipe(which: str, models: Path, work: Path, quick: bool = False, resume
             cfg = replace(r.decoder, method=method, seed=r.seed, shared_layers=r.shared_layers)
             state = work / "state" / f"{method}-{agent}"
             jobs_args.append((base_dir, train, agent, out, cfg, state,
-                              resume and (state / "trainer_state.pt").is_file(), progress and jobs == 1, threads))
+                              resume and has_checkpoint(state), progress and jobs == 1, threads))
     if jobs == 1:
         for a in jobs_args:
             log(_train_one(*a))
