@@ -69,13 +69,13 @@ class DecodeServer(EngineHost):
                             seed=s.seed, stop_token_ids=tuple(s.stop_token_ids))
         async for out in self.engine.generate(list(req.prompt_token_ids), sampling, req.request_id,
                                               cache_salt=req.cache_salt,
-                                              kv_transfer_params=req.kv_transfer_params):
+                                              kv_transfer_params=req.kv_transfer_params, lora=req.adapter):
             if ttft is None and (out.new_token_ids or out.finished):
                 ttft = time.perf_counter() - t0
             delta = out.text[sent_text:]
             sent_text = len(out.text)
             yield DecodeChunk(
-                request_id=req.request_id, model=self.model, delta_text=delta,
+                request_id=req.request_id, model=req.adapter or self.model, delta_text=delta,
                 delta_token_ids=list(out.new_token_ids), finished=out.finished,
                 finish_reason=out.finish_reason, num_prompt_tokens=out.num_prompt_tokens,
                 num_cached_tokens=out.num_cached_tokens, num_generated_tokens=len(out.token_ids),

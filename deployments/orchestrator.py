@@ -105,6 +105,7 @@ class Orchestrator:
             shared_prefix=tuple(shared),
             locality_keys=locality_keys(mp.module_id, route_on, mp.block_size, salt),
             cache_salt=salt,
+            adapters=tuple(self.plan.decoder(a.model).prefill_adapter for a in agents),
         )
         resp = self.prefill_handles[module].prefill.remote(req)
         try:
@@ -146,7 +147,7 @@ class Orchestrator:
             params = a.ticket.kv_transfer_params[a.ticket_index]
         req = DecodeRequest(request_id=request_id, prompt_token_ids=tuple(a.prompt), sampling=a.sampling,
                             kv_transfer_params=params, cache_salt=salt,
-                            prefer_node=a.ticket.node_id if a.ticket is not None else None)
+                            prefer_node=a.ticket.node_id if a.ticket is not None else None, adapter=dp.adapter)
         try:
             async for chunk in self.decode_handles[a.model].generate.remote(req):
                 if chunk.error:

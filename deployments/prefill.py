@@ -39,7 +39,9 @@ class PrefillServer(EngineHost):
     async def _prefill(self, req: PrefillRequest) -> PrefillTicket:
         t0 = time.perf_counter()
         computed = cached = 0
-        if len(req.shared_prefix) > 1:
+        adapters = req.adapters or (None,) * len(req.prompts)
+        # per-adapter prefill: the base's KV of the shared context is of no use to any adapter
+        if len(req.shared_prefix) > 1 and not any(adapters):
             warm = await self.engine.prefill(list(req.shared_prefix), f"{req.request_id}-ctx",
                                              cache_salt=req.cache_salt)
             computed += warm.num_computed_tokens
@@ -48,8 +50,8 @@ class PrefillServer(EngineHost):
         # One decoder consumes each prompt's blocks: pin them for one load.
         results = await asyncio.gather(*[
             self.engine.prefill(list(p), f"{req.request_id}-{i}", cache_salt=req.cache_salt,
-                                kv_transfer_params={"fanout": 1})
-            for i, (p, s) in enumerate(zip(req.prompts, shared)) if s
+                                kv_transfer_params={"fanout": 1}, lora=lora)
+            for i, (p, s, lora) in enumerate(zip(req.prompts, shared, adapters)) if s
         ])
         for r in results:
             computed += r.num_computed_tokens

@@ -89,6 +89,11 @@ class EngineConfig:
     seed: int = 0
     request_timeout_s: float = 600.0
     extra_env: dict[str, str] = field(default_factory=dict)
+    # LoRA: (name, adapter directory) pairs the engine serves over ``model``; a request names one
+    # (``lora=``) or none (the base). vLLM salts prefix-cache blocks per adapter.
+    lora_adapters: tuple[tuple[str, str], ...] = ()
+    max_lora_rank: int = 16
+    max_loras: int = 1
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -111,6 +116,9 @@ class EngineConfig:
             raise ValueError("EngineConfig.request_timeout_s must be > 0")
         if self.kv_transfer_config is not None and not isinstance(self.kv_transfer_config, dict):
             raise ValueError("EngineConfig.kv_transfer_config must be a dict")
+        if len(self.lora_adapters) > self.max_loras:
+            raise ValueError(f"EngineConfig.lora_adapters: {len(self.lora_adapters)} adapters, max_loras is "
+                             f"{self.max_loras}")
         if self.is_consumer and self.enable_prefix_caching:
             raise ValueError("EngineConfig.enable_prefix_caching must be off for a PrefillShare consumer "
                              "(its local cache may hold its own KV after a fallback)")
@@ -149,6 +157,9 @@ class EngineConfig:
         )
         if self.gpu_memory_utilization is not None:
             kw["gpu_memory_utilization"] = self.gpu_memory_utilization
+        if self.lora_adapters:
+            kw.update(enable_lora=True, max_lora_rank=self.max_lora_rank, max_loras=self.max_loras,
+                      max_cpu_loras=self.max_loras)
         if mnbt is not None:
             kw["max_num_batched_tokens"] = mnbt
             kw["enable_chunked_prefill"] = True
@@ -256,6 +267,7 @@ def connector_config(
     base_dir: str | None = None,
     decoder_dir: str | None = None,
     scope: str | None = None,
+    adapter_keys: bool = False,
 ) -> dict[str, Any]:
     """``kv_transfer_config`` for a PrefillShare engine.
 
@@ -291,6 +303,8 @@ def connector_config(
         extra["incompatible_reason"] = incompatible_reason
     if scope:
         extra["scope"] = scope
+    if adapter_keys:
+        extra["adapter_keys"] = True
     return {
         "kv_connector": CONNECTOR_NAME,
         "kv_connector_module_path": CONNECTOR_MODULE,
@@ -333,6 +347,11 @@ class Engine:
 
         self.cfg = cfg
         self._closed = False
+        self._loras = {}
+        if cfg.lora_adapters:
+            from vllm.lora.request import LoRARequest
+
+            self._loras = {name: LoRARequest(name, i + 1, path) for i, (name, path) in enumerate(cfg.lora_adapters)}
         with _engine_env(cfg):
             try:
                 self._llm = AsyncLLM.from_engine_args(cfg.engine_args())
@@ -341,8 +360,26 @@ class Engine:
 
     @classmethod
     async def start(cls, cfg: EngineConfig) -> Engine:
-        """Build the engine without blocking the event loop."""
-        return await asyncio.to_thread(cls, cfg)
+        """Build the engine without blocking the event loop; LoRA adapters are loaded before it
+        answers (a bad adapter fails the start, not a request)."""
+        engine = await asyncio.to_thread(cls, cfg)
+        for name, req in engine._loras.items():
+            try:
+                await engine._llm.add_lora(req)
+            except Exception as e:  # noqa: BLE001 - any load failure names the adapter
+                engine.shutdown()
+                raise EngineError(f"LoRA adapter {name!r} ({req.lora_path}) failed to load: {e}") from e
+        return engine
+
+    def lora_request(self, name: str | None):
+        """vLLM's LoRARequest for adapter ``name`` (None: the base model)."""
+        if name is None:
+            return None
+        try:
+            return self._loras[name]
+        except KeyError:
+            raise EngineRequestError(f"model: {name!r} is not an adapter of this engine "
+                                     f"(have {sorted(self._loras)})") from None
 
     @property
     def llm(self):
@@ -362,12 +399,14 @@ class Engine:
         request_id: str | None = None,
         cache_salt: str | None = None,
         kv_transfer_params: dict[str, Any] | None = None,
+        lora: str | None = None,
     ) -> AsyncIterator[EngineOutput]:
         """Stream a request's outputs. ``sampling`` is a :class:`Sampling` or vLLM ``SamplingParams``."""
         from vllm.exceptions import VLLMValidationError
         from vllm.v1.engine.exceptions import EngineDeadError, EngineGenerateError
 
         self._check_alive()
+        lora_request = self.lora_request(lora)
         ids = [int(t) for t in prompt_token_ids]
         if not ids:
             raise EngineRequestError("prompt_token_ids is empty")
@@ -387,7 +426,7 @@ class Engine:
             prompt["cache_salt"] = cache_salt
         token_ids: list[int] = []
         text = ""
-        agen = self._llm.generate(prompt, params, rid)
+        agen = self._llm.generate(prompt, params, rid, lora_request=lora_request)
         deadline = asyncio.get_running_loop().time() + self.cfg.request_timeout_s
         try:
             while True:
@@ -428,10 +467,10 @@ class Engine:
                 await agen.aclose()
 
     async def complete(self, prompt_token_ids, sampling, request_id=None, cache_salt=None,
-                       kv_transfer_params=None) -> EngineOutput:
+                       kv_transfer_params=None, lora=None) -> EngineOutput:
         """Run a request to the end and return its last output (all tokens)."""
         last = None
-        async for out in self.generate(prompt_token_ids, sampling, request_id, cache_salt, kv_transfer_params):
+        async for out in self.generate(prompt_token_ids, sampling, request_id, cache_salt, kv_transfer_params, lora):
             last = out
         if last is None:
             raise EngineError("engine returned no output")
@@ -443,10 +482,11 @@ class Engine:
         request_id: str | None = None,
         cache_salt: str | None = None,
         kv_transfer_params: dict[str, Any] | None = None,
+        lora: str | None = None,
     ) -> PrefillResult:
         """Compute the prompt's KV (the producer connector saves it); one greedy token."""
         out = await self.complete(prompt_token_ids, Sampling(max_tokens=1), request_id, cache_salt,
-                                  kv_transfer_params)
+                                  kv_transfer_params, lora)
         return PrefillResult(
             request_id=out.request_id,
             num_prompt_tokens=out.num_prompt_tokens,

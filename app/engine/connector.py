@@ -110,6 +110,9 @@ class PrefillShareConnector(KVConnectorBase_V1):
         self.module_id: str = extra["prefill_module_id"]
         self.incompatible: str | None = extra.get("incompatible_reason")
         self.scope: str = extra.get("scope") or f"{self.share_role}:{self.module_id[:12]}"
+        # per-adapter KV (a prefill engine holding the decoders' own LoRA adapters): keys carry the
+        # adapter's name, so one adapter never loads KV another computed
+        self.adapter_keys: bool = bool(extra.get("adapter_keys"))
         self.block_size: int = vllm_config.cache_config.block_size
         self.pool = open_pool(extra["pool"])
         self.layout_name = self._expected_layout(vllm_config, kv_cache_config)
@@ -154,7 +157,7 @@ class PrefillShareConnector(KVConnectorBase_V1):
             self._fallback(rid, "incompatible", self.incompatible)
             return 0, False
         prompt = list(request.prompt_token_ids or [])
-        keys = shared_block_keys(self.module_id, request.cache_salt, prompt, self.block_size)
+        keys = shared_block_keys(self.module_id, self._salt(request), prompt, self.block_size)
         entries, lease = self.pool.lookup([k.key for k in keys])
         if len(entries) < len(keys):
             self.pool.release(lease)
@@ -168,6 +171,12 @@ class PrefillShareConnector(KVConnectorBase_V1):
         self._plans[rid] = (entries[first:], lease, first)
         self._report[rid] = {"loaded_tokens": shared - num_computed_tokens, "fallback": None}
         return shared - num_computed_tokens, False
+
+    def _salt(self, request: Request) -> str | None:
+        lora = request.lora_request
+        if not self.adapter_keys or lora is None:
+            return request.cache_salt
+        return f"{request.cache_salt or ''}|lora:{lora.lora_name}"
 
     def _fallback(self, rid: str, kind: str, detail: str) -> None:
         # The scheduler asks again for a request it could not place; count each request once.
@@ -233,7 +242,7 @@ class PrefillShareConnector(KVConnectorBase_V1):
         return meta
 
     def _save_spec(self, req: Request) -> SaveSpec | None:
-        keys = shared_block_keys(self.module_id, req.cache_salt, list(req.prompt_token_ids or []), self.block_size)
+        keys = shared_block_keys(self.module_id, self._salt(req), list(req.prompt_token_ids or []), self.block_size)
         block_ids = self._block_ids(req.request_id)
         if len(block_ids) < len(keys):
             log.warning("PrefillShare: request %s has %d blocks for %d keys; not saved",
