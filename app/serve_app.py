@@ -194,7 +194,7 @@ def _tool_call_formats(cfg: AppConfig) -> dict[str, str]:
 
 
 # vLLM on the CPU runs its worker in a third process unless this is off; inside EngineCore it
-# measured less memory and CPU per session (docs/engine.md, "Engine footprint"). Only with
+# measured less memory and CPU per session (docs/benchmarks.md, "Engine footprint"). Only with
 # threads_bind 'nobind': vLLM pins OpenMP threads to a core list only from its multiprocess executor.
 CPU_ENGINE_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
@@ -244,18 +244,7 @@ def engine_options(cfg: AppConfig, name: str, p: Placement, eng: EngineSettings,
 def pool_specs(cfg: AppConfig):
     """(producer pool, consumer pool): producers always write their node's shared-memory pool;
     with transport 'nixl' consumers fill their own node's pool from the block servers."""
-    from app.engine.async_engine import PoolSpec
-
-    common = dict(capacity_bytes=int(cfg.pool.capacity_gib * (1 << 30)), lease_timeout_s=cfg.pool.fan_out_ttl_s)
-    producer = PoolSpec(path=cfg.pool.path, transport="shm", **common)
-    if cfg.pool.transport == "shm":
-        return producer, producer
-    if not cfg.pool.nixl_peers:
-        raise ConfigError("pool.nixl_peers: transport 'nixl' needs the host:port of at least one KV block "
-                          "server (deployments/kv_server.py) for the decoders to pull from")
-    return producer, PoolSpec(path=cfg.pool.decode_path or cfg.pool.path, transport="nixl",
-                              nixl_peers=tuple(cfg.pool.nixl_peers), nixl_timeout_s=cfg.pool.nixl_timeout_s,
-                              **common)
+    return cfg.pool.specs()
 
 
 def _small(cfg: AppConfig, d) -> dict[str, Any]:
