@@ -57,7 +57,9 @@ def _train_one(base_dir, train, agent, out, cfg, state, resume, progress, thread
 
 def run_recipe(which: str, models: Path, work: Path, quick: bool = False, resume: bool = False,
                progress: bool = True, recipe: Recipe | None = None, jobs: int = 2, threads: int = 1) -> None:
-    """``which``: "all" or "base". Outputs under ``models`` (checkpoints/), scratch under ``work``."""
+    """``which``: "all", "base" or "chat". Outputs under ``models`` (checkpoints/), scratch under ``work``."""
+    if which == "chat":
+        return run_chat_recipe(models, work, quick=quick, resume=resume, jobs=jobs, threads=threads)
     from app.training.evaluate import ModelSet, evaluate, to_markdown, write_results
     from app.training.tokenizer import train_tokenizer
 
@@ -108,3 +110,105 @@ def run_recipe(which: str, models: Path, work: Path, quick: bool = False, resume
     print(to_markdown(result))
     log(f"eval -> {json_path}, {md_path}")
     shutil.rmtree(work / "state", ignore_errors=True)
+
+
+# --- the chat-format suite: the same records as conversations, LoRA decoders through the CLI ---
+CHAT_SYSTEM = "You are an order desk assistant. Answer from the order record."
+# Role headers before each turn and no generation prompt: the last prompt token stays the
+# instruction's last word (the field name), the token the decoder runs itself; answers are
+# " value" then eos, the way values are written everywhere in the suite.
+CHAT_TEMPLATE = (
+    "{{- bos_token -}}"
+    "{%- for m in messages -%}"
+    "{%- if m['role'] == 'assistant' -%}{{ ' ' + m['content'] + eos_token }}"
+    "{%- else -%}{%- if not loop.first -%}{{ '\\n' }}{%- endif -%}{{ m['role'] + ':\\n' + m['content'] }}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+)
+
+
+@dataclass(frozen=True)
+class ChatRecipe:
+    contexts: int = 3000
+    test_fraction: float = 0.07
+    seed: int = 0
+    agents: tuple[str, ...] = tuple(tasks.AGENTS)
+    steps: int = 120
+    batch_size: int = 32
+    lr: float = 5e-3
+    lora_rank: int = 8
+
+
+def chat_record(e: tasks.Example) -> dict:
+    """A suite example as a conversation: system prompt, the record and question in the user turn."""
+    return {"agent": e.agent, "messages": [{"role": "system", "content": CHAT_SYSTEM},
+                                           {"role": "user", "content": tasks.render_prompt(e.context, e.instruction)},
+                                           {"role": "assistant", "content": e.answer}]}
+
+
+def _write_chat(path: Path, examples) -> None:
+    import json
+    import os
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(json.dumps(chat_record(e)) + "\n" for e in examples), encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def _cli(argv: list[str]) -> str:
+    """One `prefillshare ...` run in a worker process (the same CLI a user runs)."""
+    from app.cli import main
+
+    t0 = time.perf_counter()
+    rc = main(argv)
+    if rc != 0:
+        raise RuntimeError(f"prefillshare {' '.join(argv)} exited {rc}")
+    return f"prefillshare {' '.join(argv[:1] + argv[-8:])} ({time.perf_counter() - t0:.0f}s)"
+
+
+def run_chat_recipe(models: Path, work: Path, quick: bool = False, resume: bool = False, jobs: int = 2,
+                    threads: int = 1, recipe: ChatRecipe | None = None) -> None:
+    """On the shipped base: chat data, per agent a LoRA cache-conditioned decoder and a LoRA Full-FT
+    baseline (adapters under ``models/chat``), then the table (base, Full-FT, PrefillShare, naive reuse)."""
+    from app.training.evaluate import evaluate_paths, merge_results, to_markdown, write_results
+
+    r = recipe or (ChatRecipe(contexts=120, steps=4, batch_size=8) if quick else ChatRecipe())
+    t0 = time.perf_counter()
+
+    def log(msg: str) -> None:
+        print(f"[chat recipe {time.perf_counter() - t0:6.0f}s] {msg}", flush=True)
+
+    base_dir, root = models / "base", models / "chat"
+    if not (base_dir / "config.json").is_file():
+        raise FileNotFoundError(f"{base_dir}: no base; run `prefillshare train --recipe base` first")
+    train, test = tasks.split_examples(tasks.make_examples(r.contexts, r.seed, r.agents), r.test_fraction, r.seed)
+    data = work / "chat"
+    _write_chat(data / "train.jsonl", train)
+    _write_chat(root / "data" / "test.jsonl", test)
+    template = data / "template.jinja"
+    template.write_text(CHAT_TEMPLATE, encoding="utf-8")
+    log(f"data: {len(train)} train / {len(test)} test conversations -> {data}")
+    argvs = []
+    for method, sub in (("cache_conditioned", "adapters"), ("full_ft", "baselines/fullft")):
+        for agent in r.agents:
+            adapter = root / sub / agent
+            if resume and _done(adapter):
+                log(f"{method}:{agent} exists, skipped")
+                continue
+            argvs.append(["train", "--base", str(base_dir), "--data", str(data / "train.jsonl"), "--agent", agent,
+                          "--chat-template", str(template), "--lora", "--lora-rank", str(r.lora_rank),
+                          "--method", method, "--steps", str(r.steps), "--batch-size", str(r.batch_size),
+                          "--lr", str(r.lr), "--warmup", str(max(1, r.steps // 10)), "--threads", str(threads),
+                          "--no-progress", "--out", str(data / "merged" / method / agent),
+                          "--adapter-out", str(adapter)])
+    ctx = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(max_workers=max(1, jobs), mp_context=ctx) as pool:
+        for fut in as_completed([pool.submit(_cli, a) for a in argvs]):
+            log(fut.result())
+    results = [evaluate_paths(root / "data" / "test.jsonl", base_dir, decoder=root / "adapters" / agent,
+                              full_ft=root / "baselines" / "fullft" / agent) for agent in r.agents]
+    result = merge_results(results)
+    json_path, md_path = write_results(result, root / "eval" / "results")
+    print(to_markdown(result))
+    log(f"eval -> {json_path}, {md_path}")
