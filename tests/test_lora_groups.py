@@ -1,6 +1,7 @@
 """LoRA decode groups: one engine on the base serving several adapters, each on the base's KV.
 
-Config-level checks run without engines: a bad adapter (no manifest, rank above the group's
+Config-level checks run without engines; one engine-level test (two engines) checks per-adapter
+KV (a prefill engine holding the adapters, as in b-lora): a bad adapter (no manifest, rank above the group's
 max_lora_rank, more adapters than max_loras, another base, a rank the files contradict) fails
 the build with the field named, before anything starts. One Serve app for the rest (three
 engines: the base's prefill, a full-weight decoder "lookup" and a group holding adapters "ad0"
@@ -109,6 +110,59 @@ def test_a_bad_adapter_fails_the_build_naming_the_field(models, tmp_path, case, 
         group["adapters"] = [{**ad0, "name": "lookup"}]
     with pytest.raises(ConfigError, match=field):
         build(load_config(app_config(models, group)))  # raises before any deployment is bound
+
+
+# --- per-adapter KV (b-lora's prefill): engine level, two engines ----------------------------------
+@pytest.mark.engine
+def test_per_adapter_kv_is_loaded_only_by_its_own_adapter(models):
+    """A prefill engine holding the adapters computes each adapter's prompt with it; keys carry the
+    adapter, so the decode group's adapter loads its own KV (its private-prefill reference) and
+    never another adapter's."""
+    import asyncio
+    import random
+
+    import torch
+    from peft import PeftModel
+
+    from app.engine.async_engine import Engine, EngineConfig, PoolSpec, Sampling, connector_config
+    from app.models.checkpoint import load_model
+    from app.models.identity import prefill_module_id
+    from app.reference import shared_greedy
+
+    pool = PoolSpec(path=f"/dev/shm/ps-lora-kv-{os.getpid()}", capacity_bytes=64 << 20)
+    mid = prefill_module_id(models["base"])
+    common = dict(dtype="float32", max_model_len=256, block_size=32, kv_space_gib=0.125, max_num_seqs=8,
+                  omp_threads_bind="nobind", extra_env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}, max_loras=2,
+                  lora_adapters=tuple((a, str(models[a])) for a in ("ad0", "ad1")))
+    rng = random.Random(0)
+    prompt, other = ([rng.randrange(3, 600) for _ in range(77)] for _ in range(2))
+
+    async def run():
+        prod = await Engine.start(EngineConfig(model=str(models["base"]), **common, kv_transfer_config=connector_config(
+            "producer", mid, pool, adapter_keys=True)))
+        cons = await Engine.start(EngineConfig(model=str(models["base"]), **common, kv_transfer_config=connector_config(
+            "consumer", mid, pool, adapter_keys=True)))
+        try:
+            await asyncio.gather(*[prod.prefill(prompt, f"p{a}", kv_transfer_params={"fanout": 1}, lora=a)
+                                   for a in ("ad0", "ad1")])
+            outs = await asyncio.gather(*[cons.complete(prompt, Sampling(max_tokens=MAX_NEW), f"d{a}", lora=a)
+                                          for a in ("ad0", "ad1")])
+            await prod.prefill(other, "px", kv_transfer_params={"fanout": 1}, lora="ad1")
+            cross = await cons.complete(other, Sampling(max_tokens=1), "dx", lora="ad0")
+            with pytest.raises(Exception, match="ad9"):
+                await cons.complete(prompt, Sampling(max_tokens=1), "dy", lora="ad9")
+            return outs, cross
+        finally:
+            prod.shutdown()
+            cons.shutdown()
+            shutil.rmtree(pool.path, ignore_errors=True)
+
+    outs, cross = asyncio.run(run())
+    for a, out in zip(("ad0", "ad1"), outs):
+        merged = PeftModel.from_pretrained(load_model(models["base"], torch.float32), str(models[a])).merge_and_unload()
+        assert out.num_cached_tokens == len(prompt) - 1, a
+        assert out.token_ids == shared_greedy(merged.eval(), merged, prompt, MAX_NEW), a
+    assert cross.num_cached_tokens == 0  # ad1's KV is not ad0's
 
 
 # --- one Serve app: references through every route ----------------------------------------------

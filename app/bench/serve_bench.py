@@ -514,6 +514,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     a("--threads-bind", help="VLLM_CPU_OMP_THREADS_BIND for every engine (default nobind)")
     a("--dtype", choices=["auto", "bfloat16", "float32"],
       help="engine compute dtype; auto (default): bfloat16 where computed natively, else float32")
+    a("--pool-gib", type=float, help="KV pool capacity (default 0.5; per-adapter KV in b-lora needs N times more)")
     a("--lora-rank", type=int, help="rank of the random LoRA adapters (default 16)")
     a("--lora-kv-cache-gib", type=float, help="KV space of an engine holding the N adapters (default N x --kv-cache-gib)")
     a("--colocated-replicas", type=int, help="c-lora: replicas of the multi-LoRA engine (default 2: one per core)")
@@ -545,7 +546,7 @@ def config_from_args(args: argparse.Namespace) -> ServeBenchConfig:
     over = {k: getattr(args, k) for k in ("hidden", "layers", "heads", "kv_heads", "intermediate")
             if getattr(args, k, None) is not None}
     topo = kw.get("topology", Topology())
-    tover = {k: getattr(args, k) for k in ("kv_cache_gib", "prefill_replicas", "threads_bind", "dtype", "lora_rank",
+    tover = {k: getattr(args, k) for k in ("kv_cache_gib", "prefill_replicas", "threads_bind", "dtype", "lora_rank", "pool_gib",
                                            "lora_kv_cache_gib", "colocated_replicas")
              if getattr(args, k, None) is not None}
     kw["shape"] = replace(shape, **over)
