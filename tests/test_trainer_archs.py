@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import Gemma2Config, LlamaConfig, MistralConfig, Qwen2Config, TrainingArguments
+from transformers import DynamicCache, Gemma2Config, LlamaConfig, MistralConfig, Qwen2Config, TrainingArguments
 
 from app.training import batches, tasks
 from app.training.tokenizer import load_tokenizer
@@ -84,11 +84,13 @@ def test_right_padding_the_prefix_would_change_a_sliding_window_models_loss(tok,
     for i, n in enumerate(lengths.tolist()):
         right_ids[i, :n] = batch.prefix_ids[i, width - n:]
         right_mask[i, :n] = 1
-    cache = torch.no_grad()(lambda: model(input_ids=right_ids, attention_mask=right_mask, use_cache=True).past_key_values)()
+    cache = DynamicCache()  # full layers: nothing cropped to the window
+    with torch.no_grad():
+        model(input_ids=right_ids, attention_mask=right_mask, past_key_values=cache, use_cache=True)
     kv = batches.PrefixKV([(layer.keys, layer.values) for layer in cache.layers], right_mask, lengths)
     wrong, _ = batches.shared_nll_batch(model, kv, batch)
     right, _ = batches.shared_nll(model, model, encoded)
-    assert (wrong - right).abs().max() > 1e-3
+    assert ((wrong - right) / batch.own_mask.sum(1)).abs().max() > 1e-2  # measured ~0.03 nats per token
 
 
 @pytest.mark.parametrize("arch", ("llama", "gemma2"))
