@@ -16,6 +16,7 @@ from agents.errors import (
 )
 from agents.sdk import AsyncClient, Client, RunStream
 from agents.types import (
+    AgentChoice,
     AgentDelta,
     AgentDone,
     AgentResult,
@@ -31,5 +32,6 @@ from agents.types import (
     one_line,
 )
 from agents.workflow import Agent, Join, Sampling, Workflow, join_lines
+from app.sampling import StructuredOutput
 
 __all__ = [n for n in dir() if not n.startswith("_")]

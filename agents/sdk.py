@@ -13,6 +13,7 @@ started is never sent twice behind the caller's back.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
@@ -47,6 +48,7 @@ from agents.types import (
     parse_run,
 )
 from agents.workflow import Agent, Join, Sampling, Workflow
+from app.sampling import StructuredOutput
 
 AgentLike = Agent | Mapping[str, Any]
 _RETRY_STATUS = {429, 502, 503, 504}
@@ -59,13 +61,33 @@ def _agent(a: AgentLike) -> Agent:
         return a
     if isinstance(a, Mapping):
         d = dict(a)
-        sampling_keys = {"max_tokens", "temperature", "top_p", "seed"}
-        sampling = Sampling(**{k: d.pop(k) for k in list(d) if k in sampling_keys})
+        fields = {f.name for f in dataclasses.fields(Sampling)}
+        options = {k: d.pop(k) for k in list(d) if k in fields}
+        if "response_format" in d:
+            options["structured"] = _structured(d.pop("response_format"))
+        try:
+            sampling = Sampling(**options)
+        except TypeError as e:
+            raise WorkflowError(f"agent {a!r}: {e}") from None
         try:
             return Agent(sampling=sampling, **d)
         except TypeError as e:
             raise WorkflowError(f"agent {a!r}: {e}") from None
     raise WorkflowError(f"an agent is an Agent or a mapping, got {type(a).__name__}")
+
+
+def _structured(response_format: Any) -> StructuredOutput | None:
+    """An OpenAI response_format mapping -> the constraint (text: none)."""
+    kind = response_format.get("type") if isinstance(response_format, Mapping) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return StructuredOutput(json_object=True)
+    schema = (response_format.get("json_schema") or {}).get("schema") if kind == "json_schema" else None
+    if not isinstance(schema, Mapping):
+        raise WorkflowError(f"response_format: give {{'type': 'json_object'}} or {{'type': 'json_schema', "
+                            f"'json_schema': {{'name': ..., 'schema': {{...}}}}}}, got {response_format!r}")
+    return StructuredOutput.for_schema(dict(schema))
 
 
 def run_body(context: str, agents: Sequence[AgentLike], rounds: int = 1, join_outputs: bool = True,
@@ -225,6 +247,76 @@ class _Settings:
         return APIConnectionError(f"{type(exc).__name__}: {exc}")
 
 
+class _Retry:
+    """One request's retry decisions (sans I/O): both clients send, then ask what to do."""
+
+    def __init__(self, s: _Settings, method: str):
+        self.s, self.idempotent, self.attempt = s, method == "GET", 0
+
+    def after_error(self, exc: httpx.HTTPError) -> float:
+        """Seconds to wait before the next try; raises the SDK's error when there is none."""
+        if self.attempt < self.s.retries and self.s.retry_on_error(exc, self.idempotent):
+            return self._next(None)
+        raise self.s.wrap(exc) from exc
+
+    def after_status(self, resp: httpx.Response, content: bytes) -> float:
+        if self.attempt < self.s.retries and self.s.retry_on_status(resp.status_code, self.idempotent):
+            return self._next(resp)
+        raise error_from_response(resp.status_code, content)
+
+    def _next(self, resp: httpx.Response | None) -> float:
+        d = self.s.delay(self.attempt, resp)
+        self.attempt += 1
+        return d
+
+
+def _readiness(d: dict) -> Readiness:
+    return Readiness(bool(d.get("ready")), tuple(d.get("problems") or ()), d.get("engines"))
+
+
+def _not_ready(e: PrefillShareError) -> Readiness:
+    """A 503 from /ready is an answer (engines not ready), not an error; anything else re-raises."""
+    body = getattr(e, "body", None)
+    if getattr(e, "status", None) == 503 and isinstance(body, dict) and "ready" in body:
+        return Readiness(False, tuple(body.get("problems") or ()))
+    raise e
+
+
+class _ReadyWait:
+    """wait_ready's bookkeeping: until ready or ``timeout_s``; the last answer for the error."""
+
+    def __init__(self, timeout_s: float):
+        self.timeout_s = timeout_s
+        self.deadline = time.monotonic() + timeout_s
+        self.last: Readiness | PrefillShareError | None = None
+
+    def pending(self) -> bool:
+        return time.monotonic() < self.deadline
+
+    def done(self, answer: Readiness | PrefillShareError) -> bool:
+        self.last = answer
+        return isinstance(answer, Readiness) and answer.ready
+
+    def timed_out(self) -> APITimeoutError:
+        return APITimeoutError(f"app not ready after {self.timeout_s:.0f} s: {self.last}")
+
+
+def _completion_body(model: str, prompt: str, max_tokens: int | None, temperature: float,
+                     options: Mapping[str, Any]) -> dict[str, Any]:
+    body: dict[str, Any] = {"model": model, "prompt": prompt, "temperature": temperature, **options}
+    if max_tokens is not None:
+        body["max_tokens"] = max_tokens
+    return body
+
+
+def _chat_body(model: str, messages: Sequence[Mapping[str, Any]], max_tokens: int | None, temperature: float,
+               options: Mapping[str, Any]) -> dict[str, Any]:
+    body: dict[str, Any] = {"model": model, "messages": list(messages), "temperature": temperature, **options}
+    if max_tokens is not None:
+        body["max_tokens"] = max_tokens
+    return body
+
+
 # ---- blocking client -----------------------------------------------------------------------
 
 class Client:
@@ -247,27 +339,19 @@ class Client:
 
     def _request(self, method: str, path: str, body: Any = None, *, stream: bool = False,
                  timeout: float | None = None) -> httpx.Response:
-        idempotent = method == "GET"
-        attempt = 0
+        retry = _Retry(self._s, method)
         while True:
             try:
                 req = self._http.build_request(method, path, json=body, timeout=self._s.per_call(timeout))
                 resp = self._http.send(req, stream=stream)
             except httpx.HTTPError as e:
-                if attempt < self._s.retries and self._s.retry_on_error(e, idempotent):
-                    time.sleep(self._s.delay(attempt, None))
-                    attempt += 1
-                    continue
-                raise self._s.wrap(e) from e
+                time.sleep(retry.after_error(e))
+                continue
             if resp.status_code < 400:
                 return resp
             content = resp.read()
             resp.close()
-            if attempt < self._s.retries and self._s.retry_on_status(resp.status_code, idempotent):
-                time.sleep(self._s.delay(attempt, resp))
-                attempt += 1
-                continue
-            raise error_from_response(resp.status_code, content)
+            time.sleep(retry.after_status(resp, content))
 
     def _json(self, method: str, path: str, body: Any = None, timeout: float | None = None) -> dict:
         resp = self._request(method, path, body, timeout=timeout)
@@ -286,47 +370,40 @@ class Client:
     def ready(self) -> Readiness:
         """Whether every engine answers (503 is an answer here, not an error)."""
         try:
-            d = self._json("GET", "/ready")
+            return _readiness(self._json("GET", "/ready"))
         except PrefillShareError as e:
-            body = getattr(e, "body", None)
-            if getattr(e, "status", None) == 503 and isinstance(body, dict) and "ready" in body:
-                return Readiness(False, tuple(body.get("problems") or ()))
-            raise
-        return Readiness(bool(d.get("ready")), tuple(d.get("problems") or ()), d.get("engines"))
+            return _not_ready(e)
 
     def wait_ready(self, timeout_s: float = 300.0, interval_s: float = 2.0) -> Readiness:
-        deadline = time.monotonic() + timeout_s
-        last: Readiness | PrefillShareError | None = None
-        while time.monotonic() < deadline:
+        wait = _ReadyWait(timeout_s)
+        while wait.pending():
             try:
-                last = self.ready()
-                if last.ready:
-                    return last
+                answer: Readiness | PrefillShareError = self.ready()
             except PrefillShareError as e:
-                last = e
+                answer = e
+            if wait.done(answer):
+                return answer  # type: ignore[return-value]
             time.sleep(interval_s)
-        raise APITimeoutError(f"app not ready after {timeout_s:.0f} s: {last}")
+        raise wait.timed_out()
 
     def metrics(self) -> str:
         return self._request("GET", "/metrics").text
 
     # -- OpenAI routes --
     def complete(self, model: str, prompt: str, *, max_tokens: int | None = None, temperature: float = 0.0,
-                 timeout: float | None = None) -> Completion:
-        body: dict[str, Any] = {"model": model, "prompt": prompt, "temperature": temperature}
-        if max_tokens is not None:
-            body["max_tokens"] = max_tokens
+                 timeout: float | None = None, **options: Any) -> Completion:
+        """POST /v1/completions; ``options`` are further OpenAI fields (stop, n, logprobs, seed, ...)."""
         t0 = time.perf_counter()
-        d = self._json("POST", "/v1/completions", body, timeout)
+        d = self._json("POST", "/v1/completions", _completion_body(model, prompt, max_tokens, temperature, options),
+                       timeout)
         return _parse_completion(d, time.perf_counter() - t0)
 
-    def chat(self, model: str, messages: Sequence[Mapping[str, str]], *, max_tokens: int | None = None,
-             temperature: float = 0.0, timeout: float | None = None) -> Completion:
-        body: dict[str, Any] = {"model": model, "messages": list(messages), "temperature": temperature}
-        if max_tokens is not None:
-            body["max_tokens"] = max_tokens
+    def chat(self, model: str, messages: Sequence[Mapping[str, Any]], *, max_tokens: int | None = None,
+             temperature: float = 0.0, timeout: float | None = None, **options: Any) -> Completion:
+        """POST /v1/chat/completions; ``options`` as for complete (response_format, tools, ...)."""
         t0 = time.perf_counter()
-        d = self._json("POST", "/v1/chat/completions", body, timeout)
+        d = self._json("POST", "/v1/chat/completions", _chat_body(model, messages, max_tokens, temperature, options),
+                       timeout)
         return _parse_completion(d, time.perf_counter() - t0)
 
     # -- agents --
@@ -509,27 +586,19 @@ class AsyncClient:
 
     async def _request(self, method: str, path: str, body: Any = None, *, stream: bool = False,
                        timeout: float | None = None) -> httpx.Response:
-        idempotent = method == "GET"
-        attempt = 0
+        retry = _Retry(self._s, method)
         while True:
             try:
                 req = self._http.build_request(method, path, json=body, timeout=self._s.per_call(timeout))
                 resp = await self._http.send(req, stream=stream)
             except httpx.HTTPError as e:
-                if attempt < self._s.retries and self._s.retry_on_error(e, idempotent):
-                    await asyncio.sleep(self._s.delay(attempt, None))
-                    attempt += 1
-                    continue
-                raise self._s.wrap(e) from e
+                await asyncio.sleep(retry.after_error(e))
+                continue
             if resp.status_code < 400:
                 return resp
             content = await resp.aread()
             await resp.aclose()
-            if attempt < self._s.retries and self._s.retry_on_status(resp.status_code, idempotent):
-                await asyncio.sleep(self._s.delay(attempt, resp))
-                attempt += 1
-                continue
-            raise error_from_response(resp.status_code, content)
+            await asyncio.sleep(retry.after_status(resp, content))
 
     async def _json(self, method: str, path: str, body: Any = None, timeout: float | None = None) -> dict:
         resp = await self._request(method, path, body, timeout=timeout)
@@ -543,49 +612,40 @@ class AsyncClient:
 
     async def ready(self) -> Readiness:
         try:
-            d = await self._json("GET", "/ready")
+            return _readiness(await self._json("GET", "/ready"))
         except PrefillShareError as e:
-            body = getattr(e, "body", None)
-            if getattr(e, "status", None) == 503 and isinstance(body, dict) and "ready" in body:
-                return Readiness(False, tuple(body.get("problems") or ()))
-            raise
-        return Readiness(bool(d.get("ready")), tuple(d.get("problems") or ()), d.get("engines"))
+            return _not_ready(e)
 
     async def health(self) -> bool:
         return (await self._json("GET", "/healthz")).get("status") == "ok"
 
     async def wait_ready(self, timeout_s: float = 300.0, interval_s: float = 2.0) -> Readiness:
-        deadline = time.monotonic() + timeout_s
-        last: Readiness | PrefillShareError | None = None
-        while time.monotonic() < deadline:
+        wait = _ReadyWait(timeout_s)
+        while wait.pending():
             try:
-                last = await self.ready()
-                if last.ready:
-                    return last
+                answer: Readiness | PrefillShareError = await self.ready()
             except PrefillShareError as e:
-                last = e
+                answer = e
+            if wait.done(answer):
+                return answer  # type: ignore[return-value]
             await asyncio.sleep(interval_s)
-        raise APITimeoutError(f"app not ready after {timeout_s:.0f} s: {last}")
+        raise wait.timed_out()
 
     async def metrics(self) -> str:
         return (await self._request("GET", "/metrics")).text
 
-    async def chat(self, model: str, messages: Sequence[Mapping[str, str]], *, max_tokens: int | None = None,
-                   temperature: float = 0.0, timeout: float | None = None) -> Completion:
-        body: dict[str, Any] = {"model": model, "messages": list(messages), "temperature": temperature}
-        if max_tokens is not None:
-            body["max_tokens"] = max_tokens
+    async def chat(self, model: str, messages: Sequence[Mapping[str, Any]], *, max_tokens: int | None = None,
+                   temperature: float = 0.0, timeout: float | None = None, **options: Any) -> Completion:
         t0 = time.perf_counter()
-        d = await self._json("POST", "/v1/chat/completions", body, timeout)
+        d = await self._json("POST", "/v1/chat/completions",
+                             _chat_body(model, messages, max_tokens, temperature, options), timeout)
         return _parse_completion(d, time.perf_counter() - t0)
 
     async def complete(self, model: str, prompt: str, *, max_tokens: int | None = None, temperature: float = 0.0,
-                       timeout: float | None = None) -> Completion:
-        body: dict[str, Any] = {"model": model, "prompt": prompt, "temperature": temperature}
-        if max_tokens is not None:
-            body["max_tokens"] = max_tokens
+                       timeout: float | None = None, **options: Any) -> Completion:
         t0 = time.perf_counter()
-        d = await self._json("POST", "/v1/completions", body, timeout)
+        d = await self._json("POST", "/v1/completions",
+                             _completion_body(model, prompt, max_tokens, temperature, options), timeout)
         return _parse_completion(d, time.perf_counter() - t0)
 
     async def run(self, context: str, agents: Sequence[AgentLike], *, rounds: int = 1, join_outputs: bool = True,

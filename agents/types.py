@@ -34,6 +34,17 @@ class Timings:
 
 
 @dataclass(frozen=True)
+class AgentChoice:
+    """One of an agent's sequences when it asked for ``n`` > 1 or ``logprobs``."""
+
+    index: int
+    text: str
+    token_ids: tuple[int, ...]
+    finish_reason: str | None
+    logprobs: dict[str, Any] | None = None  # OpenAI's chat shape: {"content": [{token, logprob, top_logprobs}]}
+
+
+@dataclass(frozen=True)
 class AgentResult:
     round: int
     name: str
@@ -45,6 +56,8 @@ class AgentResult:
     usage: Usage
     prefill: PrefillInfo | None
     timings: Timings = field(default_factory=Timings)
+    choices: tuple[AgentChoice, ...] = ()  # every sequence (n > 1 or logprobs); text is the first one's
+    error_code: str | None = None  # the server's typed code for `error` (docs/serving.md)
 
     @property
     def ok(self) -> bool:
@@ -198,6 +211,9 @@ def parse_agent_result(d: dict[str, Any], timings: Timings | None = None) -> Age
         usage=Usage(_int(usage, "prompt_tokens"), _int(usage, "completion_tokens"), _int(usage, "cached_tokens")),
         prefill=PrefillInfo(str(prefill.get("module")), prefill.get("replica")) if isinstance(prefill, dict) else None,
         timings=server_t or timings or Timings(),
+        choices=tuple(AgentChoice(int(c.get("index", 0)), str(c.get("text") or ""), tuple(c.get("token_ids") or ()),
+                                  c.get("finish_reason"), c.get("logprobs")) for c in d.get("choices") or ()),
+        error_code=d.get("error_code"),
     )
 
 

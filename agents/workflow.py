@@ -9,6 +9,7 @@ on the client, one request per round, for formats the server does not offer.
 from __future__ import annotations
 
 import enum
+import json
 import re
 import string
 from collections.abc import Callable, Mapping, Sequence
@@ -17,24 +18,44 @@ from typing import Any
 
 from agents.errors import WorkflowError
 from agents.types import AgentResult
+from app.sampling import Sampling as _Sampling
+from app.sampling import SamplingError
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,62}$")
 
 
 @dataclass(frozen=True)
-class Sampling:
-    max_tokens: int | None = None  # None: the server's default
-    temperature: float = 0.0
-    top_p: float = 1.0
-    seed: int | None = None
+class Sampling(_Sampling):
+    """The app's one sampling type (app/sampling.py), with the SDK's error type: what an agent
+    may ask for (stop, n, logprobs, penalties, logit_bias, a JSON schema via
+    ``structured=StructuredOutput.for_schema(...)``) is checked here, before anything is sent."""
 
     def __post_init__(self):
-        if self.max_tokens is not None and self.max_tokens < 1:
-            raise WorkflowError(f"sampling.max_tokens must be >= 1, got {self.max_tokens}")
-        if not 0 <= self.temperature <= 2:
-            raise WorkflowError(f"sampling.temperature must be in [0, 2], got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise WorkflowError(f"sampling.top_p must be in (0, 1], got {self.top_p}")
+        try:
+            super().__post_init__()
+        except SamplingError as e:
+            raise WorkflowError(f"sampling.{e}") from None
+
+    def to_json(self) -> dict[str, Any]:
+        """The agent-body fields of /v1/agents/run that differ from the server's defaults."""
+        body: dict[str, Any] = {"temperature": self.temperature, "top_p": self.top_p}
+        if self.max_tokens is not None:
+            body["max_tokens"] = self.max_tokens
+        defaults = _Sampling()
+        for name in ("seed", "top_k", "min_p", "n", "presence_penalty", "frequency_penalty", "repetition_penalty",
+                     "logprobs"):
+            if getattr(self, name) != getattr(defaults, name):
+                body[name] = getattr(self, name)
+        if self.stop:
+            body["stop"] = list(self.stop)
+        if self.logit_bias:
+            body["logit_bias"] = {str(t): b for t, b in self.logit_bias}
+        if self.structured is not None:
+            body["response_format"] = (
+                {"type": "json_object"} if self.structured.json_object else
+                {"type": "json_schema", "json_schema": {"name": "output",
+                                                        "schema": json.loads(self.structured.json_schema)}})
+        return body
 
 
 @dataclass(frozen=True)
@@ -79,13 +100,7 @@ class Agent:
     def to_json(self) -> dict[str, Any]:
         if self.placeholders():
             raise WorkflowError(f"agent {self.label}: unfilled placeholders {sorted(self.placeholders())}")
-        body: dict[str, Any] = {"name": self.label, "model": self.model, "instruction": self.instruction,
-                                "temperature": self.sampling.temperature, "top_p": self.sampling.top_p}
-        if self.sampling.max_tokens is not None:
-            body["max_tokens"] = self.sampling.max_tokens
-        if self.sampling.seed is not None:
-            body["seed"] = self.sampling.seed
-        return body
+        return {"name": self.label, "model": self.model, "instruction": self.instruction, **self.sampling.to_json()}
 
 
 class Join(enum.Enum):

@@ -15,8 +15,9 @@ from dataclasses import dataclass
 import ray
 from ray import serve
 
-from app.engine.async_engine import EngineConfig, EngineRequestError, Sampling
+from app.engine.async_engine import EngineConfig, EngineRequestError
 from deployments.engine_host import EngineHost
+from deployments.errors import ErrorCode, Failure
 from deployments.messages import DecodeChunk, DecodeRequest
 
 
@@ -56,29 +57,25 @@ class DecodeServer(EngineHost):
                 async for chunk in self._stream(req):
                     yield chunk
             except (EngineRequestError, ValueError) as e:
-                yield DecodeChunk(req.request_id, self.model, "", [], True, "error", error=f"invalid_request: {e}")
+                yield self._failed(req, ErrorCode.INVALID_REQUEST, e)
             except Exception as e:  # noqa: BLE001 - reported to the caller as this request's failure
-                yield DecodeChunk(req.request_id, self.model, "", [], True, "error", error=f"engine_error: {e}")
+                yield self._failed(req, ErrorCode.ENGINE_ERROR, e)
+
+    def _failed(self, req: DecodeRequest, code: ErrorCode, e: Exception) -> DecodeChunk:
+        return DecodeChunk(req.request_id, req.adapter or self.model, "", [], True, "error",
+                           error=Failure(code, str(e)))
 
     async def _stream(self, req: DecodeRequest) -> AsyncIterator[DecodeChunk]:
         t0 = time.perf_counter()
         ttft = None
-        sent_text = 0
-        s = req.sampling
-        sampling = Sampling(max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p,
-                            seed=s.seed, stop_token_ids=tuple(s.stop_token_ids))
-        async for out in self.engine.generate(list(req.prompt_token_ids), sampling, req.request_id,
-                                              cache_salt=req.cache_salt,
-                                              kv_transfer_params=req.kv_transfer_params, lora=req.adapter):
+        async for out in self.engine.generate(list(req.prompt_token_ids), req.sampling, req.request_id,
+                                              cache_salt=req.cache_salt, lora=req.adapter):
             if ttft is None and (out.new_token_ids or out.finished):
                 ttft = time.perf_counter() - t0
-            delta = out.text[sent_text:]
-            sent_text = len(out.text)
             yield DecodeChunk(
-                request_id=req.request_id, model=req.adapter or self.model, delta_text=delta,
+                request_id=req.request_id, model=req.adapter or self.model, delta_text=out.new_text,
                 delta_token_ids=list(out.new_token_ids), finished=out.finished,
                 finish_reason=out.finish_reason, num_prompt_tokens=out.num_prompt_tokens,
                 num_cached_tokens=out.num_cached_tokens, num_generated_tokens=len(out.token_ids),
-                ttft_s=ttft,
+                ttft_s=ttft, index=out.index, logprobs=out.new_logprobs, stop_reason=out.stop_reason,
             )
-

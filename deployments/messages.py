@@ -7,16 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-
-@dataclass(frozen=True)
-class SamplingSpec:
-    """Sampling for one decoder request (mirrors app.engine's Sampling)."""
-
-    max_tokens: int
-    temperature: float = 0.0
-    top_p: float = 1.0
-    seed: int | None = None
-    stop_token_ids: tuple[int, ...] = ()
+from app.sampling import Sampling, TokenLogprob
+from deployments.errors import Failure
 
 
 @dataclass(frozen=True)
@@ -44,7 +36,6 @@ class PrefillTicket:
     num_computed_tokens: int
     num_cached_tokens: int
     seconds: float
-    kv_transfer_params: tuple[dict[str, Any] | None, ...] = ()
     node_id: str | None = None  # the Ray node whose pool holds the KV (decoders there read it locally)
 
 
@@ -52,8 +43,7 @@ class PrefillTicket:
 class DecodeRequest:
     request_id: str
     prompt_token_ids: tuple[int, ...]
-    sampling: SamplingSpec
-    kv_transfer_params: dict[str, Any] | None = None
+    sampling: Sampling
     cache_salt: str | None = None
     prefer_node: str | None = None  # the prefill's node: deployments/node_router.py routes there first
     adapter: str | None = None  # the LoRA adapter of a decode group this request runs with
@@ -61,7 +51,9 @@ class DecodeRequest:
 
 @dataclass
 class DecodeChunk:
-    """One streamed step of a decoder: the text/tokens new since the previous chunk."""
+    """One streamed step of one of a request's ``n`` sequences (``index``): the text, tokens
+    and log-probabilities new since that sequence's previous chunk. ``finish_reason`` is set on
+    a sequence's last chunk, ``finished`` on the request's last chunk."""
 
     request_id: str
     model: str
@@ -73,7 +65,10 @@ class DecodeChunk:
     num_cached_tokens: int = 0
     num_generated_tokens: int = 0
     ttft_s: float | None = None
-    error: str | None = None
+    error: Failure | None = None
+    index: int = 0
+    logprobs: list[TokenLogprob] | None = None
+    stop_reason: str | int | None = None  # the stop string (or token id) that ended the sequence
     prefill_module: str | None = None  # set by the orchestrator: who computed the shared KV
     prefill_replica: str | None = None
 
@@ -85,7 +80,8 @@ class AgentSpec:
     name: str
     model: str
     instruction: str
-    sampling: SamplingSpec
+    sampling: Sampling
+    prompt_token_ids: tuple[int, ...] = ()  # first round: the Router's tokenization (done once)
 
 
 @dataclass(frozen=True)
@@ -107,6 +103,7 @@ class AgentEvent:
     model: str = ""
     delta_text: str = ""
     result: dict[str, Any] = field(default_factory=dict)
+    error: Failure | None = None  # agent_done of a failed agent
 
 
 @dataclass(frozen=True)
@@ -131,6 +128,7 @@ class DecoderPlan:
     group: str | None = None  # decode group (config decoder name) whose engine serves this LoRA decoder
     adapter: str | None = None  # LoRA adapter name in that engine (None: a full-weight decoder)
     prefill_adapter: str | None = None  # the prefill module computes this decoder's KV with this adapter
+    tool_call_format: str | None = None  # from the decoder's manifest: how it calls tools (deployments/tools.py)
 
 
 @dataclass(frozen=True)
@@ -144,6 +142,7 @@ class AppPlan:
     max_rounds: int
     request_timeout_s: float
     prefill_wait_s: float = 5.0  # limits.prefill_wait_s
+    renderers: dict[str, Any] | None = None  # decoder name -> its Renderer (deployments/prompts.py decoder_renderers)
 
     def decoder(self, name: str) -> DecoderPlan | None:
         return next((d for d in self.decoders if d.name == name), None)
@@ -159,6 +158,6 @@ class CompletionJob:
     request_id: str
     model: str
     prompt_token_ids: tuple[int, ...]
-    sampling: SamplingSpec
+    sampling: Sampling
     route: str = "completions"
     cache_salt: str | None = None  # the tenant's salt (app/auth.py); None when auth is off

@@ -22,19 +22,40 @@ from dataclasses import dataclass, field
 from ray import serve
 from ray.serve.exceptions import BackPressureError
 
+from app.handover import shared_length, split_prompt
+from app.sampling import Sampling, TokenLogprob
+from deployments.errors import ErrorCode, Failure
 from deployments.messages import (
     AgentEvent,
     AgentRunRequest,
+    AgentSpec,
     AppPlan,
     CompletionJob,
     DecodeChunk,
     DecodeRequest,
     PrefillRequest,
     PrefillTicket,
-    SamplingSpec,
 )
 from deployments.metrics import RequestRecord
+from deployments.openai_format import chat_logprobs
 from deployments.prompts import Prompter, common_prefix, locality_keys
+
+
+@dataclass
+class _Sequence:
+    """One of an agent's ``n`` generated sequences."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+
+    def add(self, chunk: DecodeChunk) -> None:
+        self.text += chunk.delta_text
+        self.token_ids.extend(chunk.delta_token_ids)
+        self.logprobs.extend(chunk.logprobs or ())
+        if chunk.finish_reason is not None:
+            self.finish_reason = chunk.finish_reason
 
 
 @dataclass
@@ -45,28 +66,39 @@ class _Agent:
     name: str
     model: str
     prompt: list[int]
-    sampling: SamplingSpec
+    sampling: Sampling
     ticket: PrefillTicket | None = None
-    ticket_index: int = 0
-    text: str = ""
-    token_ids: list[int] = field(default_factory=list)
-    finish_reason: str | None = None
+    seqs: dict[int, _Sequence] = field(default_factory=dict)
     num_cached_tokens: int = 0
     ttft_s: float | None = None
-    error: str | None = None
+    error: Failure | None = None
+
+    @property
+    def first(self) -> _Sequence:
+        return self.seqs.get(0) or _Sequence()
+
+    @property
+    def text(self) -> str:
+        return self.first.text
+
+    @property
+    def num_generated(self) -> int:
+        return sum(len(q.token_ids) for q in self.seqs.values())
 
     def result(self, round_: int) -> dict:
-        return {
+        first = self.first
+        out = {
             "round": round_,
             "name": self.name,
             "model": self.model,
-            "text": self.text,
-            "token_ids": self.token_ids,
-            "finish_reason": self.finish_reason,
-            "error": self.error,
+            "text": first.text,
+            "token_ids": first.token_ids,
+            "finish_reason": first.finish_reason,
+            "error": None if self.error is None else str(self.error),
+            "error_code": None if self.error is None else self.error.code.value,
             "usage": {
                 "prompt_tokens": len(self.prompt),
-                "completion_tokens": len(self.token_ids),
+                "completion_tokens": self.num_generated,
                 "cached_tokens": self.num_cached_tokens,
             },
             "prefill": None if self.ticket is None else {
@@ -74,6 +106,12 @@ class _Agent:
                 "replica": self.ticket.replica_id,
             },
         }
+        if self.sampling.n > 1 or self.sampling.logprobs is not None:  # every sequence, OpenAI's chat shape
+            out["choices"] = [
+                {"index": i, "text": q.text, "token_ids": q.token_ids, "finish_reason": q.finish_reason,
+                 "logprobs": chat_logprobs(q.logprobs) if self.sampling.logprobs is not None else None}
+                for i, q in sorted(self.seqs.items())]
+        return out
 
 
 @serve.deployment(name="Orchestrator")
@@ -83,7 +121,7 @@ class Orchestrator:
         self.prefill_handles = prefill
         self.decode_handles = {k: h.options(stream=True) for k, h in decoders.items()}
         self.metrics = metrics
-        self.prompter = Prompter(plan.tokenizer)
+        self.prompter = Prompter(plan.tokenizer, plan.renderers)  # each decoder's own rendering
 
     # --- building blocks -------------------------------------------------------------
     def _fallback(self, reason: str) -> None:
@@ -98,7 +136,7 @@ class Orchestrator:
         prompts = [a.prompt for a in agents]
         shared = common_prefix(prompts) if len(prompts) > 1 else []
         # Route on the shared context (or the prompt's handed-over part for a single prompt).
-        route_on = shared if shared else prompts[0][:-1]
+        route_on = shared if shared else split_prompt(prompts[0])[0]
         req = PrefillRequest(
             request_id=request_id,
             prompts=tuple(tuple(p) for p in prompts),
@@ -114,7 +152,7 @@ class Orchestrator:
             ticket: PrefillTicket = await ref
         except BackPressureError as e:
             for a in agents:
-                a.error = f"overloaded: prefill module {module}: {e}"
+                a.error = Failure(ErrorCode.OVERLOADED, f"prefill module {module}: {e}")
             return
         except TimeoutError:
             resp.cancel()
@@ -123,8 +161,8 @@ class Orchestrator:
         except Exception:  # noqa: BLE001 - the decoders prefill privately instead
             self._fallback("prefill_error")
             return
-        for i, a in enumerate(agents):
-            a.ticket, a.ticket_index = ticket, i
+        for a in agents:
+            a.ticket = ticket
 
     async def _prefill_all(self, agents: list[_Agent], request_id: str, salt: str | None) -> None:
         groups: dict[str, list[_Agent]] = {}
@@ -141,12 +179,9 @@ class Orchestrator:
         """Stream one agent's decoder; always ends with a finished chunk; records metrics.
         Latencies count from ``t0``, when the request reached the orchestrator (prefill included)."""
         dp = self.plan.decoder(a.model)
-        expect = len(a.prompt) - 1 if a.ticket is not None else 0
-        params = None
-        if a.ticket is not None and a.ticket.kv_transfer_params:
-            params = a.ticket.kv_transfer_params[a.ticket_index]
+        expect = shared_length(len(a.prompt)) if a.ticket is not None else 0
         req = DecodeRequest(request_id=request_id, prompt_token_ids=tuple(a.prompt), sampling=a.sampling,
-                            kv_transfer_params=params, cache_salt=salt,
+                            cache_salt=salt,
                             prefer_node=a.ticket.node_id if a.ticket is not None else None, adapter=dp.adapter)
         try:
             async for chunk in self.decode_handles[a.model].generate.remote(req):
@@ -155,27 +190,32 @@ class Orchestrator:
                 else:
                     if a.ttft_s is None and chunk.delta_token_ids:
                         a.ttft_s = time.perf_counter() - t0
-                    a.text += chunk.delta_text
-                    a.token_ids.extend(chunk.delta_token_ids)
+                    a.seqs.setdefault(chunk.index, _Sequence()).add(chunk)
                     a.num_cached_tokens = chunk.num_cached_tokens
-                    a.finish_reason = chunk.finish_reason
                 if a.ticket is not None:
                     chunk.prefill_module, chunk.prefill_replica = a.ticket.prefill_module, a.ticket.replica_id
                 yield chunk
         except BackPressureError as e:
-            a.error = f"overloaded: decoder {a.model}: {e}"
+            a.error = Failure(ErrorCode.OVERLOADED, f"decoder {a.model}: {e}")
             yield DecodeChunk(request_id, a.model, "", [], True, "error", error=a.error)
         except Exception as e:  # noqa: BLE001 - a dead replica fails this agent only
-            a.error = f"decoder_unavailable: {type(e).__name__}: {e}"
+            a.error = Failure(ErrorCode.DECODER_UNAVAILABLE, f"decoder {a.model}: {type(e).__name__}: {e}")
             yield DecodeChunk(request_id, a.model, "", [], True, "error", error=a.error)
         if expect and a.error is None and a.num_cached_tokens == 0:
             self._fallback("kv_miss")
         if self.metrics is not None:
             self.metrics.request.remote(RequestRecord(
                 model=a.model, agent=a.name, route=route, ttft_s=a.ttft_s, e2e_s=time.perf_counter() - t0,
-                prompt_tokens=len(a.prompt), generated_tokens=len(a.token_ids),
+                prompt_tokens=len(a.prompt), generated_tokens=a.num_generated,
                 shared_tokens_expected=expect, shared_tokens_loaded=a.num_cached_tokens,
                 kv_bytes_per_token=dp.kv_bytes_per_token, ok=a.error is None))
+
+    def _prompt(self, spec: AgentSpec, context: str, round_: int) -> list[int]:
+        """The agent's prompt ids: the Router's own for the first round (tokenized once there),
+        rendered here for later rounds, whose context holds the earlier rounds' outputs."""
+        if round_ == 0 and spec.prompt_token_ids:
+            return list(spec.prompt_token_ids)
+        return self.prompter.agent_prompt(context, spec.instruction, model=spec.model)
 
     # --- OpenAI completions ----------------------------------------------------------
     async def complete(self, job: CompletionJob) -> AsyncIterator[DecodeChunk]:
@@ -198,14 +238,14 @@ class Orchestrator:
                  "shared_prefix_tokens": 0, "prefill_tokens_computed": 0}
         for r, specs in enumerate(req.rounds):
             t0 = time.perf_counter()
-            agents = [_Agent(i, s.name, s.model, self.prompter.agent_prompt(context, s.instruction), s.sampling)
+            agents = [_Agent(i, s.name, s.model, self._prompt(s, context, r), s.sampling)
                       for i, s in enumerate(specs)]
             ready: list[_Agent] = []
             for a in agents:
                 limit = self.plan.decoder(a.model).max_model_len
                 if len(a.prompt) + a.sampling.max_tokens > limit:
-                    a.error = (f"context_length_exceeded: round {r} prompt has {len(a.prompt)} tokens, "
-                               f"+{a.sampling.max_tokens} new exceeds {limit}")
+                    a.error = Failure(ErrorCode.CONTEXT_LENGTH, f"round {r} prompt has {len(a.prompt)} tokens, "
+                                      f"+{a.sampling.max_tokens} new exceeds {limit}")
                 else:
                     ready.append(a)
             rid = f"{req.request_id}-r{r}"
@@ -219,13 +259,13 @@ class Orchestrator:
             async def pump(a: _Agent) -> None:
                 async for chunk in self._decode(a, f"{rid}-{a.index}-{uuid.uuid4().hex[:6]}", "agents", t0,
                                                 req.cache_salt):
-                    if chunk.delta_text:
+                    if chunk.delta_text and chunk.index == 0:
                         await queue.put(AgentEvent("delta", r, a.name, a.model, chunk.delta_text))
-                await queue.put(AgentEvent("agent_done", r, a.name, a.model, result=a.result(r)))
+                await queue.put(AgentEvent("agent_done", r, a.name, a.model, result=a.result(r), error=a.error))
 
             for a in agents:
                 if a.error is not None:
-                    await queue.put(AgentEvent("agent_done", r, a.name, a.model, result=a.result(r)))
+                    await queue.put(AgentEvent("agent_done", r, a.name, a.model, result=a.result(r), error=a.error))
             tasks = [asyncio.create_task(pump(a)) for a in ready]
             pending = len(agents)
             try:
@@ -241,7 +281,7 @@ class Orchestrator:
             all_results.extend(results)
             for a in agents:
                 usage["prompt_tokens"] += len(a.prompt)
-                usage["completion_tokens"] += len(a.token_ids)
+                usage["completion_tokens"] += a.num_generated
                 usage["cached_tokens"] += a.num_cached_tokens
             yield AgentEvent("round_done", r, result={"round": r, "agents": results})
             if req.join_outputs and r + 1 < len(req.rounds):

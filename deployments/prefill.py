@@ -14,7 +14,7 @@ import ray
 from ray import serve
 
 from app.engine.async_engine import EngineConfig
-from app.handover import split_prompt
+from app.handover import shared_length
 from deployments.engine_host import EngineHost
 from deployments.messages import PrefillRequest, PrefillTicket
 from deployments.metrics import PrefillRecord
@@ -46,7 +46,7 @@ class PrefillServer(EngineHost):
                                              cache_salt=req.cache_salt)
             computed += warm.num_computed_tokens
             cached += warm.num_cached_tokens
-        shared = [split_prompt(p)[0] for p in req.prompts]
+        shared = [shared_length(len(p)) for p in req.prompts]  # tokens each decoder loads
         # One decoder consumes each prompt's blocks: pin them for one load.
         results = await asyncio.gather(*[
             self.engine.prefill(list(p), f"{req.request_id}-{i}", cache_salt=req.cache_salt,
@@ -59,15 +59,13 @@ class PrefillServer(EngineHost):
         seconds = time.perf_counter() - t0
         if self.metrics is not None:
             self.metrics.prefill.remote(PrefillRecord(self.module, self.replica_id, computed, cached, seconds))
-        it = iter(results)
         return PrefillTicket(
             request_id=req.request_id,
             prefill_module=self.module,
             replica_id=self.replica_id,
-            num_prompt_tokens=tuple(len(s) for s in shared),
+            num_prompt_tokens=tuple(shared),
             num_computed_tokens=computed,
             num_cached_tokens=cached,
             seconds=seconds,
-            kv_transfer_params=tuple((next(it).kv_transfer_params if s else None) for s in shared),
             node_id=self.node_id,
         )

@@ -5,9 +5,9 @@ logic. Every bad request gets a 4xx JSON error in OpenAI's shape whose `param` n
 field, and never reaches an engine. In front of that: the API key (401; its tenant salts the
 request's KV, app/auth.py), the body size (413), and admission (429 + Retry-After when this
 replica already runs `limits.max_inflight_requests`, or when Serve sheds load downstream).
-Unknown fields are rejected on /v1/agents/run (our schema) and ignored on the OpenAI routes,
-whose clients send extras such as `user`; OpenAI fields that would change the output but are
-not implemented (`stop`, `logprobs`, `echo`, ...) are rejected rather than silently ignored.
+Request bodies: deployments/schemas.py; sampling options and the fields the server refuses:
+deployments/request_options.py; tools and content parts: deployments/tools.py; response
+shapes: deployments/openai_format.py; error statuses: deployments/errors.py.
 """
 from __future__ import annotations
 
@@ -15,166 +15,35 @@ import asyncio
 import json
 import time
 import uuid
-from typing import Any, Literal
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError
+from pydantic import BaseModel
 from ray import serve
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from app.auth import KeyRing, Tenant, load_keyring
 from app.config import AuthConfig, LimitsConfig
+from app.sampling import Sampling
 from deployments.admission import Admission, Outcome, Slot
-from deployments.messages import AgentRunRequest, AgentSpec, AppPlan, CompletionJob, SamplingSpec
-from deployments.prompts import Prompter
-
-Number = StrictFloat | StrictInt
-
-
-# --- request schemas (validated at the edge) -------------------------------------------
-class _Sampling(BaseModel):
-    model_config = ConfigDict(extra="allow")  # unknown OpenAI fields are accepted and ignored
-
-    max_tokens: StrictInt | None = None
-    temperature: Number = 0.0
-    top_p: Number = 1.0
-    seed: StrictInt | None = None
-    n: StrictInt = 1
-    stream: StrictBool = False
-    stream_options: dict[str, Any] | None = None
-    # OpenAI fields that change the output; only their "off" values are accepted (checked in _sampling)
-    stop: StrictStr | list[StrictStr] | None = None
-    logprobs: StrictBool | StrictInt | None = None
-    echo: StrictBool = False
-    best_of: StrictInt | None = None
-    presence_penalty: Number = 0
-    frequency_penalty: Number = 0
-    logit_bias: dict[str, Number] | None = None
-    suffix: StrictStr | None = None
+from deployments.errors import ApiError, Failure, error_body
+from deployments.messages import AgentRunRequest, AgentSpec, AppPlan, CompletionJob, DecodeChunk
+from deployments.openai_format import Answer, ToolCallOut
+from deployments.prompts import Prompter, RenderError
+from deployments.request_options import check_unsupported, sampling_from
+from deployments.schemas import AgentRunBody, ChatBody, CompletionBody, parse, read_body
+from deployments.tools import ToolPlan, plan_tools, read_tool_output, turns
 
 
-class CompletionBody(_Sampling):
-    model: StrictStr
-    prompt: StrictStr | list[StrictInt] | list[StrictStr]
+class _StreamFailed(Exception):
+    """A failure reported inside an already-open stream (sent in-band, then [DONE])."""
 
-
-class ChatMessage(BaseModel):
-    role: Literal["system", "user", "assistant", "developer"]
-    content: StrictStr
-
-
-class ChatBody(_Sampling):
-    model: StrictStr
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: StrictInt | None = None
-
-
-class AgentBody(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    name: StrictStr | None = None
-    model: StrictStr
-    instruction: StrictStr
-    max_tokens: StrictInt | None = None
-    temperature: Number = 0.0
-    top_p: Number = 1.0
-    seed: StrictInt | None = None
-
-
-class AgentRunBody(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    context: StrictStr
-    agents: list[AgentBody] | None = None
-    rounds: StrictInt | list[list[AgentBody]] | None = None
-    join_outputs: StrictBool = True
-    stream: StrictBool = False
-
-
-class ApiError(Exception):
-    """A client error: HTTP status and OpenAI's error object (plus headers such as Retry-After)."""
-
-    def __init__(self, status: int, message: str, param: str | None, code: str,
-                 type_: str = "invalid_request_error", headers: dict[str, str] | None = None):
-        super().__init__(message)
-        self.status, self.message, self.param, self.code, self.type = status, message, param, code, type_
-        self.headers = headers
-
-    def response(self) -> JSONResponse:
-        return JSONResponse(status_code=self.status, content=error_body(self.message, self.type, self.param, self.code),
-                            headers=self.headers)
-
-
-def error_body(message: str, type_: str, param: str | None, code: str) -> dict:
-    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
-
-
-def _loc(loc: tuple) -> str:
-    out = ""
-    for part in loc:
-        if isinstance(part, int):
-            out += f"[{part}]"
-        elif part in ("str", "int", "float", "bool", "list[int]", "list[str]", "list[list[AgentBody]]") or \
-                str(part).startswith(("list[", "function-")):
-            continue  # union-member labels pydantic adds to the location
-        else:
-            out += ("." if out else "") + str(part)
-    return out
-
-
-async def read_body(request: Request, max_bytes: int) -> bytes:
-    """The raw body, or 413 past ``max_bytes`` (checked on Content-Length first, then on what came)."""
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > max_bytes:
-        raise ApiError(413, f"request body has {declared} bytes; the limit is {max_bytes}", None,
-                       "request_too_large")
-    raw = await request.body()
-    if len(raw) > max_bytes:
-        raise ApiError(413, f"request body has {len(raw)} bytes; the limit is {max_bytes}", None,
-                       "request_too_large")
-    return raw
-
-
-def parse(raw: bytes, schema: type[BaseModel]) -> BaseModel:
-    """Body -> schema, or ApiError naming the bad field."""
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise ApiError(400, f"request body is not valid UTF-8 (byte {e.start})", None, "invalid_encoding") from None
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ApiError(400, f"request body is not valid JSON: {e}", None, "invalid_json") from None
-    if not isinstance(data, dict):
-        raise ApiError(400, "request body must be a JSON object", None, "invalid_json")
-    try:
-        return schema.model_validate(data)
-    except ValidationError as e:
-        err = e.errors()[0]
-        field = _loc(err["loc"])
-        raise ApiError(400, f"{field or 'body'}: {err['msg']}", field or None, "invalid_value") from None
-
-
-def _usage(job: CompletionJob, last) -> dict:
-    prompt = len(job.prompt_token_ids)
-    completion = last.num_generated_tokens if last is not None else 0
-    cached = last.num_cached_tokens if last is not None else 0
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": cached}}
-
-
-def _engine_error(error: str, retry_after_s: int = 1) -> JSONResponse:
-    """A failure the orchestrator reported before any output, as an HTTP answer."""
-    retry = {"Retry-After": str(retry_after_s)}
-    if error.startswith("invalid_request"):
-        return JSONResponse(status_code=400, content=error_body(error, "invalid_request_error", "prompt", "invalid_value"))
-    if error.startswith("overloaded"):
-        return JSONResponse(status_code=429, content=error_body(error, "rate_limit_error", None, "overloaded"),
-                            headers=retry)
-    return JSONResponse(status_code=503, content=error_body(error, "server_error", None, "engine_error"),
-                        headers=retry)
+    def __init__(self, failure: Failure):
+        super().__init__(str(failure))
+        self.failure = failure
 
 
 async def _chain(head, rest):
@@ -186,13 +55,6 @@ async def _chain(head, rest):
 
 def _overloaded(message: str, retry_after_s: int) -> ApiError:
     return ApiError(429, message, None, "overloaded", "rate_limit_error", {"Retry-After": str(retry_after_s)})
-
-
-# OpenAI fields this server does not implement; a request must leave them at their "off" value.
-_OFF_VALUES: dict[str, tuple] = {
-    "stop": (None, "", []), "logprobs": (None, False, 0), "echo": (False,), "best_of": (None, 1),
-    "presence_penalty": (0,), "frequency_penalty": (0,), "logit_bias": (None, {}), "suffix": (None, ""),
-}
 
 
 # --- the ingress -----------------------------------------------------------------------
@@ -229,7 +91,7 @@ class Router:
         self.prefill = prefill
         self.decoders = decoders
         self.metrics = metrics
-        self.prompter = Prompter(plan.tokenizer)
+        self.prompter = Prompter(plan.tokenizer, plan.renderers)  # each decoder's own rendering
         self.created = int(time.time())
         self.limits = limits or LimitsConfig()
         self.admission = Admission(self.limits.max_inflight_requests)
@@ -269,6 +131,60 @@ class Router:
             raise ApiError(503, f"service unavailable: {e}", None, "unavailable", "server_error",
                            {"Retry-After": str(self.limits.retry_after_s)}) from None
 
+    def _failure(self, failure: Failure) -> ApiError:
+        return ApiError.from_failure(failure, self.limits.retry_after_s)
+
+    async def _serve(self, route: str, gen, stream: bool,
+                     events: Callable[[Any, Any], AsyncIterator[str]],
+                     collect: Callable[[Any, Any], Awaitable[Any]]):
+        """Admit -> first item -> stream or collect -> release, for every generation route.
+
+        The first item is awaited before any status is sent, so a request shed downstream or
+        failed before any output still gets its own status (a stream's status is fixed once it
+        starts). The admission slot is held until the answer (or its stream) ends, however it ends.
+        """
+        slot = self._admit(route)
+        call = gen()
+        streaming = False
+        outcome: Outcome = "failed"
+        try:
+            head = await self._first(call)
+            if isinstance(head, DecodeChunk) and head.error:
+                raise self._failure(head.error)
+            if stream:
+                streaming = True
+                return StreamingResponse(self._sse(events(head, call), call, slot), media_type="text/event-stream")
+            result = await collect(head, call)
+            outcome = "completed"
+            return result
+        except asyncio.CancelledError:
+            outcome = "cancelled"
+            raise
+        finally:
+            if not streaming:
+                slot.release(outcome)
+
+    async def _sse(self, events: AsyncIterator[str], call, slot: Slot):
+        """Server-sent events of one answer; failures in-band in OpenAI's error shape, then [DONE]."""
+        finished = False
+        outcome: Outcome = "cancelled"  # unless the stream ends: the client went away
+        try:
+            async for event in events:
+                yield event
+            finished = True
+            outcome = "completed"
+        except _StreamFailed as e:
+            outcome = "failed"
+            yield "data: " + json.dumps(self._failure(e.failure).body()) + "\n\n"
+        except Exception as e:  # noqa: BLE001 - the stream is already open; report in-band
+            outcome = "failed"
+            yield "data: " + json.dumps(error_body(f"internal error: {e}", "server_error", None, "internal")) + "\n\n"
+        finally:  # also on a client disconnect (the generator is cancelled): free the slot, stop the engines
+            slot.release(outcome)
+            if not finished:
+                call.cancel()
+        yield "data: [DONE]\n\n"
+
     # --- validation helpers ---
     def _decoder(self, model: str, param: str = "model"):
         dp = self.plan.decoder(model)
@@ -278,42 +194,22 @@ class Router:
                            "model_not_found")
         return dp
 
-    def _sampling(self, body, max_tokens: int | None, prefix: str = "") -> SamplingSpec:
-        p = prefix
-        if max_tokens is None:
-            max_tokens = self.plan.max_tokens_default
-        if max_tokens < 1:
-            raise ApiError(400, f"{p}max_tokens must be >= 1, got {max_tokens}", f"{p}max_tokens", "invalid_value")
-        if max_tokens > self.plan.max_tokens_cap:
-            raise ApiError(400, f"{p}max_tokens must be <= {self.plan.max_tokens_cap}, got {max_tokens}",
-                           f"{p}max_tokens", "invalid_value")
-        if not 0 <= body.temperature <= 2:
-            raise ApiError(400, f"{p}temperature must be in [0, 2]", f"{p}temperature", "invalid_value")
-        if not 0 < body.top_p <= 1:
-            raise ApiError(400, f"{p}top_p must be in (0, 1]", f"{p}top_p", "invalid_value")
-        if getattr(body, "n", 1) != 1:
-            raise ApiError(400, "n: only n=1 is supported", "n", "invalid_value")
-        for name, off in _OFF_VALUES.items():
-            if name not in type(body).model_fields:
-                continue  # an agent body has no OpenAI options
-            value = getattr(body, name)
-            if value not in off:
-                raise ApiError(400, f"{name}: not supported by this server (give {off[0]!r} or leave it out)",
-                               name, "unsupported_parameter")
-        stop = () if self.prompter.eos_token_id is None else (self.prompter.eos_token_id,)
-        return SamplingSpec(max_tokens=max_tokens, temperature=float(body.temperature), top_p=float(body.top_p),
-                            seed=body.seed, stop_token_ids=stop)
+    def _sampling(self, body, **kw) -> Sampling:
+        return sampling_from(body, self.limits, self.prompter.eos_token_id, self.prompter.vocab_size, **kw)
 
-    def _check_length(self, ids: list[int], sampling: SamplingSpec, limit: int, param: str,
+    def _check_length(self, ids: list[int], sampling: Sampling, limit: int, param: str,
                       mt_param: str = "max_tokens") -> None:
         if not ids:
-            raise ApiError(400, f"{param} is empty", param, "invalid_value")
+            raise ApiError.invalid(param, f"{param} is empty")
         if len(ids) >= limit:
             raise ApiError(400, f"{param} has {len(ids)} tokens; this model's context is {limit} tokens",
                            param, "context_length_exceeded")
         if len(ids) + sampling.max_tokens > limit:
             raise ApiError(400, f"{param} ({len(ids)} tokens) + {mt_param} ({sampling.max_tokens}) exceeds "
                            f"the context of {limit} tokens", mt_param, "context_length_exceeded")
+
+    def _salt(self, tenant: Tenant | None) -> str | None:
+        return tenant.salt if tenant else None
 
     # --- routes ---
     @api.get("/healthz")
@@ -331,208 +227,111 @@ class Router:
     @api.post("/v1/completions")
     async def completions(self, request: Request):
         body, tenant = await self._accept(request, CompletionBody)
+        check_unsupported(body)
         dp = self._decoder(body.model)
-        sampling = self._sampling(body, body.max_tokens)
+        if body.echo and body.logprobs is not None:
+            raise ApiError.invalid("echo", "echo: not supported together with logprobs (the prompt's KV comes from "
+                                   "the prefill module, so the decoder computes no prompt log-probabilities)")
+        sampling = self._sampling(body, logprobs=body.logprobs)
         if isinstance(body.prompt, list) and body.prompt and isinstance(body.prompt[0], str):
             if len(body.prompt) != 1:
-                raise ApiError(400, "prompt: batches of prompts are not supported; send one", "prompt",
-                               "invalid_value")
+                raise ApiError.invalid("prompt", "prompt: batches of prompts are not supported; send one")
             body.prompt = body.prompt[0]
         if isinstance(body.prompt, str):
             if not body.prompt.strip():
-                raise ApiError(400, "prompt is empty", "prompt", "invalid_value")
+                raise ApiError.invalid("prompt", "prompt is empty")
             ids = self.prompter.encode(body.prompt)
         else:
             ids = list(body.prompt)
             bad = next((i for i, t in enumerate(ids) if not 0 <= t < self.prompter.vocab_size), None)
             if bad is not None:
-                raise ApiError(400, f"prompt[{bad}]: token id {ids[bad]} is outside the vocabulary "
-                               f"[0, {self.prompter.vocab_size})", "prompt", "invalid_value")
+                raise ApiError.invalid("prompt", f"prompt[{bad}]: token id {ids[bad]} is outside the vocabulary "
+                                       f"[0, {self.prompter.vocab_size})")
         self._check_length(ids, sampling, dp.max_model_len, "prompt")
         job = CompletionJob(f"cmpl-{uuid.uuid4().hex}", body.model, tuple(ids), sampling, "completions",
-                            cache_salt=tenant.salt if tenant else None)
-        return await self._serve_completion(job, body, chat=False)
+                            cache_salt=self._salt(tenant))
+        echo = None
+        if body.echo:
+            echo = body.prompt if isinstance(body.prompt, str) else self.prompter.decode(ids)
+        answer = Answer(job, chat=False, echo=echo, logprobs=body.logprobs is not None)
+        return await self._completion(answer, body, None)
 
     @api.post("/v1/chat/completions")
     async def chat(self, request: Request):
         body, tenant = await self._accept(request, ChatBody)
+        check_unsupported(body)
         dp = self._decoder(body.model)
-        mt = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         mt_param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+        if body.top_logprobs is not None and not body.logprobs:
+            raise ApiError.invalid("top_logprobs", "top_logprobs: set logprobs to true to use it")
+        tools = plan_tools(body, dp.tool_call_format, body.model)
+        if tools is not None and body.response_format is not None and body.response_format.type != "text":
+            raise ApiError.invalid("response_format", "response_format: cannot be combined with tools (the tool "
+                                   "call is the structured output)")
+        sampling = self._sampling(
+            body, max_tokens=body.max_completion_tokens, max_tokens_param=mt_param,
+            logprobs=(body.top_logprobs or 0) if body.logprobs else None, logprobs_param="top_logprobs",
+            constraint=tools.constraint if tools is not None else None)
+        chat_turns = turns(body.messages)
+        if tools is not None:
+            chat_turns = [("system", tools.prompt_line), *chat_turns]
         try:
-            sampling = self._sampling(body, mt)
-        except ApiError as e:
-            if e.param == "max_tokens":
-                e.param, e.message = mt_param, e.message.replace("max_tokens", mt_param, 1)
-            raise
-        last = body.messages[-1]
-        if last.role != "user":
-            raise ApiError(400, "messages: the last message must have role 'user'",
-                           f"messages[{len(body.messages) - 1}].role", "invalid_value")
-        for i, m in enumerate(body.messages):
-            if not m.content.strip() and i == len(body.messages) - 1:
-                raise ApiError(400, f"messages[{i}].content is empty", f"messages[{i}].content", "invalid_value")
-        ids = self.prompter.chat_prompt([(m.role, m.content) for m in body.messages])
+            ids = self.prompter.chat_prompt(chat_turns, model=body.model)
+        except RenderError as e:
+            raise ApiError.invalid("messages", f"messages: {e}") from None
         self._check_length(ids, sampling, dp.max_model_len, "messages", mt_param)
         job = CompletionJob(f"chatcmpl-{uuid.uuid4().hex}", body.model, tuple(ids), sampling, "chat",
-                            cache_salt=tenant.salt if tenant else None)
-        return await self._serve_completion(job, body, chat=True)
+                            cache_salt=self._salt(tenant))
+        answer = Answer(job, chat=True, logprobs=body.logprobs)
+        return await self._completion(answer, body, tools)
 
-    async def _serve_completion(self, job: CompletionJob, body, chat: bool):
-        """Admit, then run; the first chunk is awaited here so that a shed request still gets
-        a 429 status line (a stream's status is fixed once it starts)."""
-        slot = self._admit(job.route)
-        gen = self.orch.options(stream=True).complete.remote(job)
-        streaming = False
-        outcome: Outcome = "failed"
-        try:
-            first = await self._first(gen)
-            if first.error:
-                return _engine_error(first.error, self.limits.retry_after_s)
-            include_usage = bool((body.stream_options or {}).get("include_usage"))
-            if body.stream:
-                streaming = True
-                return StreamingResponse(self._sse(job, first, gen, chat, include_usage, slot),
-                                         media_type="text/event-stream")
-            text, finish, last = first.delta_text, first.finish_reason, first
-            async for chunk in gen:
-                if chunk.error:
-                    return _engine_error(chunk.error, self.limits.retry_after_s)
-                text += chunk.delta_text
-                finish, last = chunk.finish_reason, chunk
-            outcome = "completed"
-        except asyncio.CancelledError:
-            outcome = "cancelled"
-            raise
-        finally:
-            if not streaming:
-                slot.release(outcome)
-        usage = _usage(job, last)
-        if chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish,
-                      "logprobs": None}
-            obj = "chat.completion"
-        else:
-            choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
-            obj = "text_completion"
-        return {"id": job.request_id, "object": obj, "created": int(time.time()), "model": job.model,
-                "choices": [choice], "usage": usage,
-                "prefillshare": {"prefill_module": getattr(last, "prefill_module", None),
-                                 "prefill_replica": getattr(last, "prefill_replica", None)}}
+    async def _completion(self, answer: Answer, body, tools: ToolPlan | None):
+        job = answer.job
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
-    async def _sse(self, job: CompletionJob, head, gen, chat: bool, include_usage: bool, slot: Slot):
-        created = int(time.time())
-        obj = "chat.completion.chunk" if chat else "text_completion"
-        last = None
-        first = True
-        finished = False
-        outcome: Outcome = "cancelled"  # unless the stream ends: the client went away
-        try:
-            async for chunk in _chain(head, gen):
+        async def events(head, call) -> AsyncIterator[str]:
+            started: set[int] = set()
+            async for chunk in _chain(head, call):
                 if chunk.error:
-                    outcome = "failed"
-                    err = _engine_error(chunk.error)
-                    yield f"data: {err.body.decode()}\n\n"
-                    break
-                last = chunk
-                if chat:
-                    delta: dict[str, Any] = {"content": chunk.delta_text}
-                    if first:
-                        delta["role"] = "assistant"
-                    choice = {"index": 0, "delta": delta, "finish_reason": chunk.finish_reason if chunk.finished else None,
-                              "logprobs": None}
-                else:
-                    choice = {"index": 0, "text": chunk.delta_text,
-                              "finish_reason": chunk.finish_reason if chunk.finished else None, "logprobs": None}
-                first = False
-                yield "data: " + json.dumps({"id": job.request_id, "object": obj, "created": created,
-                                             "model": job.model, "choices": [choice]}) + "\n\n"
-            if include_usage and last is not None:
-                yield "data: " + json.dumps({"id": job.request_id, "object": obj, "created": created,
-                                             "model": job.model, "choices": [], "usage": _usage(job, last)}) + "\n\n"
-            finished = True
-            if outcome != "failed":
-                outcome = "completed"
-        except Exception as e:  # noqa: BLE001 - the stream is already open; report in-band
-            outcome = "failed"
-            yield "data: " + json.dumps(error_body(f"internal error: {e}", "server_error", None, "internal")) + "\n\n"
-        finally:  # also on a client disconnect (the generator is cancelled): free the slot, stop the engines
-            slot.release(outcome)
-            if not finished:
-                gen.cancel()
-        yield "data: [DONE]\n\n"
+                    raise _StreamFailed(chunk.error)
+                seq = answer.add(chunk)
+                if tools is None:
+                    yield answer.delta_event(chunk, first=chunk.index not in started)
+                    started.add(chunk.index)
+                elif chunk.finish_reason is not None:  # a tool call is read back whole
+                    calls, text = read_tool_output(seq.text)
+                    if calls is not None:
+                        finish = "tool_calls" if chunk.finish_reason == "stop" else chunk.finish_reason
+                        yield answer.tool_call_event(chunk.index, calls, finish)
+                    else:
+                        yield answer.delta_event(DecodeChunk(job.request_id, job.model, text, [], chunk.finished,
+                                                             chunk.finish_reason, index=chunk.index), first=True)
+            if include_usage:
+                yield answer.usage_event()
+
+        async def collect(head, call) -> dict:
+            async for chunk in _chain(head, call):
+                if chunk.error:
+                    raise self._failure(chunk.error)
+                answer.add(chunk)
+            calls: dict[int, list[ToolCallOut]] = {}
+            if tools is not None:
+                for i, seq in answer.seqs.items():
+                    found, seq.text = read_tool_output(seq.text)
+                    if found is not None:
+                        calls[i] = found
+            return answer.response(job.sampling.n, calls)
+
+        return await self._serve(job.route, lambda: self.orch.options(stream=True).complete.remote(job),
+                                 body.stream, events, collect)
 
     @api.post("/v1/agents/run")
     async def agents_run(self, request: Request):
         body, tenant = await self._accept(request, AgentRunBody)
-        if not body.context.strip():
-            raise ApiError(400, "context is empty", "context", "invalid_value")
-        if isinstance(body.rounds, list):
-            if body.agents is not None:
-                raise ApiError(400, "give either agents (with rounds as a count) or rounds as a list of agent lists",
-                               "agents", "invalid_value")
-            raw_rounds, prefix = body.rounds, "rounds"
-        else:
-            if not body.agents:
-                raise ApiError(400, "agents: give at least one agent", "agents", "invalid_value")
-            n = 1 if body.rounds is None else body.rounds
-            if not 1 <= n <= self.plan.max_rounds:
-                raise ApiError(400, f"rounds must be in [1, {self.plan.max_rounds}]", "rounds", "invalid_value")
-            raw_rounds, prefix = [body.agents] * n, None
-        if len(raw_rounds) > self.plan.max_rounds:
-            raise ApiError(400, f"rounds: at most {self.plan.max_rounds}", "rounds", "invalid_value")
-        rounds = []
-        for r, agents in enumerate(raw_rounds):
-            if not agents:
-                raise ApiError(400, f"rounds[{r}]: give at least one agent", f"rounds[{r}]", "invalid_value")
-            if len(agents) > self.plan.max_agents:
-                raise ApiError(400, f"at most {self.plan.max_agents} agents per round", "agents", "invalid_value")
-            specs, names = [], set()
-            for i, a in enumerate(agents):
-                p = f"rounds[{r}][{i}]." if prefix else f"agents[{i}]."
-                dp = self._decoder(a.model, p + "model")
-                if not a.instruction.strip():
-                    raise ApiError(400, f"{p}instruction is empty", p + "instruction", "invalid_value")
-                name = a.name or a.model
-                if name in names:
-                    raise ApiError(400, f"{p}name: {name!r} appears twice in one round; give agents distinct names",
-                                   p + "name", "invalid_value")
-                names.add(name)
-                sampling = self._sampling(a, a.max_tokens, p)
-                if r == 0:
-                    ids = self.prompter.agent_prompt(body.context, a.instruction)
-                    self._check_length(ids, sampling, dp.max_model_len, "context", p + "max_tokens")
-                specs.append(AgentSpec(name, a.model, a.instruction, sampling))
-            rounds.append(tuple(specs))
-        req = AgentRunRequest(f"run-{uuid.uuid4().hex}", body.context, tuple(rounds), body.join_outputs,
-                              cache_salt=tenant.salt if tenant else None)
-        slot = self._admit("agents")
-        gen = self.orch.options(stream=True).run.remote(req)
-        streaming = False
-        outcome: Outcome = "failed"
-        try:
-            head = await self._first(gen)
-            if body.stream:
-                streaming = True
-                return StreamingResponse(self._agent_sse(req, head, gen, slot), media_type="text/event-stream")
-            final = head.result if head.kind == "done" else None
-            async for ev in gen:
-                if ev.kind == "done":
-                    final = ev.result
-            outcome = "completed" if final is not None else "failed"
-        except asyncio.CancelledError:
-            outcome = "cancelled"
-            raise
-        finally:
-            if not streaming:
-                slot.release(outcome)
-        return {"id": req.request_id, "object": "agents.run", "created": int(time.time()), **(final or {})}
+        req = self._agent_run(body, tenant)
 
-    async def _agent_sse(self, req: AgentRunRequest, head, gen, slot: Slot):
-        finished = False
-        outcome: Outcome = "cancelled"  # unless the stream ends: the client went away
-        try:
-            async for ev in _chain(head, gen):
+        async def events(head, call) -> AsyncIterator[str]:
+            async for ev in _chain(head, call):
                 out: dict[str, Any] = {"id": req.request_id, "type": ev.kind, "round": ev.round}
                 if ev.kind == "delta":
                     out.update(agent=ev.agent, model=ev.model, text=ev.delta_text)
@@ -541,16 +340,63 @@ class Router:
                 else:
                     out.update(ev.result)
                 yield "data: " + json.dumps(out) + "\n\n"
-            finished = True
-            outcome = "completed"
-        except Exception as e:  # noqa: BLE001
-            outcome = "failed"
-            yield "data: " + json.dumps(error_body(f"internal error: {e}", "server_error", None, "internal")) + "\n\n"
-        finally:
-            slot.release(outcome)
-            if not finished:
-                gen.cancel()
-        yield "data: [DONE]\n\n"
+
+        async def collect(head, call) -> dict:
+            final = head.result if head.kind == "done" else None
+            async for ev in call:
+                if ev.kind == "done":
+                    final = ev.result
+            if final is None:
+                raise ApiError(500, "the agent run ended without a result", None, "internal", "server_error")
+            return {"id": req.request_id, "object": "agents.run", "created": int(time.time()), **final}
+
+        return await self._serve("agents", lambda: self.orch.options(stream=True).run.remote(req), body.stream,
+                                 events, collect)
+
+    def _agent_run(self, body: AgentRunBody, tenant: Tenant | None) -> AgentRunRequest:
+        """Validate an agent run; the first round's prompts are tokenized here, once."""
+        if not body.context.strip():
+            raise ApiError.invalid("context", "context is empty")
+        if isinstance(body.rounds, list):
+            if body.agents is not None:
+                raise ApiError.invalid("agents", "give either agents (with rounds as a count) or rounds as a list "
+                                       "of agent lists")
+            raw_rounds, prefix = body.rounds, "rounds"
+        else:
+            if not body.agents:
+                raise ApiError.invalid("agents", "agents: give at least one agent")
+            n = 1 if body.rounds is None else body.rounds
+            if not 1 <= n <= self.plan.max_rounds:
+                raise ApiError.invalid("rounds", f"rounds must be in [1, {self.plan.max_rounds}]")
+            raw_rounds, prefix = [body.agents] * n, None
+        if len(raw_rounds) > self.plan.max_rounds:
+            raise ApiError.invalid("rounds", f"rounds: at most {self.plan.max_rounds}")
+        rounds = []
+        for r, agents in enumerate(raw_rounds):
+            if not agents:
+                raise ApiError.invalid(f"rounds[{r}]", f"rounds[{r}]: give at least one agent")
+            if len(agents) > self.plan.max_agents:
+                raise ApiError.invalid("agents", f"at most {self.plan.max_agents} agents per round")
+            specs, names = [], set()
+            for i, a in enumerate(agents):
+                p = f"rounds[{r}][{i}]." if prefix else f"agents[{i}]."
+                dp = self._decoder(a.model, p + "model")
+                if not a.instruction.strip():
+                    raise ApiError.invalid(p + "instruction", f"{p}instruction is empty")
+                name = a.name or a.model
+                if name in names:
+                    raise ApiError.invalid(p + "name", f"{p}name: {name!r} appears twice in one round; give agents "
+                                           "distinct names")
+                names.add(name)
+                sampling = self._sampling(a, prefix=p, logprobs=a.logprobs)
+                ids: tuple[int, ...] = ()
+                if r == 0:
+                    ids = tuple(self.prompter.agent_prompt(body.context, a.instruction, model=a.model))
+                    self._check_length(list(ids), sampling, dp.max_model_len, "context", p + "max_tokens")
+                specs.append(AgentSpec(name, a.model, a.instruction, sampling, ids))
+            rounds.append(tuple(specs))
+        return AgentRunRequest(f"run-{uuid.uuid4().hex}", body.context, tuple(rounds), body.join_outputs,
+                               cache_salt=self._salt(tenant))
 
     @api.get("/ready")
     async def ready(self):

@@ -117,7 +117,8 @@ def test_every_admitted_request_is_counted_once_by_route_and_outcome():
     (b'{"model": "a", "prompt": "p", "stop": 3}', "invalid_value", "stop"),
 ])
 def test_parse_names_encoding_json_and_field_errors(raw, code, param):
-    from deployments.router import ApiError, CompletionBody, parse
+    from deployments.errors import ApiError
+    from deployments.schemas import CompletionBody, parse
 
     with pytest.raises(ApiError) as e:
         parse(raw, CompletionBody)
@@ -125,10 +126,11 @@ def test_parse_names_encoding_json_and_field_errors(raw, code, param):
 
 
 def test_openai_bodies_keep_unknown_fields_and_agent_bodies_reject_them():
-    from deployments.router import AgentRunBody, ApiError, CompletionBody, parse
+    from deployments.errors import ApiError
+    from deployments.schemas import AgentRunBody, CompletionBody, parse
 
     body = parse(b'{"model": "a", "prompt": "p", "user": "u1", "metadata": {}}', CompletionBody)
-    assert body.model_extra == {"user": "u1", "metadata": {}}
+    assert body.model_extra == {"metadata": {}} and body.user == "u1"  # `user` is OpenAI's (no effect)
     with pytest.raises(ApiError) as e:
         parse(b'{"context": "c", "agents": [], "user": "u1"}', AgentRunBody)
     assert e.value.param == "user"
@@ -175,21 +177,29 @@ def test_serve_script_keeps_ray_token_auth_on_unless_told_otherwise():
     assert 'RAY_AUTH_MODE="${RAY_AUTH_MODE:-disabled}"' in (ROOT / "scripts" / "test.sh").read_text()
 
 
-def test_unimplemented_openai_options_are_refused_and_agent_bodies_have_none():
-    from types import SimpleNamespace
+def test_openai_options_become_one_sampling_and_unimplemented_ones_are_refused():
+    from app.config import LimitsConfig
+    from deployments.errors import ApiError
+    from deployments.request_options import check_unsupported, sampling_from
+    from deployments.schemas import AgentBody, ChatBody, CompletionBody
 
-    from deployments.messages import AppPlan
-    from deployments.prompts import Prompter
-    from deployments.router import AgentBody, ApiError, CompletionBody, Router
-
-    plan = AppPlan(str(ROOT / "checkpoints" / "tokenizer"), (), (), 8, 64, 4, 4, 60.0)
-    state = SimpleNamespace(plan=plan, prompter=Prompter(plan.tokenizer))  # the Router's validation state
-    sampling = Router.func_or_class._sampling
-    assert sampling(state, AgentBody(model="m", instruction="i"), None).max_tokens == 8
-    assert sampling(state, CompletionBody(model="m", prompt="p", stop=None, presence_penalty=0.0,
-                                           logprobs=False, user="u"), 4).max_tokens == 4
-    for field, value in (("stop", ["\n"]), ("logprobs", 2), ("echo", True), ("best_of", 3),
-                         ("frequency_penalty", 0.5), ("logit_bias", {"5": 1}), ("suffix", "x")):
+    limits = LimitsConfig(max_tokens_default=8, max_tokens_cap=64)
+    assert sampling_from(AgentBody(model="m", instruction="i"), limits, 2, 1000).max_tokens == 8
+    s = sampling_from(CompletionBody(model="m", prompt="p", stop=["\n"], n=2, temperature=0.7, frequency_penalty=0.5,
+                                     logit_bias={"5": 1}, seed=3, user="u"), limits, 2, 1000, logprobs=2)
+    assert (s.stop, s.n, s.frequency_penalty, s.logit_bias, s.seed, s.logprobs, s.stop_token_ids) == \
+        (("\n",), 2, 0.5, ((5, 1.0),), 3, 2, (2,))
+    params = s.to_vllm()
+    assert (params.stop, params.n, params.logit_bias, params.logprobs) == (["\n"], 2, {5: 1.0}, 2)
+    for body, field in ((CompletionBody(model="m", prompt="p", best_of=3), "best_of"),
+                        (CompletionBody(model="m", prompt="p", suffix="x"), "suffix"),
+                        (ChatBody(model="m", messages=[{"role": "user", "content": "hi"}], store=True), "store"),
+                        (ChatBody(model="m", messages=[{"role": "user", "content": "hi"}], guided_json={}),
+                         "guided_json")):
         with pytest.raises(ApiError) as e:
-            sampling(state, CompletionBody(model="m", prompt="p", **{field: value}), 4)
+            check_unsupported(body)
         assert (e.value.status, e.value.param, e.value.code) == (400, field, "unsupported_parameter")
+    for field, value in (("seed", 2 ** 70), ("temperature", 2.5), ("n", 0), ("n", 2), ("top_k", -2), ("min_p", 1.5)):
+        with pytest.raises(ApiError) as e:
+            sampling_from(CompletionBody(model="m", prompt="p", **{field: value}), limits, 2, 1000)
+        assert (e.value.status, e.value.param) == (400, field)

@@ -326,3 +326,31 @@ def test_workflows_stream_and_async(server, client):
     res = asyncio.run(main())
     assert res.final_context == CONTEXT + " | lookup | tools,verify"
     assert [r.text for r in res.results] == [r.text for r in client.run_workflow(Workflow(wf.rounds, tag), CONTEXT).results]
+
+
+# ---- per-agent OpenAI options ---------------------------------------------------------------
+
+def test_agent_options_are_sent_as_the_apps_fields(server, client):
+    from agents import StructuredOutput
+
+    schema = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    agent = Agent("lookup", "Find it", sampling=Sampling(max_tokens=8, temperature=0.5, stop=["\n", "."], n=2,
+                                                         logprobs=3, seed=1, logit_bias={5: -100.0},
+                                                         structured=StructuredOutput.for_schema(schema)))
+    client.run(CONTEXT, [agent, {"model": "verify", "instruction": "Check", "stop": "x",
+                                 "response_format": {"type": "json_object"}}])
+    sent = server.requests[-1][2]["agents"]
+    assert sent[0] == {"name": "lookup", "model": "lookup", "instruction": "Find it", "temperature": 0.5,
+                       "top_p": 1.0, "max_tokens": 8, "seed": 1, "n": 2, "logprobs": 3, "stop": ["\n", "."],
+                       "logit_bias": {"5": -100.0},
+                       "response_format": {"type": "json_schema", "json_schema": {"name": "output", "schema": schema}}}
+    assert sent[1]["stop"] == ["x"] and sent[1]["response_format"] == {"type": "json_object"}
+    with pytest.raises(WorkflowError, match="sampling.n"):
+        Sampling(n=2)  # greedy decoding gives one sequence
+    with pytest.raises(WorkflowError, match="seed"):
+        Sampling(seed=2 ** 70)
+    with pytest.raises(WorkflowError, match="response_format"):
+        client.run(CONTEXT, [{"model": "verify", "instruction": "Check", "response_format": {"type": "yaml"}}])
+    client.chat("lookup", [{"role": "user", "content": "hi"}], max_tokens=2, stop=["\n"], n=1, logprobs=True)
+    assert server.requests[-1][2] == {"model": "lookup", "messages": [{"role": "user", "content": "hi"}],
+                                      "temperature": 0.0, "max_tokens": 2, "stop": ["\n"], "n": 1, "logprobs": True}

@@ -125,6 +125,33 @@ def test_fan_out_equals_single_completions(client):
         res[s].usage.cached_tokens for s in ("lookup", "tool_call"))
 
 
+def test_per_agent_options_reach_the_engines(client):
+    """stop and a JSON schema per agent (SDK Sampling) act as the same options do on the OpenAI route."""
+    import json
+
+    import jsonschema
+
+    from agents import StructuredOutput
+    from app.training.tasks import render_prompt
+
+    schema = {"type": "object", "properties": {"city": {"enum": ["oslo", "lima"]}, "ok": {"type": "boolean"}},
+              "required": ["city", "ok"], "additionalProperties": False}
+    text = client.run(CONTEXT, [AGENTS[1]])["tool_call"].text
+    assert len(text) >= 2, text
+    stop = text[len(text) // 2:len(text) // 2 + 2]
+    json_out = Sampling(max_tokens=24, structured=StructuredOutput.for_schema(schema))
+    res = client.run(CONTEXT, [Agent("tool_call", "call the shipping tool.", name="cut",
+                                     sampling=Sampling(max_tokens=MAX_NEW, stop=[stop])),
+                               Agent("lookup", "what is the city?", sampling=json_out),
+                               Agent("verify", "is the city oslo? yes or no.", sampling=json_out)]).raise_for_errors()
+    assert res["cut"].text == text[:text.index(stop)] and res["cut"].finish_reason == "stop"
+    for name, instruction in (("lookup", "what is the city?"), ("verify", "is the city oslo? yes or no.")):
+        jsonschema.validate(json.loads(res[name].text), schema)
+        single = client.complete(name, render_prompt(CONTEXT, instruction), max_tokens=24, response_format={
+            "type": "json_schema", "json_schema": {"name": "out", "schema": schema}})
+        assert single.text == res[name].text, name
+
+
 def test_per_agent_async_streams_equal_the_run(app_url, client):
     plain = client.run(CONTEXT, AGENTS)
 

@@ -34,11 +34,20 @@ KEY_A = "sk-test-acme-4f0c2a9b7e51d3c8"  # tenant "acme"
 KEY_B = "sk-test-globex-9d2e7a1c5b34f60e"  # tenant "globex"
 MAX_INFLIGHT = 4  # ingress admission limit of the test app
 MAX_BODY = 65536
+MAX_N = 4  # limits.max_n of the test app
+MAX_LOGPROBS = 5  # limits.max_logprobs
 
 
 def _make_models(root: Path) -> dict[str, Path]:
-    """Base + two compatible decoders + one incompatible (3 KV heads)."""
-    return make_models(root, {"alpha": (1, {}), "beta": (2, {}), "gamma": (3, {"num_key_value_heads": 3})})
+    """Base + two compatible decoders + one incompatible (3 KV heads). alpha's manifest declares
+    the "json" tool-call format (deployments/tools.py); beta and gamma declare none."""
+    from dataclasses import replace
+
+    from app.models.manifest import read_manifest, write_manifest
+
+    paths = make_models(root, {"alpha": (1, {}), "beta": (2, {}), "gamma": (3, {"num_key_value_heads": 3})})
+    write_manifest(paths["alpha"], replace(read_manifest(paths["alpha"]), tool_call_format="json"))
+    return paths
 
 
 def _app_config(paths: dict[str, Path], pool_dir: str, keys_file: Path) -> dict:
@@ -49,7 +58,8 @@ def _app_config(paths: dict[str, Path], pool_dir: str, keys_file: Path) -> dict:
     return {
         "tokenizer": str(paths["tokenizer"]),
         "pool": {"path": pool_dir, "capacity_gib": 0.125},
-        "limits": {"max_tokens_default": MAX_NEW, "max_tokens_cap": 64, "max_agents": 4,
+        "limits": {"max_tokens_default": MAX_NEW, "max_tokens_cap": 64, "max_agents": 4, "max_n": MAX_N,
+                   "max_logprobs": MAX_LOGPROBS,
                    "max_inflight_requests": MAX_INFLIGHT, "max_body_bytes": MAX_BODY, "retry_after_s": 2},
         "auth": {"keys_file": str(keys_file)},
         "engine_env": {"VLLM_HOST_IP": "127.0.0.1"},
@@ -336,6 +346,197 @@ def test_metrics_change_with_traffic(app, client):
     assert _metric(after, "prefillshare_kv_pool_held_bytes") > 0
 
 
+# --- the OpenAI surface: sampling options, structured outputs, tools, content parts ----------
+PROMPT = CONTEXT + "\nQ: what is the city?\nA:"
+SCHEMA = {"type": "object", "properties": {"city": {"enum": ["oslo", "rome", "lima"]},
+                                           "qty": {"type": "integer", "minimum": 0, "maximum": 9}},
+          "required": ["city", "qty"], "additionalProperties": False}
+RESPONSE_FORMAT = {"type": "json_schema", "json_schema": {"name": "order", "schema": SCHEMA}}
+
+
+def test_stop_n_logprobs_and_echo_change_completions_as_openai_documents(app, client):
+    greedy = client.completions.create(model="alpha", prompt=PROMPT, max_tokens=12, temperature=0)
+    text = greedy.choices[0].text
+    assert len(text) >= 4, text
+    stop = text[len(text) // 2:len(text) // 2 + 2]  # ends the text before its first occurrence
+    cut = client.completions.create(model="alpha", prompt=PROMPT, max_tokens=12, temperature=0, stop=[stop])
+    assert cut.choices[0].text == text[:text.index(stop)] and cut.choices[0].finish_reason == "stop"
+    echo = client.completions.create(model="alpha", prompt=PROMPT, max_tokens=12, temperature=0, echo=True)
+    assert echo.choices[0].text == PROMPT + text
+    two = client.completions.create(model="beta", prompt=PROMPT, max_tokens=6, temperature=1.0, seed=7, n=2)
+    assert [c.index for c in two.choices] == [0, 1]
+    assert two.usage.completion_tokens >= 2 and all(c.finish_reason for c in two.choices)
+    lp = client.completions.create(model="alpha", prompt=PROMPT, max_tokens=12, temperature=0, logprobs=3)
+    assert lp.choices[0].text == text
+    got = lp.choices[0].logprobs
+    assert len(got.tokens) == len(got.token_logprobs) == lp.usage.completion_tokens
+    for chosen, top in zip(got.token_logprobs, got.top_logprobs):
+        assert 1 <= len(top) <= 3 and chosen <= 0
+        assert max(top.values()) == pytest.approx(chosen, abs=1e-4)  # greedy: the chosen token is the most likely
+    # streamed: two sequences, each with its own finish; logprobs per chunk
+    chunks = list(client.completions.create(model="alpha", prompt=PROMPT, max_tokens=6, temperature=1.0, seed=3,
+                                            n=2, logprobs=2, stream=True))
+    tokens: dict[int, int] = {}
+    for c in chunks:
+        for ch in c.choices:
+            tokens[ch.index] = tokens.get(ch.index, 0) + (len(ch.logprobs.tokens) if ch.logprobs else 0)
+    assert set(tokens) == {0, 1} and all(1 <= k <= 6 for k in tokens.values()), tokens
+    assert {ch.index for c in chunks for ch in c.choices if ch.finish_reason} == {0, 1}
+
+
+def test_logit_bias_and_frequency_penalty_change_greedy_output(app, client, reference):
+    """A bias that makes one token win every step by >= 1 nat (from its raw log-probabilities),
+    then a frequency penalty (2 per earlier occurrence) that must overturn it within 16 steps."""
+    tok, _ = reference
+    x = tok(" lamp", add_special_tokens=False)["input_ids"][-1]
+    forced = client.completions.create(model="alpha", prompt=PROMPT, max_tokens=16, temperature=0,
+                                       logit_bias={str(x): 100}, logprobs=2)
+    lp = forced.choices[0].logprobs
+    assert len(lp.tokens) == 16 and len(set(lp.tokens)) == 1, lp.tokens  # +100: the token wins every step
+    xs = lp.tokens[0]
+    # raw (unbiased) log-probabilities: how far the best other token leads at each step
+    gaps = [max(v for t, v in top.items() if t != xs) - chosen for chosen, top in zip(lp.token_logprobs,
+                                                                                       lp.top_logprobs)]
+    bias = max(gaps) + 1.0
+    assert bias < 100
+    plain = client.completions.create(model="alpha", prompt=PROMPT, max_tokens=16, temperature=0,
+                                      logit_bias={str(x): bias})
+    assert plain.choices[0].text == forced.choices[0].text
+    penalized = client.completions.create(model="alpha", prompt=PROMPT, max_tokens=16, temperature=0,
+                                          logit_bias={str(x): bias}, frequency_penalty=2.0)
+    assert penalized.choices[0].text != plain.choices[0].text
+    both = client.completions.create(model="alpha", prompt=PROMPT, max_tokens=16, temperature=0,
+                                     logit_bias={str(x): bias}, frequency_penalty=2.0, presence_penalty=2.0)
+    assert both.choices[0].text != plain.choices[0].text
+
+
+def _structured_greedy(reference, model: str, prompt_ids: list[int], schema: dict, private: bool,
+                       max_new: int) -> list[int]:
+    """Transformers oracle under the same grammar as the engines (xgrammar, compact JSON): greedy
+    over the tokens the grammar allows, from the first generated token."""
+    import copy
+
+    import xgrammar as xgr
+
+    from app.reference import prompt_kv
+
+    tok, models = reference
+    dec = models[model]
+    info = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=dec.config.vocab_size)
+    grammar = xgr.GrammarCompiler(info).compile_json_schema(json.dumps(schema), any_whitespace=False,
+                                                            separators=(",", ":"))
+    matcher = xgr.GrammarMatcher(grammar)
+    mask = xgr.allocate_token_bitmask(1, info.vocab_size)
+    base = dec if private or model == "gamma" else models["base"]
+    cache = copy.deepcopy(prompt_kv(base, prompt_ids[:-1]))
+    ids = torch.tensor([prompt_ids[-1:]])
+    out: list[int] = []
+    with torch.no_grad():
+        for _ in range(max_new):
+            logits = dec(input_ids=ids, past_key_values=cache, use_cache=True).logits[0, -1:].float()
+            matcher.fill_next_token_bitmask(mask)
+            xgr.apply_token_bitmask_inplace(logits, mask.to(logits.device))
+            nxt = int(logits[0].argmax())
+            out.append(nxt)
+            if nxt == tok.eos_token_id or not matcher.accept_token(nxt) or matcher.is_terminated():
+                break
+            ids = torch.tensor([[nxt]])
+    return out
+
+
+def test_json_schema_holds_for_every_agent_of_a_fan_out_and_matches_the_grammar_oracle(app, client, reference):
+    """Every agent (shared KV: alpha, beta; private prefill: gamma) answers JSON valid against the
+    schema, token for token what greedy decoding under the same grammar gives in transformers:
+    the decoder that loaded the base's KV follows the grammar from its first generated token."""
+    import jsonschema
+
+    from app.training.tasks import render_prompt
+
+    tok, _ = reference
+    ctx = "order\ncity:oslo\nqty:3"  # short: gamma's context is 64 tokens
+    agents = [{"name": m, "model": m, "instruction": "what is the city?", "max_tokens": 40,
+               "response_format": RESPONSE_FORMAT} for m in ("alpha", "beta", "gamma")]
+    agents[2]["instruction"] = "what is the qty?"
+    status, out = _post(app["url"] + "/v1/agents/run", {"context": ctx, "agents": agents})
+    assert status == 200, out
+    for r, a in zip(out["results"], agents):
+        assert r["error"] is None, r
+        jsonschema.validate(json.loads(r["text"]), SCHEMA)
+        prompt_ids = tok(render_prompt(ctx, a["instruction"]))["input_ids"]
+        shared = r["usage"]["cached_tokens"] == len(prompt_ids) - 1
+        assert shared == (a["model"] != "gamma"), r
+        expected = _structured_greedy(reference, a["model"], prompt_ids, SCHEMA, not shared, 40)
+        assert r["token_ids"] == expected, (a["model"], r["text"], tok.decode(expected))
+    # the same constraint through both OpenAI routes, whole and streamed, and json_object
+    msgs = [{"role": "system", "content": ctx}, {"role": "user", "content": "what is the city?"}]
+    chat = client.chat.completions.create(model="alpha", messages=msgs, max_tokens=40, response_format=RESPONSE_FORMAT)
+    assert chat.choices[0].message.content == out["results"][0]["text"]  # the same prompt ids as the agent's
+    streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
+        model="alpha", messages=msgs, max_tokens=40, response_format=RESPONSE_FORMAT, stream=True) if c.choices)
+    assert streamed == chat.choices[0].message.content
+    done = client.completions.create(model="beta", prompt=PROMPT, max_tokens=40, extra_body={
+        "response_format": RESPONSE_FORMAT})
+    jsonschema.validate(json.loads(done.choices[0].text), SCHEMA)
+    obj = client.chat.completions.create(model="gamma", messages=[{"role": "user", "content": "hi"}], max_tokens=40,
+                                         response_format={"type": "json_object"})
+    if obj.choices[0].finish_reason == "stop":  # a complete object (not cut by max_tokens) parses
+        assert isinstance(json.loads(obj.choices[0].message.content), dict)
+
+
+def test_tool_calls_come_back_in_openai_shape_for_a_decoder_that_declares_a_format(app, client):
+    import jsonschema
+
+    tools = [{"type": "function", "function": {"name": "ship", "description": "ship an order", "parameters": {
+        "type": "object", "properties": {"city": {"enum": ["oslo", "rome"]}, "qty": {"type": "integer",
+                                                                                    "minimum": 1, "maximum": 9}},
+        "required": ["city", "qty"], "additionalProperties": False}}},
+             {"type": "function", "function": {"name": "cancel", "parameters": {
+                 "type": "object", "properties": {}, "additionalProperties": False}}}]
+    msgs = [{"role": "system", "content": "order\ncity:oslo\nqty:3"}, {"role": "user", "content": "call the shipping tool."}]
+    out = client.chat.completions.create(model="alpha", messages=msgs, tools=tools, tool_choice="required",
+                                         max_tokens=48)
+    (call,) = out.choices[0].message.tool_calls
+    assert out.choices[0].finish_reason == "tool_calls" and out.choices[0].message.content is None
+    params = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
+    jsonschema.validate(json.loads(call.function.arguments), params[call.function.name])
+    named = client.chat.completions.create(model="alpha", messages=msgs, tools=tools, max_tokens=48,
+                                           tool_choice={"type": "function", "function": {"name": "ship"}})
+    assert named.choices[0].message.tool_calls[0].function.name == "ship"
+    streamed = [c for c in client.chat.completions.create(model="alpha", messages=msgs, tools=tools, max_tokens=48,
+                                                          tool_choice="required", stream=True) if c.choices]
+    calls = [tc for c in streamed for tc in (c.choices[0].delta.tool_calls or [])]
+    assert [(tc.function.name, tc.function.arguments) for tc in calls] == [(call.function.name, call.function.arguments)]
+    assert streamed[-1].choices[0].finish_reason == "tool_calls"
+    auto = client.chat.completions.create(model="alpha", messages=msgs, tools=tools, max_tokens=48)
+    message = auto.choices[0].message
+    assert (message.tool_calls is None) != (message.content is None)  # a call or a text answer, never both
+    # the tool's answer goes back as a 'tool' turn
+    follow = client.chat.completions.create(model="alpha", max_tokens=4, messages=[
+        *msgs, {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+        {"role": "tool", "tool_call_id": call.id, "content": "shipped"}])
+    assert follow.choices[0].message.content is not None
+
+
+def test_content_parts_and_chat_logprobs(app, client):
+    whole = client.chat.completions.create(model="alpha", max_tokens=MAX_NEW, messages=[
+        {"role": "system", "content": CONTEXT}, {"role": "user", "content": "what is the city?\nshort answer"}])
+    parts = client.chat.completions.create(model="alpha", max_tokens=MAX_NEW, logprobs=True, top_logprobs=2,
+                                           messages=[{"role": "system", "content": [{"type": "text", "text": CONTEXT}]},
+                                                     {"role": "user", "content": [
+                                                         {"type": "text", "text": "what is the city?"},
+                                                         {"type": "text", "text": "short answer"}]}])
+    assert parts.choices[0].message.content == whole.choices[0].message.content  # parts join with newlines
+    content = parts.choices[0].logprobs.content
+    assert "".join(t.token for t in content) == whole.choices[0].message.content
+    assert all(len(t.top_logprobs) == 2 and t.top_logprobs[0].logprob >= t.top_logprobs[1].logprob for t in content)
+    streamed = [c for c in client.chat.completions.create(
+        model="alpha", max_tokens=MAX_NEW, logprobs=True, top_logprobs=1, stream=True, stream_options={
+            "include_usage": True}, messages=[{"role": "user", "content": [{"type": "text", "text": "hi"}]}])]
+    entries = [t for c in streamed if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content]
+    assert entries and all(len(t.top_logprobs) == 1 for t in entries)
+    assert streamed[-1].usage.completion_tokens == len(entries)
+
+
 _AGENT = {"model": "alpha", "instruction": "what is the city?"}
 _OK = {"model": "alpha", "prompt": "hi"}
 
@@ -394,10 +595,43 @@ def baseline(app):
     ("/v1/completions", {**_OK, "temperature": 5}, 400, "temperature"),
     ("/v1/completions", b'{"model": "alpha", "prompt": "hi", "temperature": NaN}', 400, "temperature"),
     ("/v1/completions", {**_OK, "top_p": 0}, 400, "top_p"),
-    ("/v1/completions", {**_OK, "n": 2}, 400, "n"),
+    ("/v1/completions", {**_OK, "n": MAX_N + 1}, 400, "n"),
+    ("/v1/completions", {**_OK, "n": 0}, 400, "n"),
     ("/v1/completions", {**_OK, "stop": 5}, 400, "stop"),
-    ("/v1/completions", {**_OK, "stop": ["\n"]}, 400, "stop"),
-    ("/v1/completions", {**_OK, "echo": True}, 400, "echo"),
+    ("/v1/completions", {**_OK, "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
+    ("/v1/completions", {**_OK, "stop": "s" * 65}, 400, "stop"),
+    ("/v1/completions", {**_OK, "logprobs": MAX_LOGPROBS + 1}, 400, "logprobs"),
+    ("/v1/completions", {**_OK, "echo": True, "logprobs": 1}, 400, "echo"),
+    ("/v1/completions", {**_OK, "seed": 2 ** 70}, 400, "seed"),
+    ("/v1/completions", {**_OK, "presence_penalty": 3}, 400, "presence_penalty"),
+    ("/v1/completions", {**_OK, "logit_bias": {"x": 1}}, 400, "logit_bias"),
+    ("/v1/completions", {**_OK, "logit_bias": {"5": 101}}, 400, "logit_bias"),
+    ("/v1/completions", {**_OK, "best_of": 3}, 400, "best_of"),
+    ("/v1/completions", {**_OK, "suffix": "end"}, 400, "suffix"),
+    ("/v1/completions", {**_OK, "guided_json": {"type": "object"}}, 400, "guided_json"),
+    ("/v1/completions", {**_OK, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "strin"}}}}, 400, "response_format.json_schema.schema"),
+    ("/v1/completions", {**_OK, "response_format": {"type": "xml"}}, 400, "response_format.type"),
+    ("/v1/chat/completions", {"model": "alpha", "messages": [{"role": "user", "content": "hi"}], "logprobs": True,
+                              "top_logprobs": MAX_LOGPROBS + 1}, 400, "top_logprobs"),
+    ("/v1/chat/completions", {"model": "alpha", "messages": [{"role": "user", "content": "hi"}],
+                              "top_logprobs": 2}, 400, "top_logprobs"),
+    ("/v1/chat/completions", {"model": "beta", "messages": [{"role": "user", "content": "hi"}], "tools": [
+        {"type": "function", "function": {"name": "ship", "parameters": {"type": "object"}}}]}, 400, "tools"),
+    ("/v1/chat/completions", {"model": "alpha", "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]}, 400, "messages[0].content[0].type"),
+    ("/v1/chat/completions", {"model": "alpha", "messages": [{"role": "user", "content": "hi"}],
+                              "audio": {"voice": "alloy", "format": "wav"}}, 400, "audio"),
+    ("/v1/chat/completions", {"model": "alpha", "messages": [{"role": "user", "content": "hi"}],
+                              "reasoning_effort": "high"}, 400, "reasoning_effort"),
+    ("/v1/agents/run", {"context": "c", "agents": [{**_AGENT, "n": MAX_N + 1}]}, 400, "agents[0].n"),
+    ("/v1/agents/run", {"context": "c", "agents": [{**_AGENT, "stop": ["a"] * 5}]}, 400, "agents[0].stop"),
+    ("/v1/agents/run", {"context": "c", "agents": [{**_AGENT, "response_format": {"type": "json_schema",
+     "json_schema": {"name": "x", "schema": {"type": "object", "properties": {"a": {"type": "integer",
+                                                                                "minimum": "x"}}}}}}]},
+     400, "agents[0].response_format.json_schema.schema"),
+    # a body nested deeper than the JSON parser recurses (was a 500)
+    ("/v1/agents/run", b"[" * 30000 + b"]" * 30000, 400, None),
     ("/v1/agents/run", {"context": "c", "agents": [{**_AGENT, "temperature": -1}]}, 400, "agents[0].temperature"),
     # unknown fields: rejected on our own schema (OpenAI routes ignore them, tested below)
     ("/v1/agents/run", {"context": "c", "agents": [_AGENT], "temprature": 0}, 400, "temprature"),

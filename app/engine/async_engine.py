@@ -34,6 +34,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
 from app.engine import compute_dtype
+from app.sampling import Sampling, TokenLogprob, token_logprobs
 
 __all__ = [
     "EngineConfig",
@@ -89,6 +90,9 @@ class EngineConfig:
     seed: int = 0
     request_timeout_s: float = 600.0
     extra_env: dict[str, str] = field(default_factory=dict)
+    # Structured outputs run on xgrammar (the backend the Router validates schemas with); compact:
+    # JSON without free whitespace, which a weak decoder could otherwise repeat until max_tokens.
+    compact_json: bool = True
     # LoRA: (name, adapter directory) pairs the engine serves over ``model``; a request names one
     # (``lora=``) or none (the base). vLLM salts prefix-cache blocks per adapter.
     lora_adapters: tuple[tuple[str, str], ...] = ()
@@ -157,6 +161,10 @@ class EngineConfig:
         )
         if self.gpu_memory_utilization is not None:
             kw["gpu_memory_utilization"] = self.gpu_memory_utilization
+        from vllm.config import StructuredOutputsConfig
+
+        kw["structured_outputs_config"] = StructuredOutputsConfig(backend="xgrammar",
+                                                                  disable_any_whitespace=self.compact_json)
         if self.lora_adapters:
             kw.update(enable_lora=True, max_lora_rank=self.max_lora_rank, max_loras=self.max_loras,
                       max_cpu_loras=self.max_loras)
@@ -170,55 +178,23 @@ class EngineConfig:
         return AsyncEngineArgs(**kw)
 
 
-@dataclass(frozen=True)
-class Sampling:
-    """Sampling parameters the project uses; mapped onto vLLM's ``SamplingParams``."""
-
-    max_tokens: int = 16
-    temperature: float = 0.0
-    top_p: float = 1.0
-    seed: int | None = None
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-
-    def __post_init__(self) -> None:
-        if self.max_tokens < 1:
-            raise ValueError("Sampling.max_tokens must be >= 1")
-        if self.temperature < 0:
-            raise ValueError("Sampling.temperature must be >= 0")
-        if not 0 < self.top_p <= 1:
-            raise ValueError("Sampling.top_p must be in (0, 1]")
-
-    def to_vllm(self, kv_transfer_params: dict[str, Any] | None = None):
-        from vllm import SamplingParams
-        from vllm.sampling_params import RequestOutputKind
-
-        extra = {"kv_transfer_params": dict(kv_transfer_params)} if kv_transfer_params else None
-        return SamplingParams(
-            max_tokens=self.max_tokens,
-            temperature=self.temperature,
-            top_p=self.top_p,
-            seed=self.seed,
-            stop_token_ids=list(self.stop_token_ids),
-            ignore_eos=self.ignore_eos,
-            output_kind=RequestOutputKind.DELTA,
-            extra_args=extra,
-        )
-
-
 @dataclass
 class EngineOutput:
-    """One streamed step of a request."""
+    """One streamed step of one of a request's sequences (``index``, 0 unless ``n`` > 1)."""
 
     request_id: str
     new_token_ids: list[int]
-    token_ids: list[int]  # all generated so far
-    text: str  # all generated text so far ("" without a tokenizer)
-    finished: bool
-    finish_reason: str | None
+    token_ids: list[int]  # all generated so far by this sequence
+    text: str  # all generated text so far by this sequence ("" without a tokenizer)
+    finished: bool  # the request (every sequence) is done
+    finish_reason: str | None  # set when this sequence is done
     num_prompt_tokens: int
     num_cached_tokens: int  # local prefix-cache hits + KV loaded through the connector
     kv_transfer_params: dict[str, Any] | None = None
+    index: int = 0
+    new_logprobs: list[TokenLogprob] | None = None  # when the sampling asked for logprobs
+    stop_reason: str | int | None = None
+    new_text: str = ""  # the text this step added
 
 
 @dataclass
@@ -278,6 +254,8 @@ def connector_config(
     ``base_dir``/``decoder_dir``: checkpoints; for a consumer given both, the compatibility
     check of :mod:`app.models.compat` runs here and its reasons become ``incompatible_reason``.
     ``scope``: label under which the pool keeps this engine's counters (e.g. the agent name).
+    ``adapter_keys``: KV is per LoRA adapter (a prefill engine holding the decoders' own adapters):
+    pool keys carry the request's adapter name, on the producer and its consumers alike.
     """
     if role not in ("producer", "consumer"):
         raise ValueError(f"connector_config role: {role!r} is not 'producer' or 'consumer'")
@@ -291,14 +269,11 @@ def connector_config(
         "pool": asdict(pool),
     }
     if role == "consumer" and base_dir and decoder_dir and not incompatible_reason:
-        try:
-            from app.models import compat
-        except ImportError:
-            compat = None
-        if compat is not None:
-            verdict = compat.check(base_dir, decoder_dir, prefill_module_id)
-            if not verdict.shared:
-                incompatible_reason = "; ".join(verdict.reasons) or "incompatible"
+        from app.models import compat
+
+        verdict = compat.check(base_dir, decoder_dir, prefill_module_id)
+        if not verdict.shared:
+            incompatible_reason = "; ".join(verdict.reasons) or "incompatible"
     if incompatible_reason:
         extra["incompatible_reason"] = incompatible_reason
     if scope:
@@ -401,7 +376,8 @@ class Engine:
         kv_transfer_params: dict[str, Any] | None = None,
         lora: str | None = None,
     ) -> AsyncIterator[EngineOutput]:
-        """Stream a request's outputs. ``sampling`` is a :class:`Sampling` or vLLM ``SamplingParams``."""
+        """Stream a request's outputs, one per sequence and step. ``sampling`` is a
+        :class:`app.sampling.Sampling` or vLLM ``SamplingParams``."""
         from vllm.exceptions import VLLMValidationError
         from vllm.v1.engine.exceptions import EngineDeadError, EngineGenerateError
 
@@ -414,18 +390,15 @@ class Engine:
             raise EngineRequestError(
                 f"prompt_token_ids: {len(ids)} tokens, max_model_len is {self.cfg.max_model_len}"
             )
-        if isinstance(sampling, Sampling):
-            params = sampling.to_vllm(kv_transfer_params)
-        else:
-            params = sampling
-            if kv_transfer_params:
-                params.extra_args = {**(params.extra_args or {}), "kv_transfer_params": dict(kv_transfer_params)}
+        params = sampling.to_vllm() if isinstance(sampling, Sampling) else sampling
+        if kv_transfer_params:
+            params.extra_args = {**(params.extra_args or {}), "kv_transfer_params": dict(kv_transfer_params)}
         rid = request_id or uuid.uuid4().hex
         prompt: dict[str, Any] = {"prompt_token_ids": ids}
         if cache_salt is not None:
             prompt["cache_salt"] = cache_salt
-        token_ids: list[int] = []
-        text = ""
+        token_ids: dict[int, list[int]] = {}  # per sequence (index): generated token ids
+        texts: dict[int, str] = {}  # per sequence: generated text
         agen = self._llm.generate(prompt, params, rid, lora_request=lora_request)
         deadline = asyncio.get_running_loop().time() + self.cfg.request_timeout_s
         try:
@@ -437,21 +410,27 @@ class Engine:
                     return
                 except TimeoutError as e:
                     raise EngineError(f"request {rid} timed out after {self.cfg.request_timeout_s}s") from e
-                comp = out.outputs[0]
-                new = list(comp.token_ids)
-                token_ids.extend(new)
-                text += comp.text or ""
-                yield EngineOutput(
-                    request_id=rid,
-                    new_token_ids=new,
-                    token_ids=list(token_ids),
-                    text=text,
-                    finished=out.finished,
-                    finish_reason=comp.finish_reason,
-                    num_prompt_tokens=len(out.prompt_token_ids or ids),
-                    num_cached_tokens=int(out.num_cached_tokens or 0),
-                    kv_transfer_params=out.kv_transfer_params,
-                )
+                for j, comp in enumerate(out.outputs):
+                    new = list(comp.token_ids)
+                    ids_so_far = token_ids.setdefault(comp.index, [])
+                    ids_so_far.extend(new)
+                    texts[comp.index] = texts.get(comp.index, "") + (comp.text or "")
+                    yield EngineOutput(
+                        request_id=rid,
+                        new_token_ids=new,
+                        token_ids=list(ids_so_far),
+                        text=texts[comp.index],
+                        finished=out.finished and j == len(out.outputs) - 1,
+                        finish_reason=comp.finish_reason,
+                        num_prompt_tokens=len(out.prompt_token_ids or ids),
+                        num_cached_tokens=int(out.num_cached_tokens or 0),
+                        kv_transfer_params=out.kv_transfer_params,
+                        index=comp.index,
+                        new_logprobs=(token_logprobs(new, comp.logprobs, params.logprobs)
+                                      if params.logprobs is not None else None),
+                        stop_reason=comp.stop_reason,
+                        new_text=comp.text or "",
+                    )
                 if out.finished:
                     return
         except EngineDeadError as e:

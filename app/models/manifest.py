@@ -17,6 +17,9 @@ MANIFEST_NAME = "prefillshare.json"
 METHODS = ("cache_conditioned", "full_ft", "layer_split")
 PROMPT_FORMATS = ("suite", "text", "chat_template")
 ADAPTER_FORMATS = ("peft",)
+# How a decoder calls tools (deployments/tools.py): "json" = a JSON-schema-constrained
+# {"name", "arguments"} object the app renders and reads back as OpenAI tool_calls.
+TOOL_CALL_FORMATS = ("json",)
 
 
 class ManifestError(ValueError):
@@ -77,6 +80,7 @@ class DecodeManifest:
     kind: str = "decode_module"
     prompt: PromptFormat = PromptFormat()
     adapter: AdapterSpec | None = None
+    tool_call_format: str | None = None  # one of TOOL_CALL_FORMATS; None: the decoder does not call tools
 
     @property
     def method(self) -> str:
@@ -95,6 +99,8 @@ class DecodeManifest:
                "tokenizer_hash": self.tokenizer_hash, "training": self.training, "prompt": self.prompt.to_dict()}
         if self.adapter is not None:
             out["adapter"] = self.adapter.to_dict()
+        if self.tool_call_format is not None:
+            out["tool_call_format"] = self.tool_call_format
         return out
 
     def to_json(self) -> str:
@@ -178,5 +184,8 @@ def read_manifest(directory: str | Path) -> DecodeManifest:
     adapter = _adapter(path, data.get("adapter"))
     if adapter is not None and training.get("method") == "layer_split":
         raise ManifestError(f"{path}: an adapter-only decoder cannot be a layer_split baseline")
+    tools = data.get("tool_call_format")
+    if tools is not None and tools not in TOOL_CALL_FORMATS:
+        raise ManifestError(f"{path}: tool_call_format must be one of {', '.join(TOOL_CALL_FORMATS)}, got {tools!r}")
     return DecodeManifest(data["agent"], data["prefill_module_id"], data["tokenizer_hash"], training,
-                          prompt=_prompt(path, data.get("prompt")), adapter=adapter)
+                          prompt=_prompt(path, data.get("prompt")), adapter=adapter, tool_call_format=tools)

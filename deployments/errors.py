@@ -1,0 +1,82 @@
+"""Errors between deployments and at the edge: one code per failure kind, one table to HTTP.
+
+A decoder, the orchestrator or the prefill path reports a failure as a :class:`Failure`
+(an :class:`ErrorCode` and a readable message) inside the stream it was answering; the Router
+turns it into an HTTP answer (or an in-band SSE error once a stream has started) through
+:data:`HTTP`, the only place that knows statuses, OpenAI error types and Retry-After.
+Client errors the Router finds itself are :class:`ApiError` with the field named.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Any
+
+
+class ErrorCode(enum.Enum):
+    INVALID_REQUEST = "invalid_request"  # the engine refused the request (bad sampling, bad prompt)
+    CONTEXT_LENGTH = "context_length_exceeded"  # a later round's prompt outgrew the decoder's context
+    OVERLOADED = "overloaded"  # a deployment's queue is full (Serve's back-pressure)
+    DECODER_UNAVAILABLE = "decoder_unavailable"  # the decoder replica died or cannot be reached
+    ENGINE_ERROR = "engine_error"  # the engine failed while running the request
+
+
+@dataclass(frozen=True)
+class Failure:
+    """A failure reported in a stream (DecodeChunk.error, an agent's result)."""
+
+    code: ErrorCode
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.code.value}: {self.message}"
+
+
+@dataclass(frozen=True)
+class HttpShape:
+    status: int
+    type: str  # OpenAI's error type
+    code: str  # the `code` field of the error object
+    retry_after: bool  # send Retry-After (the client may retry the same request)
+    param: str | None = None
+
+
+HTTP: dict[ErrorCode, HttpShape] = {
+    ErrorCode.INVALID_REQUEST: HttpShape(400, "invalid_request_error", "invalid_value", False, "prompt"),
+    ErrorCode.CONTEXT_LENGTH: HttpShape(400, "invalid_request_error", "context_length_exceeded", False, "messages"),
+    ErrorCode.OVERLOADED: HttpShape(429, "rate_limit_error", "overloaded", True),
+    ErrorCode.DECODER_UNAVAILABLE: HttpShape(503, "server_error", "engine_error", True),
+    ErrorCode.ENGINE_ERROR: HttpShape(503, "server_error", "engine_error", True),
+}
+
+
+def error_body(message: str, type_: str, param: str | None, code: str) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+class ApiError(Exception):
+    """A client error: HTTP status and OpenAI's error object (plus headers such as Retry-After)."""
+
+    def __init__(self, status: int, message: str, param: str | None, code: str,
+                 type_: str = "invalid_request_error", headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.type = status, message, param, code, type_
+        self.headers = headers
+
+    @classmethod
+    def invalid(cls, param: str | None, message: str, code: str = "invalid_value") -> ApiError:
+        return cls(400, message, param, code)
+
+    @classmethod
+    def from_failure(cls, failure: Failure, retry_after_s: int) -> ApiError:
+        shape = HTTP[failure.code]
+        headers = {"Retry-After": str(retry_after_s)} if shape.retry_after else None
+        return cls(shape.status, str(failure), shape.param, shape.code, shape.type, headers)
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, self.type, self.param, self.code)
+
+    def response(self):
+        from fastapi.responses import JSONResponse
+
+        return JSONResponse(status_code=self.status, content=self.body(), headers=self.headers)
