@@ -214,6 +214,26 @@ class PoolConfig(_Strict):
     decode_path: str | None = Field(
         None, description="pool directory on decode nodes (default: path); set it only when prefill and "
         "decode 'nodes' share one machine's /dev/shm, as in a local multi-raylet test cluster")
+    check: Literal["off", "crc32"] = Field(
+        "off", description="crc32: checksum every KV slot when saved and loaded (tests, debugging); off: "
+        "slot generations alone detect reused or half-written slots")
+
+    def specs(self):
+        """(producer pool, consumer pool) as the connector takes them (app.engine.kv_pool.PoolSpec):
+        producers write their node's shared-memory pool; with transport 'nixl' consumers fill their
+        own node's pool from the block servers."""
+        from app.engine.kv_pool import PoolSpec
+
+        common = dict(capacity_bytes=int(self.capacity_gib * (1 << 30)), lease_timeout_s=self.fan_out_ttl_s,
+                      check=self.check)
+        producer = PoolSpec(path=self.path, transport="shm", **common)
+        if self.transport == "shm":
+            return producer, producer
+        if not self.nixl_peers:
+            raise ConfigError("pool.nixl_peers: transport 'nixl' needs the host:port of at least one KV block "
+                              "server (deployments/kv_server.py) for the decoders to pull from")
+        return producer, PoolSpec(path=self.decode_path or self.path, transport="nixl",
+                                  nixl_peers=tuple(self.nixl_peers), nixl_timeout_s=self.nixl_timeout_s, **common)
 
     @model_validator(mode="after")
     def _nixl(self) -> PoolConfig:

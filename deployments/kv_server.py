@@ -2,7 +2,8 @@
 
 With ``pool.transport: nixl`` decoders on other nodes pull the prompt KV that the prefill
 engines wrote into their node's pool: :class:`app.engine.nixl_transport.NixlBlockServer`
-answers on ``pool.nixl_listen`` (control over TCP, bytes over NIXL). This deployment runs that
+answers on ``pool.nixl_listen`` (control over TCP, bytes over NIXL straight out of the node's
+slab). This deployment runs that
 server on the prefill node (``pool.server_resources`` pins it there, the same custom
 resources the prefill group's bundles ask for). It is a separate application because nothing
 calls it through Serve: decoders reach it by address (``pool.nixl_peers``).
@@ -18,10 +19,10 @@ from app.config import AppConfig, ConfigError
 
 @serve.deployment(name="KVBlockServer", num_replicas=1, max_ongoing_requests=8)
 class KVBlockServer:
-    def __init__(self, pool_path: str, listen: str, staging_mib: int = 64):
+    def __init__(self, pool_path: str, listen: str):
         from app.engine.nixl_transport import NixlBlockServer
 
-        self.server = NixlBlockServer(pool_path, listen, staging_mib << 20).start()
+        self.server = NixlBlockServer(pool_path, listen).start()
 
     def address(self) -> str:
         return self.server.address
@@ -42,7 +43,7 @@ class KVBlockServer:
             server.stop()
 
 
-def build_kv_server(cfg: AppConfig, staging_mib: int = 64):
+def build_kv_server(cfg: AppConfig):
     """The block-server application for ``cfg`` (transport 'nixl' only)."""
     if cfg.pool.transport != "nixl":
         raise ConfigError("pool.transport: the KV block server is only needed with transport 'nixl'")
@@ -51,7 +52,7 @@ def build_kv_server(cfg: AppConfig, staging_mib: int = 64):
         # pinned by its resources, it asks no CPU: a prefill node may then offer Ray no CPU, which
         # keeps the ingress deployments (Serve spreads them over nodes with CPU) off that node
         opts = {"num_cpus": 0, "resources": dict(cfg.pool.server_resources)}
-    return KVBlockServer.options(ray_actor_options=opts).bind(cfg.pool.path, cfg.pool.nixl_listen, staging_mib)
+    return KVBlockServer.options(ray_actor_options=opts).bind(cfg.pool.path, cfg.pool.nixl_listen)
 
 
 def build_kv_app(args: dict[str, Any]):

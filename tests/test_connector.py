@@ -109,14 +109,17 @@ def stack(model_dirs, pool_dir, nixl_server):
     from app.engine.kv_pool import KVPool
 
     spec = PoolSpec(path=pool_dir, capacity_bytes=256 << 20, lease_timeout_s=120)
+    # The producer writes a crc32 per slot and decoder D checks it (the opt-in check mode);
+    # B and C load on the default path (generations only).
+    checked = PoolSpec(path=pool_dir, capacity_bytes=256 << 20, lease_timeout_s=120, check="crc32")
     common = dict(dtype="float32", kv_space_gib=0.25, max_model_len=512, block_size=BS,
                   max_num_batched_tokens=64, skip_tokenizer_init=True, omp_threads_bind="nobind",
                   request_timeout_s=240)
-    cfgs = {"A": EngineConfig(model=model_dirs["A"], kv_transfer_config=connector_config("producer", "base-A", spec),
-                              **common)}
+    cfgs = {"A": EngineConfig(model=model_dirs["A"], **common,
+                              kv_transfer_config=connector_config("producer", "base-A", checked))}
     for name in "BCD":
-        cfgs[name] = EngineConfig(model=model_dirs[name], **common,
-                                  kv_transfer_config=connector_config("consumer", "base-A", spec, scope=f"dec-{name}"))
+        kv = connector_config("consumer", "base-A", checked if name == "D" else spec, scope=f"dec-{name}")
+        cfgs[name] = EngineConfig(model=model_dirs[name], **common, kv_transfer_config=kv)
     # "Another node": decoder B's weights on an engine whose pool is a different folder, filled
     # from the producer's pool through a NIXL block server in its own process (loopback UCX).
     _, addr = nixl_server
@@ -244,14 +247,31 @@ def test_damaged_block_falls_back_to_private_prefill(stack, hf):
     p = prompt(30, 140)
     loop.run(eng["A"].prefill(p, cache_salt="tenant-1"))
     key = shared_block_keys("base-A", "tenant-1", p, BS)[1].key
-    with open(pool.block_path(key), "r+b") as f:  # flip bytes in place, size unchanged
-        f.seek(1000)
-        f.write(b"\x7f" * 64)
+    pool.view(pool.entry(key))[1000:1064] = b"\x7f" * 64  # flip bytes in place (D checks crc32)
     before = pool.stats(scope="dec-D").get("fallback:damaged")
     o = decode(loop, eng["D"], p)
     assert o.token_ids == private_ref(hf, "D", p)
     assert pool.stats(scope="dec-D").get("fallback:damaged") == before + 1
     assert pool.entry(key) is None  # the damaged block was dropped; the next save replaces it
+
+
+def test_torn_slot_of_a_producer_that_died_mid_save_falls_back_to_private_prefill(stack, hf):
+    """A slot whose writer never published (generation left odd): no decoder loads it."""
+    from app.engine.kv_keys import shared_block_keys
+
+    loop, eng, pool = stack
+    p = prompt(35, 120)
+    loop.run(eng["A"].prefill(p, cache_salt="tenant-1"))
+    e = pool.entry(shared_block_keys("base-A", "tenant-1", p, BS)[2].key)
+    pool.slab(e.slab).set_gen(e.slot, e.gen - 1)  # as if the producer died while writing it
+    before = pool.stats(scope="dec-C").get("fallback:missing")
+    o = decode(loop, eng["C"], p)
+    assert o.num_cached_tokens == 0 and o.token_ids == private_ref(hf, "C", p)
+    assert o.kv_transfer_params["prefillshare"]["fallback"] == "missing"  # never offered
+    assert pool.stats(scope="dec-C").get("fallback:missing") == before + 1
+    # a slot "being written" is never evicted before lease_timeout_s: drop it so that the
+    # capacity tests below start from evictable blocks only
+    pool.discard([e.key])
 
 
 def test_eviction_under_small_capacity_and_fanout_pins(stack, hf):
@@ -267,7 +287,11 @@ def test_eviction_under_small_capacity_and_fanout_pins(stack, hf):
         ev0, drop0 = pool.stats().get("evictions"), pool.stats().get("dropped_blocks")
         loop.run(eng["A"].prefill(y, cache_salt="tenant-1"))  # evicts older blocks, never pinned x
         st = pool.stats()
-        assert st.get("evictions") > ev0 and st.get("dropped_blocks") == drop0 + 3 and st.bytes_held <= 5 * block_bytes
+        db = pool._db()
+        state = {"leases": db.execute("SELECT COUNT(*) FROM leases").fetchone()[0],
+                 "pinned": db.execute("SELECT COUNT(*) FROM blocks WHERE pins > 0").fetchone()[0], "stats": st}
+        assert st.get("evictions") > ev0, state
+        assert st.get("dropped_blocks") == drop0 + 3 and st.bytes_held <= 5 * block_bytes, state
         o = decode(loop, eng["B"], x)  # x stayed: pinned for its one decoder
         assert o.num_cached_tokens == len(x) - 1 and o.token_ids == shared_ref(hf, "A", "B", x)
         o = decode(loop, eng["C"], y)  # y only partly stored: private prefill
@@ -321,24 +345,39 @@ def test_decoder_on_another_node_pulls_kv_through_nixl(stack, hf):
 @pytest.mark.skipif(not NIXL, reason="nixl is not installed")
 def test_stalled_nixl_peer_costs_a_bounded_wait_then_private_prefill(stack, hf, nixl_server):
     """The producer node's block server is stopped (SIGSTOP: it holds the connection and never
-    answers). The remote decoder waits nixl_timeout_s, prefills privately (correct tokens,
-    counted), and pulls again once the server runs."""
+    answers). The remote decoder's pull runs in a worker thread (an asynchronous load): another
+    request whose KV this node already holds is served meanwhile; the stalled one waits
+    nixl_timeout_s, prefills privately (correct tokens, counted), and pulls work again once the
+    server runs."""
+    from app.engine.async_engine import Sampling
+
     loop, eng, pool = stack
     server, _ = nixl_server
     node2 = pool.path + "-node2"
     from app.engine.kv_pool import KVPool
 
-    p, q = prompt(70, 133), prompt(71, 141)
-    for x in (p, q):
+    p, q, r = prompt(70, 133), prompt(71, 141), prompt(72, 95)
+    for x in (p, q, r):
         loop.run(eng["A"].prefill(x, cache_salt="tenant-1", kv_transfer_params={"fanout": 1}))
+    assert decode(loop, eng["E"], r).num_cached_tokens == len(r) - 1  # r's KV is on node 2 now
     before = KVPool(node2).stats()
     os.kill(server.pid, signal.SIGSTOP)
+
+    async def stalled_and_local():
+        s = Sampling(max_tokens=N_NEW, ignore_eos=True)
+        stalled = asyncio.ensure_future(eng["E"].complete(p, s, cache_salt="tenant-1"))
+        await asyncio.sleep(0.5)  # p's pull is under way
+        local = await eng["E"].complete(r, s, cache_salt="tenant-1")
+        return local, stalled.done(), await stalled
+
     try:
         t0 = time.monotonic()
-        o = decode(loop, eng["E"], p)
+        local, stalled_done_first, o = loop.run(stalled_and_local())
         stalled_s = time.monotonic() - t0
     finally:
         os.kill(server.pid, signal.SIGCONT)
+    assert not stalled_done_first  # the scheduler kept serving while the pull waited on the peer
+    assert local.num_cached_tokens == len(r) - 1 and local.token_ids == shared_ref(hf, "A", "B", r)
     assert o.num_cached_tokens == 0 and o.kv_transfer_params["prefillshare"]["fallback"] == "missing"
     assert o.token_ids == private_ref(hf, "B", p)
     after = KVPool(node2).stats()

@@ -1,5 +1,4 @@
-"""The node-local KV pool (LRU, leases, fan-out pins, checksums, processes) and the CPU block layout."""
-import os
+"""The node-local KV pool (slab slots, LRU, leases, fan-out pins, seqlock, processes) and block layouts."""
 import shutil
 import subprocess
 import sys
@@ -9,9 +8,9 @@ import uuid
 import pytest
 import torch
 
-from app.engine.cpu_layout import BlockLayout
+from app.engine.cpu_layout import BlockLayout, slot_runs
 from app.engine.kv_keys import block_keys
-from app.engine.kv_pool import BlockDamaged, BlockMissing, KVPool, PutItem
+from app.engine.kv_pool import BlockDamaged, KVPool, PoolSpec, PutItem, SlotReused, SlotTorn
 
 BLOCK = 4096
 
@@ -34,26 +33,45 @@ def test_roundtrip_and_longest_run(pool_dir):
     assert pool.put_many(its[:3]) == [True] * 3
     entries, lease = pool.lookup([it.key for it in its])
     assert [e.key for e in entries] == [it.key for it in its[:3]]  # stops at the first missing block
+    assert len({e.slot for e in entries}) == 3 and all(e.gen % 2 == 0 for e in entries)
     assert bytes(pool.read(entries[1])) == its[1].data
     pool.release(lease)
     assert pool.lookup([its[4].key]) == ([], None)
     st = pool.stats()
-    assert st.blocks == 3 and st.bytes_held == 3 * BLOCK
+    assert st.blocks == 3 and st.bytes_held == 3 * BLOCK and st.slot_bytes == (BLOCK,)
+    other = KVPool(pool_dir)  # another opener sees the same slab and capacity
+    assert bytes(other.read(other.entry(its[2].key))) == its[2].data and other.capacity_bytes == 1 << 20
 
 
-def test_damage_and_missing_files_are_detected(pool_dir):
-    pool = KVPool(pool_dir)
-    its = items(2)
-    pool.put_many(its)
-    e0, e1 = (pool.entry(it.key) for it in its)
-    with open(pool.block_path(e0.key), "r+b") as f:
-        f.seek(100)
-        f.write(b"\xff\x00\xff")
-    with pytest.raises(BlockDamaged):
-        pool.read(e0)
-    os.unlink(pool.block_path(e1.key))
-    with pytest.raises(BlockMissing):
-        pool.read(e1)
+def test_find_is_a_pure_read(pool_dir):
+    pool = KVPool(pool_dir, capacity_bytes=2 * BLOCK)
+    a, b = items(2, tag=9)
+    pool.put_many([a, b])
+    for _ in range(3):
+        assert [e.key for e in pool.find([a.key, b.key])] == [a.key, b.key]
+    assert pool.put_many(items(2, tag=10)) == [True, True]  # no lease was left behind
+    assert pool.stats().get("evictions") == 2
+
+
+def test_torn_reused_and_damaged_slots_are_detected(pool_dir):
+    pool = KVPool(pool_dir, capacity_bytes=2 * BLOCK, check="crc32")
+    a, b = items(2, tag=1)
+    pool.put_many([a, b])
+    ea, eb = pool.entry(a.key), pool.entry(b.key)
+    pool.view(ea)[100:103] = b"\xff\x00\xff"  # damage in place: only the crc32 check mode sees it
+    with pytest.raises(BlockDamaged, match="checksum"):
+        pool.read(ea)
+    assert KVPool(pool_dir).read(ea)  # with checks off the damage goes unseen: why check mode exists
+    pool.slab(BLOCK).set_gen(eb.slot, eb.gen - 1)  # a writer that never finished
+    with pytest.raises(SlotTorn):
+        pool.read(eb)
+    assert pool.find([b.key]) == []  # not offered to readers either
+    pool.discard([a.key, b.key])
+    c, d = items(2, tag=2)
+    pool.put_many([c, d])  # the same slots, new generations
+    with pytest.raises(SlotReused):
+        pool.read(ea)
+    assert pool.entry(c.key).slot in (ea.slot, eb.slot) and pool.entry(c.key).gen > ea.gen
 
 
 def test_lru_eviction_respects_capacity(pool_dir):
@@ -66,7 +84,7 @@ def test_lru_eviction_respects_capacity(pool_dir):
     held = {k for k in (a.key, b.key, c.key, d.key) if pool.entry(k)}
     assert held == {a.key, c.key, d.key}
     assert pool.stats().get("evictions") == 1
-    assert not os.path.exists(pool.block_path(b.key))
+    assert bytes(pool.read(pool.entry(d.key))) == d.data
 
 
 def test_fanout_pins_and_leases_hold_blocks_until_released(pool_dir):
@@ -103,6 +121,28 @@ def test_bad_config_is_named(pool_dir):
         KVPool(pool_dir, capacity_bytes=0)
     with pytest.raises(ValueError, match="path"):
         KVPool("")
+    with pytest.raises(ValueError, match="PoolSpec.check"):
+        PoolSpec(path=pool_dir, check="md5")
+    with pytest.raises(ValueError, match="unknown field"):
+        PoolSpec.from_dict({"path": pool_dir, "capacity": 5})
+    assert PoolSpec.from_dict(PoolSpec(pool_dir, nixl_peers=["h:1"]).to_dict()).nixl_peers == ("h:1",)
+    with pytest.raises(ValueError, match="one size"):
+        KVPool(pool_dir).put_many([*items(1), *items(1, tag=5, size=2 * BLOCK)])
+
+
+def test_counters_are_written_with_the_next_transaction(pool_dir):
+    pool = KVPool(pool_dir)
+    pool.add("dec", {"hits": 2, "fallback:missing": 1})
+    assert KVPool(pool_dir).stats("dec").get("hits") == 0  # in memory only
+    assert pool.stats("dec").get("hits") == 2  # the process that counted sees them
+    pool.put_many(items(1, tag=6))  # any transaction carries them
+    st = KVPool(pool_dir).stats("dec")
+    assert st.get("hits") == 2 and st.fallbacks == {"missing": 1}
+    pool.add("dec", {"hits": 1})
+    pool.flush()
+    assert KVPool(pool_dir).stats("dec").get("hits") == 3
+    pool.count("dec", hits=1)  # count() writes at once
+    assert KVPool(pool_dir).stats("dec").get("hits") == 4
 
 
 WRITER = """
@@ -113,12 +153,12 @@ path, tag, size = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 pool = KVPool(path)
 for i in range(15):
     t = tag * 1000 + i
-    its = [PutItem(k.key, bytes([(t + j) % 256]) * size, k.num_tokens, "L")
+    its = [PutItem(k.key, bytes([(t + j) % 256]) * size, k.num_tokens, "L", j)
            for j, k in enumerate(block_keys("base", f"t{t}", list(range(12)), 4))]
     pool.put_many(its, scope=f"w{tag}")
     entries, lease = pool.lookup([it.key for it in its])
-    for e in entries:
-        pool.read(e)  # must never see a torn or damaged block
+    for e, it in zip(entries, its):
+        assert pool.read(e) == it.data  # leased: never reused under us
     pool.release(lease, consumed=[e.key for e in entries])
 """
 
@@ -131,12 +171,171 @@ def test_concurrent_processes_keep_the_pool_consistent(pool_dir):
     st = pool.stats()
     assert st.bytes_held <= 20 * BLOCK and st.blocks == st.bytes_held // BLOCK
     assert st.get("saved_blocks") == st.blocks + st.get("evictions")
-    for name in os.listdir(os.path.join(pool_dir, "blocks")):
-        for key in os.listdir(os.path.join(pool_dir, "blocks", name)):
-            e = pool.entry(key)
-            assert e is not None, "a block file without an index row"
-            pool.read(e)
+    rows = pool._db().execute("SELECT key, slot FROM blocks").fetchall()
+    assert len({s for _, s in rows}) == len(rows)  # one block per slot
+    used = pool._db().execute("SELECT COUNT(*) FROM slots WHERE used = 1").fetchone()[0]
+    assert used == len(rows)
+    for key, _ in rows:
+        pool.read(pool.entry(key))
     assert set(pool.scopes()) >= {"w0", "w1", "w2"}
+
+
+# -- the seqlock under fire: slow writers reuse slots while readers copy ---------------------
+SLOW_WRITER = """
+import sys, time
+from app.engine.kv_keys import block_keys
+from app.engine.kv_pool import KVPool
+path, tag, size, secs = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4])
+pool = KVPool(path)
+pool.slab(size)
+print("ready", flush=True); sys.stdin.readline()
+stop_at, i = time.time() + secs, 0
+while time.time() < stop_at:  # blocks of one byte value, each written in two halves 2 ms apart
+    res = pool.reserve([block_keys("w", f"{tag}-{i}", [1, 2, 3, 4], 4)[0].key], size, [4], "L")
+    for e in res.new:
+        v, fill = pool.slab(size).view(e.slot), (tag * 64 + i) % 251 + 1
+        v[: size // 2] = bytes([fill]) * (size // 2)
+        time.sleep(0.002)
+        v[size // 2 :] = bytes([fill]) * (size // 2)
+    pool.publish(res)
+    i += 1
+"""
+
+READER = """
+import sys, time
+from app.engine.kv_pool import KVPool, SlotReused, SlotTorn
+path, size, secs = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
+pool = KVPool(path)
+pool.slab(size)
+print("ready", flush=True); sys.stdin.readline()
+stop_at, accepted, detected, wrong = time.time() + secs, 0, 0, 0
+while time.time() < stop_at:  # an accepted copy must be one byte value throughout
+    for (key,) in pool._db().execute("SELECT key FROM blocks").fetchall():
+        e = pool.entry(key)
+        if e is None:
+            continue
+        try:
+            pool.check_entries([e])
+            data = bytes(pool.slab(size).view(e.slot))
+            pool.check_entries([e])
+        except (SlotReused, SlotTorn):
+            detected += 1
+            continue
+        accepted += 1
+        wrong += data.count(data[0]) != len(data)
+print(accepted, detected, wrong, flush=True)
+"""
+
+
+def test_a_reader_never_accepts_a_reused_or_half_written_slot(pool_dir):
+    KVPool(pool_dir, capacity_bytes=2 * BLOCK).put_many(items(1))  # 2 slots: writers evict each other
+    secs = "2.0"
+    procs = [subprocess.Popen([sys.executable, "-c", SLOW_WRITER, pool_dir, str(t), str(BLOCK), secs],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) for t in range(2)]
+    procs += [subprocess.Popen([sys.executable, "-c", READER, pool_dir, str(BLOCK), secs],
+                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) for _ in range(2)]
+    for p in procs:  # all started: go at once
+        assert p.stdout.readline().strip() == "ready"
+    for p in procs:
+        p.stdin.write("go\n")
+        p.stdin.flush()
+    outs = [p.communicate(timeout=120)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0] * 4
+    accepted, detected, wrong = (sum(int(o.split()[i]) for o in outs[2:]) for i in range(3))
+    print(f"\nseqlock: {accepted} copies accepted, {detected} reused/torn slots detected, {wrong} wrong")
+    assert wrong == 0
+    assert accepted > 0 and detected > 0
+
+
+# -- faults: a producer dies mid-save, a decoder dies holding a lease ---------------------------
+DIE_MID_SAVE = """
+import os, sys
+from app.engine.kv_pool import KVPool
+pool = KVPool(sys.argv[1], lease_timeout_s=0.5)
+res = pool.reserve([sys.argv[2]], int(sys.argv[3]), [4], "L", pins=2)
+pool.slab(int(sys.argv[3])).view(res.new[0].slot)[:10] = b"x" * 10
+os._exit(0)  # never publishes
+"""
+
+DIE_HOLDING_LEASE = """
+import os, sys
+from app.engine.kv_pool import KVPool
+pool = KVPool(sys.argv[1])
+assert pool.lookup([sys.argv[2]], lease_s=0.5)[1]
+os._exit(0)
+"""
+
+
+def _run(script, *args):
+    subprocess.run([sys.executable, "-c", script, *map(str, args)], check=True, timeout=120)
+
+
+def test_a_producer_dying_mid_save_leaves_a_torn_slot_that_expires(pool_dir):
+    pool = KVPool(pool_dir, capacity_bytes=BLOCK, lease_timeout_s=0.5)
+    (a,), (b,) = items(1, tag=7), items(1, tag=8)
+    _run(DIE_MID_SAVE, pool_dir, a.key, BLOCK)
+    e = pool.entry(a.key)
+    assert e is not None and pool.find([a.key]) == []  # indexed, never offered
+    with pytest.raises(SlotTorn):
+        pool.check_entries([e])
+    assert pool.put_many([b]) == [False]  # its pins hold the only slot ...
+    time.sleep(0.6)
+    assert pool.put_many([b]) == [True]  # ... until they expire
+    assert bytes(pool.read(pool.entry(b.key))) == b.data
+    assert pool.stats().get("expired_pins") == 1
+
+
+def test_a_decoder_dying_with_a_lease_blocks_eviction_only_until_it_expires(pool_dir):
+    pool = KVPool(pool_dir, capacity_bytes=BLOCK)
+    (a,), (b,) = items(1, tag=11), items(1, tag=12)
+    pool.put_many([a])
+    _run(DIE_HOLDING_LEASE, pool_dir, a.key)
+    assert pool.put_many([b]) == [False]
+    time.sleep(0.6)
+    assert pool.put_many([b]) == [True] and pool.entry(a.key) is None
+    assert pool.stats().get("expired_leases") == 1
+
+
+# -- block layouts: batched copies equal the per-block reference bit for bit -----------------
+LAYOUTS = {
+    # name: (cache shape for nb blocks, block_size, heads, head, device_layout)
+    "cpu_attn": (lambda nb: (nb, 2, 16, 2 * 32), 16, 2, 32, False),
+    "flash": (lambda nb: (2, nb, 16, 2, 32), 16, 2, 32, True),
+    "blocks_first": (lambda nb: (nb, 2, 16, 2, 32), 16, 2, 32, True),
+}
+
+
+def _caches(shape, layers, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(shape, generator=g).to(dtype) for _ in range(layers)]
+
+
+@pytest.mark.parametrize("name", sorted(LAYOUTS))
+@pytest.mark.parametrize("last_tokens", [16, 5])
+def test_batched_slot_copies_equal_the_per_block_reference(name, last_tokens):
+    shape, bs, h, d, device_layout = LAYOUTS[name]
+    nb, layers, dtype = 12, 3, torch.bfloat16
+    src = BlockLayout.from_caches(_caches(shape(nb), layers, dtype, 1), bs, h, d, nb, device_layout)
+    ids = [7, 2, 9, 3, 11]
+    slots = [4, 5, 6, 0, 1]  # two runs, out of order
+    assert slot_runs(slots) == [(0, 4, 3), (3, 0, 2)]
+    slab = torch.zeros(8, src.block_nbytes + 64, dtype=torch.uint8)  # stride > slot: padded rows
+    src.save_slots(ids, slab, slots)
+    for b, s in zip(ids, slots):  # save: each slot holds exactly what gather() gives
+        assert torch.equal(src.slots_view(slab, s, 1)[0], src.gather(b))
+    assert not slab[:, src.block_nbytes:].any()  # nothing written past a slot
+    dst_ids = [1, 0, 8, 4, 6]
+    batched = BlockLayout.from_caches(_caches(shape(nb), layers, dtype, 2), bs, h, d, nb, device_layout)
+    ref = BlockLayout.from_caches([c.clone() for c in batched.caches], bs, h, d, nb, device_layout)
+    batched.load_slots(slab, slots, dst_ids, last_tokens)
+    for j, (b, s) in enumerate(zip(dst_ids, slots)):
+        ref.scatter(ref.slots_view(slab, s, 1)[0], b, last_tokens if j == len(slots) - 1 else bs)
+    for x, y in zip(batched.caches, ref.caches):
+        assert torch.equal(x.view(torch.int16), y.view(torch.int16))
+    if last_tokens < bs:  # the partial block: its first tokens are the producer's, the rest untouched
+        whole = BlockLayout.from_caches([c.clone() for c in batched.caches], bs, h, d, nb, device_layout)
+        whole.load_slots(slab, slots, dst_ids)
+        assert not all(torch.equal(x, y) for x, y in zip(whole.caches, batched.caches))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -169,8 +368,9 @@ def test_partial_block_copy_matches_the_attention_kernel_layout(dtype, ntok):
     src = BlockLayout.from_caches(prod, bs, h, d)
     dst = BlockLayout.from_caches(cons, bs, h, d)
     assert src.layout == dst.layout and src.layout.startswith("cpu_attn-")
-    block = src.gather(1)
-    dst.scatter(dst.view_bytes(bytearray(block.view(torch.uint8).numpy().tobytes())), 2, ntok)
+    slab = torch.zeros(2, src.block_nbytes, dtype=torch.uint8)
+    src.save_slots([1], slab, [1])  # the batched path, through a slab slot
+    dst.load_slots(slab, [1], [2], ntok)
     for c in cons:
         if ntok < bs:
             write(c, dec_k, dec_v, 2, list(range(ntok, bs)))
@@ -183,9 +383,21 @@ def test_a_chain_never_evicts_itself_and_shrinks_from_its_tail(pool_dir):
     pool = KVPool(pool_dir, capacity_bytes=3 * BLOCK)
     old = [PutItem(it.key, it.data, it.ntokens, it.layout, depth=i) for i, it in enumerate(items(3, tag=5))]
     pool.put_many(old)
-    new = [PutItem(it.key, it.data, it.ntokens, it.layout, depth=i) for i, it in enumerate(items(2, tag=6))]
+    new = items(2, tag=6)
     assert pool.put_many(new) == [True, True]
     assert [pool.entry(it.key) is not None for it in old] == [True, False, False]  # tail went first
     longer = items(4, tag=7)
     assert pool.put_many(longer) == [True, True, True, False]  # the 4th block does not fit
     assert pool.stats().get("dropped_blocks") == 1
+
+
+def test_capacity_grows_the_slab_for_every_process(pool_dir):
+    pool = KVPool(pool_dir, capacity_bytes=2 * BLOCK)
+    pool.put_many(items(2, tag=13))
+    other = KVPool(pool_dir)
+    other.slab(BLOCK)  # mapped at 2 slots
+    pool.set_capacity(6 * BLOCK)
+    its = items(4, tag=14)
+    assert pool.put_many(its) == [True] * 4
+    e = other.entry(its[-1].key)
+    assert e.slot >= 2 and bytes(other.read(e)) == its[-1].data  # remapped on demand

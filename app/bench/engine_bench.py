@@ -10,8 +10,10 @@ Per case (prompt length L, fan-out N) it measures, each decoder request alone on
   private: decoder time-to-first-token = prefill of all L tokens;
   shared:  base prefill once, then per decoder time-to-first-token = load of L-1 tokens' KV
            from the pool + compute of the last prompt token;
-plus KV load time per token and bytes moved (pool counters), and CPU seconds of all engine
-processes in each phase (psutil). Prints a table, writes JSON.
+plus the KV hand-over itself from the pool counters: load (pool slots -> decoder cache) and save
+(producer cache -> pool slots) in GB/s and us/token, each beside a plain memory copy of the same
+bytes measured in this process in the same case (one thread, as each engine worker has), and CPU
+seconds of all engine processes in each phase (psutil). Prints a table, writes JSON.
 
     python -m app.bench.engine_bench --quick          # smoke test (small model, one case)
     python -m app.bench.engine_bench --out runs/bench/engine.json
@@ -33,7 +35,7 @@ from dataclasses import asdict, dataclass, field
 
 from app.engine import compute_dtype
 
-__all__ = ["BenchConfig", "CaseResult", "run_bench", "configure", "main"]
+__all__ = ["BenchConfig", "CaseResult", "run_bench", "configure", "main", "format_kv_table"]
 
 
 @dataclass(frozen=True)
@@ -54,6 +56,7 @@ class BenchConfig:
     out: str = "runs/bench/engine.json"
     progress: bool = True
     seed: int = 0
+    private: bool = True  # False: no private decoder (2 engines): only the shared side and the KV hand-over
 
     def __post_init__(self) -> None:
         if not self.lengths or min(self.lengths) < 2:
@@ -88,6 +91,12 @@ class CaseResult:
     kv_load_s_per_token: float
     kv_bytes_moved: int  # bytes copied from the pool into the decoder, all N decoders
     kv_bytes_per_token: float
+    kv_load_gb_s: float  # bytes moved / load seconds (worker copy, seqlock checks, index transaction)
+    kv_save_gb_s: float  # bytes saved / save seconds (index transaction, copy, publish), producer
+    kv_save_s_per_token: float
+    copy_gb_s: float  # plain memory copy of one decoder's KV bytes, same run
+    load_vs_copy: float  # kv_load_gb_s / copy_gb_s
+    save_vs_copy: float
     cpu_s_private: float
     cpu_s_shared: float
     cached_tokens_ok: bool  # every shared decoder reported L-1 cached tokens
@@ -101,6 +110,35 @@ def _write_model_config(path: str, cfg: BenchConfig) -> None:
                 num_attention_heads=cfg.heads, num_key_value_heads=cfg.kv_heads,
                 intermediate_size=cfg.intermediate, max_position_embeddings=cfg.max_model_len,
                 tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, dtype="bfloat16").save_pretrained(path)
+
+
+def _copy_gb_s(nbytes: int, repeats: int = 5) -> float:
+    """Best-of bandwidth of one contiguous copy of ``nbytes`` (the yardstick for load and save)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        src = torch.ones(max(nbytes, 1), dtype=torch.uint8)
+        dst = torch.empty_like(src)
+        best = float("inf")
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            dst.copy_(src)
+            best = min(best, time.perf_counter() - t0)
+        return nbytes / best / 1e9
+    finally:
+        torch.set_num_threads(threads)
+
+
+async def _saved(pool, before: float, timeout_s: float = 5.0):
+    """The producer's counters once its last save was written (counters are flushed off the hot path)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        st = pool.stats(scope="bench-producer")
+        if st.get("saves") > before or time.monotonic() > deadline:
+            return st
+        await asyncio.sleep(0.05)
 
 
 def _children_cpu() -> float:
@@ -136,7 +174,7 @@ async def _run(cfg: BenchConfig, on_case=None) -> list[CaseResult]:
     pool_dir = f"/dev/shm/ps-bench-{uuid.uuid4().hex[:8]}"
     model = os.path.join(work, "model")
     _write_model_config(model, cfg)
-    spec = PoolSpec(path=pool_dir, capacity_bytes=4 << 30, lease_timeout_s=600)
+    spec = PoolSpec(path=pool_dir, capacity_bytes=1 << 30, lease_timeout_s=600)
     common = dict(model=model, dtype=cfg.dtype, kv_space_gib=cfg.kv_space_gib, max_model_len=cfg.max_model_len,
                   block_size=cfg.block_size, max_num_batched_tokens=cfg.max_num_batched_tokens,
                   load_format="dummy", skip_tokenizer_init=True, enforce_eager=True, max_num_seqs=8)
@@ -145,14 +183,17 @@ async def _run(cfg: BenchConfig, on_case=None) -> list[CaseResult]:
     try:
         t0 = time.perf_counter()
         prod = Engine(EngineConfig(**common, omp_threads_bind=cfg.binds[0],
-                                   kv_transfer_config=connector_config("producer", "bench-base", spec)))
+                                   kv_transfer_config=connector_config("producer", "bench-base", spec,
+                                                                       scope="bench-producer")))
         engines.append(prod)
         cons = Engine(EngineConfig(**common, omp_threads_bind=cfg.binds[1],
                                    kv_transfer_config=connector_config("consumer", "bench-base", spec,
                                                                        scope="bench-decoder")))
         engines.append(cons)
-        priv = Engine(EngineConfig(**common, omp_threads_bind=cfg.binds[2], enable_prefix_caching=False))
-        engines.append(priv)
+        priv = None
+        if cfg.private:
+            priv = Engine(EngineConfig(**common, omp_threads_bind=cfg.binds[2], enable_prefix_caching=False))
+            engines.append(priv)
         print(f"engines up in {time.perf_counter() - t0:.0f}s (model ~{cfg.params / 1e6:.0f}M params, "
               f"{compute_dtype.resolve(cfg.dtype)}, block {cfg.block_size})", flush=True)
         pool = KVPool(pool_dir)
@@ -161,24 +202,32 @@ async def _run(cfg: BenchConfig, on_case=None) -> list[CaseResult]:
         warm = [rng.randrange(3, cfg.vocab) for _ in range(64)]
         await prod.prefill(warm, cache_salt="warm")
         await _ttft(cons, warm, "warm")
-        await _ttft(priv, warm, "warm")
+        if priv is not None:
+            await _ttft(priv, warm, "warm")
         cases = [(L, n) for L in cfg.lengths for n in cfg.fanouts]
         for i, (L, n) in enumerate(tqdm(cases, desc="bench engine", disable=not cfg.progress)):
             ids = [rng.randrange(3, cfg.vocab) for _ in range(L)]
             salt = f"case-{i}"
             cpu0 = _children_cpu()
-            priv_times = [(await _ttft(priv, ids, salt))[0] for _ in range(n)]
+            priv_times = [(await _ttft(priv, ids, salt))[0] for _ in range(n)] if priv is not None else [0.0] * n
             cpu1 = _children_cpu()
             st0 = pool.stats(scope="bench-decoder")
+            sp0 = await _saved(pool, -1)
             tb = time.perf_counter()
             await prod.prefill(ids, cache_salt=salt, kv_transfer_params={"fanout": n})
             base_s = time.perf_counter() - tb
             shared = [await _ttft(cons, ids, salt) for _ in range(n)]
             cpu2 = _children_cpu()
             st1 = pool.stats(scope="bench-decoder")
+            sp1 = await _saved(pool, sp0.get("saves"))
             moved = st1.get("bytes_moved") - st0.get("bytes_moved")
             toks = st1.get("load_tokens") - st0.get("load_tokens")
             load_s = st1.get("load_seconds") - st0.get("load_seconds")
+            saved = sp1.get("save_bytes") - sp0.get("save_bytes")
+            save_s = sp1.get("save_seconds") - sp0.get("save_seconds")
+            copy = _copy_gb_s(int(moved / n)) if moved else 0.0
+            load_gbs = moved / load_s / 1e9 if load_s else 0.0
+            save_gbs = saved / save_s / 1e9 if save_s else 0.0
             p_mean = statistics.mean(priv_times)
             s_mean = statistics.mean(t for t, _ in shared)
             results.append(CaseResult(
@@ -187,6 +236,9 @@ async def _run(cfg: BenchConfig, on_case=None) -> list[CaseResult]:
                 private_total_s=sum(priv_times), shared_total_s=base_s + sum(t for t, _ in shared),
                 kv_load_s_per_token=load_s / toks if toks else 0.0, kv_bytes_moved=int(moved),
                 kv_bytes_per_token=moved / toks if toks else 0.0,
+                kv_load_gb_s=load_gbs, kv_save_gb_s=save_gbs,
+                kv_save_s_per_token=save_s / (L - 1), copy_gb_s=copy,
+                load_vs_copy=load_gbs / copy if copy else 0.0, save_vs_copy=save_gbs / copy if copy else 0.0,
                 cpu_s_private=cpu1 - cpu0, cpu_s_shared=cpu2 - cpu1,
                 cached_tokens_ok=all(c == L - 1 for _, c in shared),
                 extra={"fallbacks": pool.stats(scope="bench-decoder").fallbacks}))
@@ -194,13 +246,28 @@ async def _run(cfg: BenchConfig, on_case=None) -> list[CaseResult]:
             if on_case:
                 on_case(results)
             tqdm.write(f"L={L} N={n}: decoder prompt {r.private_prompt_s * 1e3:.0f} ms private vs "
-                       f"{r.shared_prompt_s * 1e3:.1f} ms shared ({r.ratio:.1f}x)")
+                       f"{r.shared_prompt_s * 1e3:.1f} ms shared ({r.ratio:.1f}x); KV load {r.kv_load_gb_s:.2f} GB/s "
+                       f"({r.load_vs_copy:.0%} of a copy), save {r.kv_save_gb_s:.2f} GB/s ({r.save_vs_copy:.0%}), "
+                       f"copy {r.copy_gb_s:.2f} GB/s")
     finally:
         for e in engines:
             e.shutdown()
         shutil.rmtree(pool_dir, ignore_errors=True)
         shutil.rmtree(work, ignore_errors=True)
     return results
+
+
+def format_kv_table(results: list[CaseResult]) -> str:
+    """The hand-over's own speed beside a plain copy of the same bytes, measured in the same case."""
+    head = (f"{'L':>5} {'N':>2} | {'KV load':>10} {'us/tok':>7} {'of copy':>7} | {'KV save':>10} {'us/tok':>7} "
+            f"{'of copy':>7} | {'copy':>10} | loaded L-1")
+    lines = [head, "-" * len(head)]
+    for r in results:
+        lines.append(
+            f"{r.prompt_tokens:>5} {r.fanout:>2} | {r.kv_load_gb_s:>5.2f} GB/s {r.kv_load_s_per_token * 1e6:>7.2f}"
+            f" {r.load_vs_copy:>7.0%} | {r.kv_save_gb_s:>5.2f} GB/s {r.kv_save_s_per_token * 1e6:>7.2f}"
+            f" {r.save_vs_copy:>7.0%} | {r.copy_gb_s:>5.2f} GB/s | {'yes' if r.cached_tokens_ok else 'NO'}")
+    return "\n".join(lines)
 
 
 def format_table(results: list[CaseResult]) -> str:
@@ -231,7 +298,8 @@ def _write(cfg: BenchConfig, results: list[CaseResult]) -> None:
 def run_bench(cfg: BenchConfig) -> list[CaseResult]:
     results = asyncio.run(_run(cfg, on_case=(lambda rs: _write(cfg, rs)) if cfg.out else None))
     print(format_table(results))
-    if cfg.out and results:
+    print(format_kv_table(results))
+    if cfg.out and results and cfg.private:
         from app.bench.plots import engine_prompt_time
 
         png = engine_prompt_time([asdict(r) for r in results], os.path.splitext(cfg.out)[0] + ".png",
@@ -264,6 +332,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--binds", help="VLLM_CPU_OMP_THREADS_BIND for producer,consumer,private (default 0,1,1)")
     parser.add_argument("--out", help="JSON output path (default runs/bench/engine.json)")
     parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument("--no-private", action="store_true",
+                        help="skip the private decoder (2 engines): measure the shared side and the KV hand-over only")
     parser.set_defaults(func=_cli)
 
 
@@ -281,6 +351,7 @@ def _cli(args: argparse.Namespace) -> int:
             raise SystemExit("--binds: give three values (producer,consumer,private)")
         kw["binds"] = binds
     kw["progress"] = not args.no_progress
+    kw["private"] = not args.no_private
     try:
         cfg = BenchConfig(**kw)
     except ValueError as e:

@@ -33,7 +33,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
-from app.engine import compute_dtype
+from app.engine import compute_dtype, kv_pool
 from app.sampling import Sampling, TokenLogprob, token_logprobs
 
 __all__ = [
@@ -209,29 +209,8 @@ class PrefillResult:
     kv_transfer_params: dict[str, Any] | None = None
 
 
-@dataclass(frozen=True)
-class PoolSpec:
-    """Where the connector keeps KV blocks (see :mod:`app.engine.kv_pool`)."""
-
-    path: str  # directory, normally under /dev/shm
-    capacity_bytes: int = 1 << 30
-    lease_timeout_s: float = 60.0
-    transport: Literal["shm", "nixl"] = "shm"
-    nixl_listen: str | None = None  # producer: "host:port" its NIXL block server listens on
-    nixl_peers: tuple[str, ...] = ()  # consumer: producers' "host:port" to pull from
-    nixl_timeout_s: float = 30.0  # consumer: a peer silent this long is a miss (private prefill)
-
-    def __post_init__(self) -> None:
-        if not self.path:
-            raise ValueError("PoolSpec.path is required")
-        if self.capacity_bytes <= 0:
-            raise ValueError("PoolSpec.capacity_bytes must be > 0")
-        if self.lease_timeout_s <= 0:
-            raise ValueError("PoolSpec.lease_timeout_s must be > 0")
-        if self.nixl_timeout_s <= 0:
-            raise ValueError("PoolSpec.nixl_timeout_s must be > 0")
-        if self.transport not in ("shm", "nixl"):
-            raise ValueError(f"PoolSpec.transport: {self.transport!r} is not 'shm' or 'nixl'")
+# The pool's one typed config lives with the pool (defaults, validation); re-exported here.
+PoolSpec = kv_pool.PoolSpec
 
 
 def connector_config(

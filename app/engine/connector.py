@@ -7,17 +7,30 @@ Loaded by vLLM with ``kv_connector="PrefillShareConnector"``,
 Producer (prefill engine, the base): when a request's prefill completes (the step whose
 scheduled tokens reach the end of the prompt, whatever the chunking), the worker copies every
 block covering ``prompt[:-1]`` (hand-over convention, :mod:`app.handover`), including the
-trailing partial block, into the pool under :mod:`app.engine.kv_keys` keys. The request's
-``kv_transfer_params={"fanout": N}`` pins those blocks until N decoders loaded them.
+trailing partial block, into slots of the node's slab (:mod:`app.engine.kv_pool`) under
+:mod:`app.engine.kv_keys` keys: one index transaction reserves the slots, one batched gather
+per layer fills them, then they are published. ``kv_transfer_params={"fanout": N}`` pins
+those blocks until N decoders loaded them.
 
 Consumer (decode engine): ``get_num_new_matched_tokens`` looks up the keys of ``prompt[:-1]``
-for the *configured prefill module id* and the request's ``cache_salt`` (tenant). Only a
-complete match is used (the decoder was trained on base KV for every prompt token but the
-last); the worker then copies the blocks in, the partial one token by token, and the decoder
-computes exactly the last prompt token itself. Anything else is a private prefill, counted:
-``fallback:missing`` (never saved, evicted, partly evicted), ``fallback:damaged`` (checksum;
-found while loading: the blocks are reported invalid and vLLM recomputes the whole prompt),
-``fallback:incompatible`` (config says the decoder may not share), ``fallback:layout``.
+for the *configured prefill module id* and the request's ``cache_salt`` (tenant); it only
+reads (vLLM may call it several times). Only a complete match is used (the decoder was
+trained on base KV for every prompt token but the last). ``update_state_after_alloc`` leases
+the run (one transaction); the worker copies it in with one batched scatter per layer (the
+partial block up to its last token), checks the slots' generations around the copy, then
+releases the lease and consumes the fan-out pins (one transaction). The decoder computes
+exactly the last prompt token itself. With ``transport="nixl"`` a run not held on this node
+is loaded asynchronously (``(n, True)``): a worker thread pulls it from a producer node
+straight into this node's slab and into the cache, and reports completion through
+``get_finished``; the scheduler never waits on the network.
+
+Anything else is a private prefill, counted per scope: ``fallback:missing`` (never saved,
+evicted, partly evicted, or a remote pull that failed), ``fallback:reused`` (a slot reused
+after eviction while it was being loaded), ``fallback:torn`` (a slot whose writer did not
+finish: producer died mid-save), ``fallback:damaged`` (crc32 mismatch, ``check="crc32"``
+only), ``fallback:incompatible`` (config says the decoder may not share), ``fallback:layout``.
+Failures found while loading report the request's blocks invalid and vLLM recomputes the
+whole prompt (``kv_load_failure_policy="recompute"``).
 
 Consumers should run without local prefix caching (``EngineConfig`` does this by default):
 a locally cached block of a decoder may hold KV the decoder computed itself (after a fallback),
@@ -26,7 +39,9 @@ which would silently break the hand-over convention on a later request.
 from __future__ import annotations
 
 import logging
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -39,7 +54,15 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from app.engine.cpu_layout import BlockLayout, fingerprint
 from app.engine.kv_keys import shared_block_keys
-from app.engine.kv_pool import BlockDamaged, BlockEntry, BlockMissing, KVPool, PutItem
+from app.engine.kv_pool import (
+    MISSING,
+    BlockDamaged,
+    BlockEntry,
+    KVPool,
+    PoolSpec,
+    SlotReused,
+    SlotTorn,
+)
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -60,12 +83,15 @@ class _LayoutMismatch(ValueError):
 
 @dataclass
 class LoadSpec:
-    """Consumer: copy these pool blocks into these engine blocks before the forward."""
+    """Consumer: copy these pool blocks into these engine blocks (``remote``: pull ``keys`` first)."""
 
     req_id: str
     entries: list[BlockEntry]
     block_ids: list[int]
     lease: str | None
+    keys: list[str] = field(default_factory=list)
+    ntokens_last: int = 0
+    remote: bool = False
 
 
 @dataclass
@@ -85,13 +111,26 @@ class PrefillShareMeta(KVConnectorMetadata):
     saves: list[SaveSpec] = field(default_factory=list)
 
 
-def open_pool(spec: dict[str, Any]) -> KVPool:
+@dataclass
+class _Plan:
+    """What ``get_num_new_matched_tokens`` found for a request (kept for the allocation that follows)."""
+
+    computed: int
+    tokens: int
+    entries: list[BlockEntry]
+    keys: list[str]
+    ntokens_last: int
+    remote: bool
+
+
+def open_pool(spec: dict[str, Any] | PoolSpec) -> KVPool:
     """The pool (or the NIXL-backed pool) a connector's ``pool`` config names."""
-    if spec.get("transport", "shm") == "nixl":
+    spec = spec if isinstance(spec, PoolSpec) else PoolSpec.from_dict(spec)
+    if spec.transport == "nixl" and spec.nixl_peers:
         from app.engine.nixl_transport import NixlPool
 
         return NixlPool(spec)
-    return KVPool(spec["path"], spec.get("capacity_bytes", 1 << 30), spec.get("lease_timeout_s", 60.0))
+    return KVPool(spec)
 
 
 class PrefillShareConnector(KVConnectorBase_V1):
@@ -115,16 +154,23 @@ class PrefillShareConnector(KVConnectorBase_V1):
         self.adapter_keys: bool = bool(extra.get("adapter_keys"))
         self.block_size: int = vllm_config.cache_config.block_size
         self.pool = open_pool(extra["pool"])
+        self.remote = bool(getattr(self.pool, "peers", None)) and self.share_role == "consumer"
         self.layout_name = self._expected_layout(vllm_config, kv_cache_config)
         # scheduler side
         self._requests: dict[str, Request] = {}
-        self._plans: dict[str, tuple[list[BlockEntry], str | None, int]] = {}
+        self._keys: dict[str, list] = {}  # request -> its shared block keys (a memo)
+        self._plans: dict[str, _Plan] = {}
         self._ready: dict[str, LoadSpec] = {}
         self._report: dict[str, dict[str, Any]] = {}
         self._blocks: dict[str, list[int]] = {}  # block ids per request, for vLLM without bind_kv_cache_manager
+        self._loading: dict[str, tuple[set[int], bool]] = {}  # loads sent to the worker: block ids, remote
         # worker side
         self._layout: BlockLayout | None = None
         self._invalid: set[int] = set()
+        self._done_lock = threading.Lock()
+        self._done: list[tuple[str, set[int]]] = []  # async loads finished: (request, invalid block ids)
+        self._pulls: ThreadPoolExecutor | None = None
+        self._pinned: set[tuple[int, int]] = set()  # slab mappings registered with CUDA
 
     @staticmethod
     def _expected_layout(vllm_config, kv_cache_config) -> str | None:
@@ -143,45 +189,43 @@ class PrefillShareConnector(KVConnectorBase_V1):
         self._requests[request.request_id] = request
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        """Reads the index only: vLLM may ask again for a request it could not place."""
         if self.share_role != "consumer":
             return 0, False
         rid = request.request_id
-        old = self._plans.pop(rid, None)
-        if old is not None:  # asked again (request was not scheduled last time): fresh lease
-            self.pool.release(old[1])
+        self._plans.pop(rid, None)
         n = request.num_prompt_tokens
         shared = n - 1
         if shared <= num_computed_tokens or shared <= 0:
             return 0, False
         if self.incompatible:
-            self._fallback(rid, "incompatible", self.incompatible)
+            self._note_fallback(rid, "incompatible", self.incompatible)
             return 0, False
-        prompt = list(request.prompt_token_ids or [])
-        keys = shared_block_keys(self.module_id, self._salt(request), prompt, self.block_size)
-        entries, lease = self.pool.lookup([k.key for k in keys])
+        keys = self._keys.get(rid)
+        if keys is None:
+            keys = self._keys[rid] = shared_block_keys(self.module_id, self._salt(request),
+                                                       list(request.prompt_token_ids or []), self.block_size)
+        first = num_computed_tokens // self.block_size  # local hits are block-aligned here
+        entries = self.pool.find([k.key for k in keys])
         if len(entries) < len(keys):
-            self.pool.release(lease)
-            self._fallback(rid, "missing", f"{len(entries)}/{len(keys)} blocks in the pool")
+            if self.remote:  # pulled by a worker thread, asynchronously
+                self._plans[rid] = _Plan(num_computed_tokens, shared - num_computed_tokens, [],
+                                         [k.key for k in keys[first:]], keys[-1].num_tokens, True)
+                self._report[rid] = {"loaded_tokens": shared - num_computed_tokens, "fallback": None}
+                return shared - num_computed_tokens, True
+            self._note_fallback(rid, "missing", f"{len(entries)}/{len(keys)} blocks in the pool")
             return 0, False
         if self.layout_name and any(e.layout != self.layout_name for e in entries):
-            self.pool.release(lease)
-            self._fallback(rid, "layout", f"{entries[0].layout} != {self.layout_name}")
+            self._note_fallback(rid, "layout", f"{entries[0].layout} != {self.layout_name}")
             return 0, False
-        first = num_computed_tokens // self.block_size  # local hits are block-aligned here
-        self._plans[rid] = (entries[first:], lease, first)
+        self._plans[rid] = _Plan(num_computed_tokens, shared - num_computed_tokens, entries[first:],
+                                 [k.key for k in keys[first:]], keys[-1].num_tokens, False)
         self._report[rid] = {"loaded_tokens": shared - num_computed_tokens, "fallback": None}
         return shared - num_computed_tokens, False
 
-    def _salt(self, request: Request) -> str | None:
-        lora = request.lora_request
-        if not self.adapter_keys or lora is None:
-            return request.cache_salt
-        return f"{request.cache_salt or ''}|lora:{lora.lora_name}"
-
-    def _fallback(self, rid: str, kind: str, detail: str) -> None:
-        # The scheduler asks again for a request it could not place; count each request once.
+    def _note_fallback(self, rid: str, kind: str, detail: str) -> None:
+        """Remembered per request; counted once, when the request finishes."""
         if (self._report.get(rid) or {}).get("fallback") != kind:
-            self.pool.count_map(self.scope, {"misses": 1, f"fallback:{kind}": 1})
             log.info("PrefillShare: request %s prefills privately (%s: %s)", rid, kind, detail)
         self._report[rid] = {"loaded_tokens": 0, "fallback": kind, "detail": detail}
 
@@ -190,14 +234,17 @@ class PrefillShareConnector(KVConnectorBase_V1):
         plan = self._plans.pop(rid, None)
         if plan is None:
             return
-        entries, lease, first = plan
         if num_external_tokens <= 0:
-            self.pool.release(lease)
             self._report.pop(rid, None)
             return
-        block_ids = blocks.get_block_ids()[0]  # every block of the request, as the scheduler holds them
-        self._ready[rid] = LoadSpec(rid, entries, list(block_ids[first : first + len(entries)]), lease)
-        self.pool.count(self.scope, hits=1, hit_tokens=num_external_tokens)
+        first = plan.computed // self.block_size
+        block_ids = list(blocks.get_block_ids()[0])  # every block of the request, as the scheduler holds them
+        ids = block_ids[first : first + len(plan.keys)]
+        lease = None
+        if not plan.remote:  # a remote pull counts its hit once it succeeded (worker)
+            self.pool.add(self.scope, {"hits": 1, "hit_tokens": num_external_tokens})
+            lease = self.pool.lease(plan.entries)  # the one scheduler transaction
+        self._ready[rid] = LoadSpec(rid, plan.entries, ids, lease, plan.keys, plan.ntokens_last, plan.remote)
 
     def _block_ids(self, rid: str) -> list[int]:
         """The request's KV block ids (first cache group), for saving. vLLM >= 0.27 binds its block
@@ -221,6 +268,8 @@ class PrefillShareConnector(KVConnectorBase_V1):
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         meta = PrefillShareMeta(loads=list(self._ready.values()))
         self._ready.clear()
+        for spec in meta.loads:
+            self._loading[spec.req_id] = (set(spec.block_ids), spec.remote)
         if getattr(self, "_kv_cache_manager", None) is None:
             self._track_blocks(scheduler_output)
         if self.share_role == "producer":
@@ -241,6 +290,12 @@ class PrefillShareConnector(KVConnectorBase_V1):
                     meta.saves.append(spec)
         return meta
 
+    def _salt(self, request: Request) -> str | None:
+        lora = request.lora_request
+        if not self.adapter_keys or lora is None:
+            return request.cache_salt
+        return f"{request.cache_salt or ''}|lora:{lora.lora_name}"
+
     def _save_spec(self, req: Request) -> SaveSpec | None:
         keys = shared_block_keys(self.module_id, self._salt(req), list(req.prompt_token_ids or []), self.block_size)
         block_ids = self._block_ids(req.request_id)
@@ -258,17 +313,36 @@ class PrefillShareConnector(KVConnectorBase_V1):
         return SaveSpec(req.request_id, [k.key for k in keys], [k.num_tokens for k in keys],
                         list(block_ids[: len(keys)]), pins)
 
+    def update_connector_output(self, connector_output) -> None:
+        """A load that failed in the worker: the request's report says so (the worker counted it)."""
+        if not self._loading:
+            return
+        invalid = set(connector_output.invalid_block_ids or ())
+        done = set(connector_output.finished_recving or ())
+        for rid, (ids, remote) in list(self._loading.items()):
+            if remote and rid not in done:
+                continue
+            del self._loading[rid]
+            if ids & invalid and rid in self._report:
+                self._report[rid] = {"loaded_tokens": 0, "fallback": "missing" if remote else "load_failed",
+                                     "counted": True}
+
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         rid = request.request_id
         self._requests.pop(rid, None)
         self._blocks.pop(rid, None)
-        plan = self._plans.pop(rid, None)
-        if plan is not None:
-            self.pool.release(plan[1])
+        self._keys.pop(rid, None)
+        self._plans.pop(rid, None)
+        self._loading.pop(rid, None)
         ready = self._ready.pop(rid, None)
-        if ready is not None:
+        if ready is not None and ready.lease is not None:  # finished before its load was sent
             self.pool.release(ready.lease)
         report = self._report.pop(rid, None)
+        if report and report.pop("counted", False):
+            pass
+        elif report and report.get("fallback"):
+            self.pool.add(self.scope, {"misses": 1, f"fallback:{report['fallback']}": 1})
+        self.pool.flush()  # a request that loaded nothing: its one transaction (none when nothing is pending)
         return False, ({"prefillshare": report} if report else None)
 
     # ================================== worker side =======================================
@@ -288,38 +362,89 @@ class PrefillShareConnector(KVConnectorBase_V1):
             return
         assert self._layout is not None, "KV caches were never registered"
         for spec in meta.loads:
-            self._load_one(spec)
+            if spec.remote:
+                if self._pulls is None:
+                    self._pulls = ThreadPoolExecutor(max_workers=2, thread_name_prefix="prefillshare-pull")
+                self._pulls.submit(self._load_remote, spec)
+            else:
+                self._invalid.update(self._load_one(spec))
 
-    def _load_one(self, spec: LoadSpec) -> None:
-        t0 = time.perf_counter()
-        moved = tokens = 0
+    def _load_remote(self, spec: LoadSpec) -> None:
+        """Worker thread: pull the run from a producer node into this node's slab, then load it."""
         try:
-            for entry, block_id in zip(spec.entries, spec.block_ids, strict=True):
-                if entry.layout != self._layout.layout:
-                    raise _LayoutMismatch(f"{entry.layout} != {self._layout.layout}")
-                buf = self.pool.read(entry)
-                self._layout.scatter(self._layout.view_bytes(buf), block_id, entry.ntokens)
-                moved += entry.nbytes
-                tokens += entry.ntokens
-        except (BlockDamaged, BlockMissing, ValueError, RuntimeError) as e:
-            kind = ("damaged" if isinstance(e, BlockDamaged) else
+            entries, lease = self.pool.fetch(spec.keys)
+        except Exception as e:  # noqa: BLE001 - a failed pull is a private prefill, never a crash
+            log.warning("PrefillShare: pull for %s failed: %s", spec.req_id, e)
+            entries, lease = [], None
+        if len(entries) < len(spec.keys):
+            self.pool.add(self.scope, {"fallback:missing": 1, "misses": 1, "load_failures": 1})
+            self.pool.release(lease)
+            self.pool.flush()
+            bad = set(spec.block_ids)
+        else:
+            self.pool.add(self.scope, {"hits": 1, "hit_tokens": sum(e.ntokens for e in entries)})
+            bad = self._load_one(LoadSpec(spec.req_id, entries, spec.block_ids, lease, spec.keys, spec.ntokens_last))
+        with self._done_lock:
+            self._done.append((spec.req_id, bad))
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        with self._done_lock:
+            done, self._done = self._done, []
+        for _, bad in done:
+            self._invalid.update(bad)
+        return None, ({rid for rid, _ in done} or None)
+
+    def _load_one(self, spec: LoadSpec) -> set[int]:
+        """Copy a leased run in (seqlock-checked); one transaction ends it. Returns invalid block ids."""
+        t0 = time.perf_counter()
+        layout = self._layout
+        entries = spec.entries
+        try:
+            if any(e.layout != layout.layout for e in entries):
+                raise _LayoutMismatch(f"{entries[0].layout} != {layout.layout}")
+            if any(e.nbytes != layout.block_nbytes for e in entries):
+                raise _LayoutMismatch(f"slot of {entries[0].nbytes} bytes, blocks of {layout.block_nbytes}")
+            self.pool.check_entries(entries)
+            self.pool.verify(entries)
+            layout.load_slots(self._slab_tensor(entries[0].slab), [e.slot for e in entries], spec.block_ids,
+                              entries[-1].ntokens)
+            self.pool.check_entries(entries)  # the slots were not reused while we copied
+        except (BlockDamaged, *MISSING, ValueError, RuntimeError) as e:
+            kind = ("torn" if isinstance(e, SlotTorn) else "damaged" if isinstance(e, BlockDamaged) else
+                    "reused" if isinstance(e, SlotReused) else
                     "layout" if isinstance(e, _LayoutMismatch) else "missing")
             log.warning("PrefillShare: load for %s failed (%s: %s); prefilling privately", spec.req_id, kind, e)
             # Every block of the request is reported: vLLM recomputes the prompt from token 0,
             # a clean private prefill rather than a mix of base and decoder KV.
-            self._invalid.update(spec.block_ids)
-            if isinstance(e, BlockDamaged):
-                self.pool.discard([entry.key])
+            self.pool.add(self.scope, {f"fallback:{kind}": 1, "load_failures": 1})
+            if kind in ("torn", "damaged"):
+                self.pool.discard([x.key for x in entries])
             self.pool.release(spec.lease)
-            self.pool.count_map(self.scope, {f"fallback:{kind}": 1, "load_failures": 1})
-            return
+            if spec.lease is None:
+                self.pool.flush()
+            return set(spec.block_ids)
         dt = time.perf_counter() - t0
-        self.pool.release(spec.lease, consumed=[e.key for e in spec.entries])
-        self.pool.count_map(self.scope, {"loads": 1, "loaded_blocks": len(spec.entries), "load_tokens": tokens,
-                                         "load_seconds": dt, "bytes_moved": moved})
+        tokens = sum(e.ntokens for e in entries)
+        self.pool.add(self.scope, {"loads": 1, "loaded_blocks": len(entries), "load_tokens": tokens,
+                                         "load_seconds": dt, "bytes_moved": sum(e.nbytes for e in entries)})
+        self.pool.release(spec.lease, consumed=[e.key for e in entries])  # the one worker transaction
+        return set()
+
+    def _slab_tensor(self, slot_bytes: int) -> torch.Tensor:
+        """The slab as a tensor; with the cache on a GPU, page-locked once (cudaHostRegister, as vLLM's
+        CPU offloading does) so that each request's one host<->device copy runs at DMA speed."""
+        t = self.pool.slab(slot_bytes).tensor()
+        if self._layout is not None and self._layout.device.type == "cuda":
+            key = (t.data_ptr(), t.numel())
+            if key not in self._pinned:
+                self._pinned.add(key)
+                err = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel(), 0)
+                if int(err) != 0:
+                    log.warning("PrefillShare: cudaHostRegister of the slab failed (%s); pageable copies", err)
+        return t
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # loads are synchronous in start_load_kv
+        return  # device-local loads complete in start_load_kv; remote ones report through get_finished
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
         return  # saved whole in wait_for_save, once every layer of the step is written
@@ -329,22 +454,30 @@ class PrefillShareConnector(KVConnectorBase_V1):
         if not isinstance(meta, PrefillShareMeta) or not meta.saves:
             return
         assert self._layout is not None, "KV caches were never registered"
+        layout = self._layout
         for spec in meta.saves:
             t0 = time.perf_counter()
             try:
-                items = []
-                for depth, (key, nt, bid) in enumerate(zip(spec.keys, spec.ntokens, spec.block_ids, strict=True)):
-                    blk = self._layout.gather(bid)
-                    if blk.device.type != "cpu":
-                        blk = blk.cpu()
-                    items.append(PutItem(key, blk.view(torch.uint8).numpy(), nt, self._layout.layout, depth))
-                ok = self.pool.put_many(items, pins=spec.pins, scope=self.scope)
-                self.pool.count_map(self.scope, {"saves": 1, "save_seconds": time.perf_counter() - t0,
-                                                 "save_dropped": len(ok) - sum(ok)})
+                res = self.pool.reserve(spec.keys, layout.block_nbytes, spec.ntokens, layout.layout,
+                                        pins=spec.pins, scope=self.scope)  # the one producer transaction
+                new = [(e, bid) for e, bid in zip(res.entries, spec.block_ids, strict=True) if e is not None]
+                if new:
+                    layout.save_slots([bid for _, bid in new], self._slab_tensor(new[0][0].slab),
+                                      [e.slot for e, _ in new])
+                self.pool.publish(res)
+                self.pool.add(self.scope, {"saves": 1, "save_seconds": time.perf_counter() - t0,
+                                                 "save_bytes": len(new) * layout.block_nbytes,
+                                                 "save_dropped": len(res.stored) - sum(res.stored)})
             except Exception as e:  # noqa: BLE001 - a failed save only means later misses
                 log.warning("PrefillShare: save of %s failed: %s", spec.req_id, e)
-                self.pool.count_map(self.scope, {"save_failures": 1})
+                self.pool.add(self.scope, {"save_failures": 1})
+        self.pool.flush_soon()
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         out, self._invalid = self._invalid, set()
         return out
+
+    def shutdown(self):
+        if self._pulls is not None:
+            self._pulls.shutdown(wait=False, cancel_futures=True)
+        self.pool.flush()

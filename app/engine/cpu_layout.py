@@ -14,14 +14,33 @@ also correct because the decoder writes its own tokens at positions >= t before 
 On other devices the block and token dims are found from the tensor's shape (flash
 attention ``[2, num_blocks, block_size, heads, head]``, Triton ``[num_blocks, 2, block_size,
 heads, head]``, ...): a block is the slice at ``block_dim``, a partial block narrows ``token_dim``.
+
+Two ways to move blocks: :meth:`BlockLayout.gather` / :meth:`BlockLayout.scatter` copy one block
+at a time (the reference the tests compare against), :meth:`BlockLayout.save_slots` /
+:meth:`BlockLayout.load_slots` move all blocks of a request between the paged cache and slab
+slots (``[n, *block_shape]``) with one ``index_select`` / ``index_copy_`` per layer and per run
+of consecutive slots; with the cache on a GPU and the slab in host memory, through one device
+staging buffer and one host<->device copy per run.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-__all__ = ["BlockLayout", "fingerprint"]
+__all__ = ["BlockLayout", "fingerprint", "slot_runs"]
+
+
+def slot_runs(slots: Sequence[int]) -> list[tuple[int, int, int]]:
+    """(first index, first slot, length) of each run of consecutive slots."""
+    runs: list[tuple[int, int, int]] = []
+    for i, s in enumerate(slots):
+        if runs and runs[-1][1] + runs[-1][2] == s:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((i, s, 1))
+    return runs
 
 
 def _isa(dtype: torch.dtype, block_size: int, head_size: int) -> str:
@@ -55,13 +74,17 @@ class BlockLayout:
 
     @classmethod
     def from_caches(cls, caches: list[torch.Tensor], block_size: int, num_kv_heads: int,
-                    head_size: int, num_blocks: int | None = None) -> BlockLayout:
+                    head_size: int, num_blocks: int | None = None, device_layout: bool | None = None) -> BlockLayout:
+        """``device_layout``: read block/token dims from the shape (GPU layouts); default: on
+        any device but the CPU (tests pass True to check GPU layouts with CPU tensors)."""
         if not caches:
             raise ValueError("no KV cache tensors registered")
         t = caches[0]
         dev = "cpu" if t.device.type == "cpu" else t.device.type
-        name = fingerprint(dev, t.dtype, len(caches), num_kv_heads, head_size, block_size)
-        if dev == "cpu":
+        generic = device_layout if device_layout is not None else dev != "cpu"
+        name = fingerprint(dev if not generic or dev != "cpu" else "generic", t.dtype, len(caches), num_kv_heads,
+                           head_size, block_size)
+        if not generic:
             return cls(list(caches), block_size, num_kv_heads, head_size, name)
         shape = list(t.shape)
         nb = num_blocks if num_blocks is not None else max(s for s in shape[:2])
@@ -75,11 +98,16 @@ class BlockLayout:
 
     @property
     def on_cpu(self) -> bool:
-        return self.caches[0].device.type == "cpu"
+        """The CPU attention layout (block dim 0, K transposed per head)."""
+        return self.layout.startswith("cpu_attn-")
 
     @property
     def dtype(self) -> torch.dtype:
         return self.caches[0].dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.caches[0].device
 
     def _block(self, layer: int, block_id: int) -> torch.Tensor:
         c = self.caches[layer]
@@ -109,10 +137,62 @@ class BlockLayout:
         t = torch.frombuffer(buf, dtype=torch.uint8)
         return t.view(self.dtype).view(self.block_shape)
 
+    def slots_view(self, slab: torch.Tensor, first: int, n: int) -> torch.Tensor:
+        """Slots ``first .. first+n`` of a slab tensor (``[nslots, stride]`` uint8) as
+        ``[n, *block_shape]`` of the cache dtype (no copy)."""
+        return slab[first : first + n, : self.block_nbytes].view(self.dtype).view(n, *self.block_shape)
+
+    def _layer_slots(self, run: torch.Tensor, layer: int) -> torch.Tensor:
+        """``run[:, layer]`` arranged like ``cache.index_select(block_dim, ...)`` returns it."""
+        v = run[:, layer]
+        return v if self.block_dim == 0 else v.movedim(0, self.block_dim)
+
+    def save_slots(self, block_ids: Sequence[int], slab: torch.Tensor, slots: Sequence[int]) -> None:
+        """Copy whole blocks ``block_ids`` of every layer into ``slots`` of ``slab``, batched.
+
+        Per run of consecutive slots and per layer one ``index_select`` writing straight into
+        the slots (same device), or into a device staging buffer followed by one copy to host.
+        """
+        if len(block_ids) != len(slots):
+            raise ValueError("save_slots: one slot per block id")
+        dev = self.device
+        for first, s0, n in slot_runs(slots):
+            ids = torch.tensor(block_ids[first : first + n], dtype=torch.long, device=dev)
+            dst = self.slots_view(slab, s0, n)
+            stage = dst if dst.device == dev else torch.empty(dst.shape, dtype=self.dtype, device=dev)
+            for i, c in enumerate(self.caches):
+                torch.index_select(c, self.block_dim, ids, out=self._layer_slots(stage, i))
+            if stage is not dst:
+                dst.copy_(stage, non_blocking=dst.is_pinned())
+        if dev.type == "cuda":
+            torch.cuda.current_stream(dev).synchronize()  # bytes are in the slab before they are published
+
+    def load_slots(self, slab: torch.Tensor, slots: Sequence[int], block_ids: Sequence[int],
+                   last_tokens: int | None = None) -> None:
+        """Copy ``slots`` of ``slab`` into blocks ``block_ids``, batched; the last block only up to
+        ``last_tokens`` tokens when given (a partial block: as :meth:`scatter` does)."""
+        if len(block_ids) != len(slots):
+            raise ValueError("load_slots: one slot per block id")
+        n_all = len(slots)
+        partial = last_tokens is not None and last_tokens < self.block_size and n_all > 0
+        whole = n_all - 1 if partial else n_all
+        dev = self.device
+        for first, s0, n in slot_runs(list(slots[:whole])):
+            ids = torch.tensor(block_ids[first : first + n], dtype=torch.long, device=dev)
+            src = self.slots_view(slab, s0, n)
+            if src.device != dev:
+                src = src.to(dev, non_blocking=src.is_pinned())
+            for i, c in enumerate(self.caches):
+                c.index_copy_(self.block_dim, ids, self._layer_slots(src, i))
+        if partial:
+            self.scatter(self.slots_view(slab, slots[-1], 1)[0], block_ids[-1], last_tokens)
+        if dev.type == "cuda":
+            torch.cuda.current_stream(dev).synchronize()
+
     def scatter(self, src: torch.Tensor, block_id: int, num_tokens: int) -> None:
         """Write ``src`` (``block_shape``) into block ``block_id``: all of it, or its first tokens."""
         if src.device != self.caches[0].device:
-            src = src.to(self.caches[0].device, non_blocking=True)
+            src = src.to(self.caches[0].device)
         full = num_tokens >= self.block_size
         vec = self.layout.startswith("cpu_attn-vec/") or self.layout.startswith("cpu_attn-vec16/")
         for i in range(len(self.caches)):

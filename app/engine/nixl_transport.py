@@ -2,21 +2,20 @@
 
 Two sides, one per node:
 - :class:`NixlBlockServer` (producer node, ``python -m app.engine.nixl_transport serve``): owns a
-  NIXL agent (UCX backend) and a registered staging buffer (DRAM). On ``fetch`` it leases the
-  asked run of blocks in the node's :class:`KVPool`, reads them (checksums verified) into the
-  staging buffer and answers where they are; the puller reads them with one NIXL READ and
-  then says ``done``, which frees the staging space and counts the fan-out load.
+  NIXL agent (UCX backend) with the node's slab registered once (DRAM). On ``fetch`` it leases
+  the asked run of blocks in the node's :class:`KVPool` and answers where their slots are; the
+  puller reads them with one NIXL READ straight out of the slab and then says ``done``: the
+  server checks the slots' generations (not reused while read), ends the lease and counts the
+  fan-out load.
 - :class:`NixlPool` (decoder node): the consumer connector's pool when ``transport="nixl"``.
-  A lookup first tries the node-local pool; when the run is not complete there it fetches the
-  missing blocks from a producer node, checks them, stores them in the local pool (so other
-  decoders on this node reuse them) and answers from the local pool. Loading into the engine
-  then is the node-local path.
+  :meth:`NixlPool.fetch` (called from the connector's worker thread, asynchronously to the
+  scheduler) tries the node-local pool first; for the rest of the run it reserves slots in
+  this node's slab, READs the producer's slots into them (one copy), checks them and publishes
+  them, so other decoders on this node reuse them. Loading into the engine is then the
+  node-local batched path.
 
 The control channel is a small TCP protocol (JSON lines: hello, fetch, done); the bulk bytes
-move only through NIXL. On this CPU-only machine UCX moves DRAM to DRAM (CMA or TCP); on GPU
-nodes the staging buffers can be VRAM (``mem="VRAM"``), which UCX moves with CUDA IPC /
-GPUDirect RDMA. The pull runs inside the consumer's scheduler when the request is first seen
-(synchronous): simple, but it holds that engine's scheduler for the transfer time.
+move only through NIXL. On this CPU-only machine UCX moves DRAM to DRAM (CMA or TCP).
 """
 from __future__ import annotations
 
@@ -35,7 +34,7 @@ import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from app.engine.kv_pool import BlockDamaged, BlockEntry, BlockMissing, KVPool, PutItem
+from app.engine.kv_pool import MISSING, BlockEntry, KVPool, PoolSpec
 
 log = logging.getLogger(__name__)
 
@@ -56,62 +55,42 @@ def _agent(name: str):
     return nixl_agent(name, nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
 
 
-def _staging(nbytes: int, mem: str):
-    import torch
+class _Registrations:
+    """Slabs registered with one NIXL agent; a slab that grew (remapped) is registered again."""
 
-    dev = "cuda" if mem == "VRAM" else "cpu"
-    return torch.zeros(nbytes, dtype=torch.uint8, device=dev)
+    def __init__(self, agent):
+        self.agent = agent
+        self.by_size: dict[int, tuple[int, int, object]] = {}  # slot bytes -> (nslots, base address, tensor)
+        self.version = 0
 
-
-class _Ranges:
-    """First-fit allocator of byte ranges in a staging buffer."""
-
-    def __init__(self, size: int):
-        self.free: list[tuple[int, int]] = [(0, size)]
-
-    def alloc(self, n: int) -> int | None:
-        for i, (off, ln) in enumerate(self.free):
-            if ln >= n:
-                self.free[i] = (off + n, ln - n)
-                if self.free[i][1] == 0:
-                    self.free.pop(i)
-                return off
-        return None
-
-    def release(self, off: int, n: int) -> None:
-        self.free.append((off, n))
-        self.free.sort()
-        merged: list[tuple[int, int]] = []
-        for o, ln in self.free:
-            if merged and merged[-1][0] + merged[-1][1] == o:
-                merged[-1] = (merged[-1][0], merged[-1][1] + ln)
-            else:
-                merged.append((o, ln))
-        self.free = merged
+    def base(self, pool: KVPool, slot_bytes: int, upto_slot: int) -> tuple[int, int]:
+        """(base address, stride) of the slab, registered; raises SlotOutOfRange if it has no such slot."""
+        slab = pool.slab(slot_bytes)
+        slab.ensure(upto_slot)
+        have = self.by_size.get(slot_bytes)
+        if have is None or have[0] != slab.nslots:
+            t = slab.tensor()
+            self.agent.register_memory([t])
+            self.by_size[slot_bytes] = (slab.nslots, t.data_ptr(), t)
+            self.version += 1
+        return self.by_size[slot_bytes][1], slab.stride
 
 
 @dataclass
 class _Ticket:
-    offset: int
-    nbytes: int
     lease: str | None
-    keys: list[str]
+    entries: list[BlockEntry]
     deadline: float
 
 
 class NixlBlockServer:
-    """Serves a node's pool to other nodes: control over TCP, bytes over NIXL."""
+    """Serves a node's pool to other nodes: control over TCP, bytes over NIXL from the slab."""
 
-    def __init__(self, pool_path: str, listen: str = "127.0.0.1:0", staging_bytes: int = 256 << 20,
-                 mem: str = "DRAM", ticket_timeout_s: float = 60.0):
+    def __init__(self, pool_path: str, listen: str = "127.0.0.1:0", ticket_timeout_s: float = 60.0):
         self.pool = KVPool(pool_path)
         self.name = f"ps-srv-{uuid.uuid4().hex[:8]}"
         self.agent = _agent(self.name)
-        self.buf = _staging(staging_bytes, mem)
-        self.mem = mem
-        self.agent.register_memory([self.buf])
-        self.base = self.buf.data_ptr()
-        self.ranges = _Ranges(staging_bytes)
+        self.regs = _Registrations(self.agent)
         self.tickets: dict[str, _Ticket] = {}
         self.ticket_timeout_s = ticket_timeout_s
         self.lock = threading.Lock()
@@ -158,69 +137,60 @@ class NixlBlockServer:
         now = time.time()
         for tid in [t for t, tk in self.tickets.items() if tk.deadline < now]:
             tk = self.tickets.pop(tid)
-            self.ranges.release(tk.offset, tk.nbytes)
             self.pool.release(tk.lease)
 
     def dispatch(self, msg: dict) -> dict:
         op = msg.get("op")
         if op == "hello":
-            return {"agent": self.name, "metadata": base64.b64encode(self.agent.get_agent_metadata()).decode(),
-                    "base": self.base, "mem": self.mem}
+            with self.lock:
+                return {"agent": self.name, "metadata": base64.b64encode(self.agent.get_agent_metadata()).decode(),
+                        "version": self.regs.version}
         if op == "fetch":
             return self._fetch(list(msg["keys"]))
         if op == "done":
             with self.lock:
                 tk = self.tickets.pop(msg["ticket"], None)
-                if tk is not None:
-                    self.ranges.release(tk.offset, tk.nbytes)
-                    self.pool.release(tk.lease, consumed=tk.keys if msg.get("consumed") else ())
-            return {"ok": tk is not None}
+            if tk is None:
+                return {"ok": False}
+            try:
+                self.pool.check_entries(tk.entries)  # nothing was reused while the peer read
+                ok = True
+            except MISSING:
+                ok = False
+            self.pool.release(tk.lease, consumed=[e.key for e in tk.entries] if ok and msg.get("consumed") else ())
+            return {"ok": ok}
         raise ValueError(f"unknown op {op!r}")
 
     def _fetch(self, keys: list[str]) -> dict:
-        entries, lease = self.pool.lookup(keys)
+        entries = self.pool.find(keys)
+        if entries:  # one slot size per answer (the run of the first block's size)
+            n = next((i for i, e in enumerate(entries) if e.slab != entries[0].slab), len(entries))
+            entries = entries[:n]
         if not entries:
             return {"entries": []}
-        total = sum(e.nbytes for e in entries)
+        lease = self.pool.lease(entries)
+        slab = self.pool.slab(entries[0].slab)
         with self.lock:
             self._expire()
-            off = self.ranges.alloc(total)
-        if off is None:
-            self.pool.release(lease)
-            return {"entries": [], "reason": "staging buffer full"}
-        pos = off
-        try:
-            for e in entries:
-                data = self.pool.read(e)
-                import torch
-
-                self.buf[pos : pos + e.nbytes].copy_(torch.frombuffer(data, dtype=torch.uint8))
-                pos += e.nbytes
-        except (BlockDamaged, BlockMissing) as ex:
-            with self.lock:
-                self.ranges.release(off, total)
-            self.pool.release(lease)
-            return {"entries": [], "reason": f"{type(ex).__name__}: {ex}"}
-        tid = uuid.uuid4().hex
-        with self.lock:
-            self.tickets[tid] = _Ticket(off, total, lease, [e.key for e in entries],
-                                        time.time() + self.ticket_timeout_s)
-        return {"ticket": tid, "offset": off,
-                "entries": [[e.key, e.nbytes, e.ntokens, e.checksum, e.layout] for e in entries]}
+            base, stride = self.regs.base(self.pool, entries[0].slab, max(e.slot for e in entries))
+            tid = uuid.uuid4().hex
+            self.tickets[tid] = _Ticket(lease, entries, time.time() + self.ticket_timeout_s)
+            version = self.regs.version
+        return {"ticket": tid, "version": version,
+                "entries": [[e.key, e.nbytes, e.ntokens, e.layout, base + e.slot * stride, slab.crc(e.slot)]
+                            for e in entries]}
 
 
 class NixlPuller:
-    """Client side: fetches runs of blocks from producer nodes with NIXL READs."""
+    """Client side: reads runs of blocks from producer nodes' slabs into a local pool's slab."""
 
-    def __init__(self, staging_bytes: int = 256 << 20, mem: str = "DRAM", timeout_s: float = 30.0):
+    def __init__(self, timeout_s: float = 30.0):
         self.name = f"ps-cli-{uuid.uuid4().hex[:8]}"
         self.agent = _agent(self.name)
-        self.buf = _staging(staging_bytes, mem)
-        self.mem = mem
-        self.agent.register_memory([self.buf])
+        self.regs = _Registrations(self.agent)
         self.timeout_s = timeout_s
-        self.peers: dict[str, tuple[socket.socket, object, str, int]] = {}
-        self.remotes: set[str] = set()  # remote agents whose metadata this agent holds
+        self.peers: dict[str, tuple[socket.socket, object, str]] = {}
+        self.versions: dict[str, int] = {}  # remote agent -> version of its metadata loaded here
         self.lock = threading.Lock()
 
     def _call(self, addr: str, msg: dict) -> dict:
@@ -228,7 +198,7 @@ class NixlPuller:
         failure (a stalled peer's timeout included) the connection is dropped: a late answer
         must never be read as the answer to the next request."""
         try:
-            sock, rfile, _, _ = self._peer(addr)
+            sock, rfile, _ = self._peer(addr)
             sock.sendall(json.dumps(msg).encode() + b"\n")
             line = rfile.readline()
             if not line:
@@ -241,22 +211,26 @@ class NixlPuller:
             raise RuntimeError(f"NIXL peer {addr}: {reply['error']}")
         return reply
 
+    def _hello(self, addr: str, sock, rfile) -> str:
+        sock.sendall(b'{"op": "hello"}\n')
+        line = rfile.readline()
+        if not line:
+            raise ConnectionError(f"NIXL peer {addr} closed the connection")
+        hello = json.loads(line)
+        name = hello["agent"]
+        if self.versions.get(name) != hello["version"]:  # new agent, or it registered more memory
+            if name in self.versions:
+                self.agent.remove_remote_agent(name)
+            self.agent.add_remote_agent(base64.b64decode(hello["metadata"]))
+            self.versions[name] = hello["version"]
+        return name
+
     def _peer(self, addr: str):
         if addr not in self.peers:
             sock = socket.create_connection(parse_addr(addr), timeout=self.timeout_s)
-            self.peers[addr] = (sock, None, None, 0)  # so that a failed hello closes it
+            self.peers[addr] = (sock, None, "")  # so that a failed hello closes it
             rfile = sock.makefile("rb")
-            sock.sendall(b'{"op": "hello"}\n')
-            line = rfile.readline()
-            if not line:
-                raise ConnectionError(f"NIXL peer {addr} closed the connection")
-            hello = json.loads(line)
-            if hello["agent"] in self.remotes:  # a reconnect: the agent's metadata is loaded already
-                remote = hello["agent"]
-            else:
-                remote = self.agent.add_remote_agent(base64.b64decode(hello["metadata"]))
-                self.remotes.add(remote)
-            self.peers[addr] = (sock, rfile, remote, int(hello["base"]))
+            self.peers[addr] = (sock, rfile, self._hello(addr, sock, rfile))
         return self.peers[addr]
 
     def _drop(self, addr: str) -> None:
@@ -265,93 +239,101 @@ class NixlPuller:
             with contextlib.suppress(OSError):
                 peer[0].close()
 
-    def pull(self, addr: str, keys: Sequence[str]) -> tuple[list[tuple[BlockEntry, memoryview]], dict]:
-        """The longest run of ``keys`` the peer holds, as (entry, bytes); plus transfer figures."""
+    def pull_into(self, addr: str, keys: Sequence[str], pool: KVPool, depth0: int = 0) -> dict:
+        """Copy the longest run of ``keys`` the peer holds into ``pool``'s slab; returns figures
+        (``blocks`` stored, ``bytes`` read, ``seconds``, and ``reason`` when nothing came)."""
         with self.lock:
             t0 = time.perf_counter()
             reply = self._call(addr, {"op": "fetch", "keys": list(keys)})
-            entries = [BlockEntry(*e) for e in reply.get("entries", [])]
-            if not entries:
-                return [], {"reason": reply.get("reason", "not held"), "bytes": 0, "seconds": 0.0}
-            _, _, remote, base = self.peers[addr]
-            total = sum(e.nbytes for e in entries)
-            if total > self.buf.numel():
-                self._call(addr, {"op": "done", "ticket": reply["ticket"], "consumed": False})
-                return [], {"reason": "local staging buffer too small", "bytes": 0, "seconds": 0.0}
-            local = self.agent.get_xfer_descs([(self.buf.data_ptr(), total, 0)], self.mem)
-            far = self.agent.get_xfer_descs([(base + reply["offset"], total, 0)], self.mem)
-            handle = self.agent.initialize_xfer("READ", local, far, remote)
+            rows = reply.get("entries", [])
+            if not rows:
+                return {"blocks": 0, "bytes": 0, "seconds": 0.0, "reason": reply.get("reason", "not held")}
+            sock, rfile, remote = self.peers[addr]
+            if self.versions.get(remote) != reply["version"]:  # the server registered a new slab
+                try:
+                    self._hello(addr, sock, rfile)
+                except BaseException:
+                    self._drop(addr)
+                    raise
+            nbytes = rows[0][1]
+            res = pool.reserve([r[0] for r in rows], nbytes, [r[2] for r in rows], rows[0][3], depth0=depth0)
+            new = [(e, r) for e, r in zip(res.entries, rows) if e is not None]
+            ok = False
             try:
-                state = self.agent.transfer(handle)
-                deadline = time.time() + self.timeout_s
-                while state == "PROC":
-                    if time.time() > deadline:
-                        raise TimeoutError(f"NIXL READ from {addr} timed out")
-                    state = self.agent.check_xfer_state(handle)
-                if state != "DONE":
-                    raise RuntimeError(f"NIXL READ from {addr} failed")
+                if new:
+                    base, stride = self.regs.base(pool, nbytes, max(e.slot for e, _ in new))
+                    local = self.agent.get_xfer_descs([(base + e.slot * stride, nbytes, 0) for e, _ in new], "DRAM")
+                    far = self.agent.get_xfer_descs([(r[4], nbytes, 0) for _, r in new], "DRAM")
+                    self._read(addr, local, far, remote)
+                ok = bool(self._call(addr, {"op": "done", "ticket": reply["ticket"], "consumed": True}).get("ok"))
+                if ok and pool.check == "crc32":
+                    slab = pool.slab(nbytes) if new else None
+                    for e, r in new:
+                        if zlib.crc32(slab.view(e.slot, nbytes)) != r[5]:
+                            ok = False
+                            pool.add("", {"nixl_damaged": 1})
+                            break
             finally:
-                with contextlib.suppress(Exception):
-                    self.agent.release_xfer_handle(handle)
-            xfer_s = time.perf_counter() - t0
-            host = self.buf[:total].cpu() if self.mem == "VRAM" else self.buf[:total]
-            data = memoryview(host.numpy()).cast("B")
-            out, pos = [], 0
-            for e in entries:
-                out.append((e, data[pos : pos + e.nbytes]))
-                pos += e.nbytes
-            # copy out before the staging buffer is reused by the next pull
-            out = [(e, memoryview(bytes(b))) for e, b in out]
-            self._call(addr, {"op": "done", "ticket": reply["ticket"], "consumed": True})
-            return out, {"bytes": total, "seconds": xfer_s}
+                if ok:
+                    pool.publish(res)
+                else:
+                    pool.discard([e.key for e, _ in new])
+            if not ok:
+                return {"blocks": 0, "bytes": 0, "seconds": 0.0, "reason": "slots changed or damaged while read"}
+            return {"blocks": sum(res.stored), "bytes": len(new) * nbytes, "seconds": time.perf_counter() - t0}
+
+    def _read(self, addr: str, local, far, remote: str) -> None:
+        handle = self.agent.initialize_xfer("READ", local, far, remote)
+        try:
+            state = self.agent.transfer(handle)
+            deadline = time.time() + self.timeout_s
+            while state == "PROC":
+                if time.time() > deadline:
+                    raise TimeoutError(f"NIXL READ from {addr} timed out")
+                state = self.agent.check_xfer_state(handle)
+            if state != "DONE":
+                raise RuntimeError(f"NIXL READ from {addr} failed")
+        finally:
+            with contextlib.suppress(Exception):
+                self.agent.release_xfer_handle(handle)
 
 
 class NixlPool(KVPool):
-    """A node-local pool that fills itself from producer nodes through NIXL on a miss."""
+    """A node-local pool that fills itself from producer nodes through NIXL (:meth:`fetch`)."""
 
-    def __init__(self, spec: dict):
-        super().__init__(spec["path"], spec.get("capacity_bytes"), spec.get("lease_timeout_s", 60.0))
-        peers = spec.get("nixl_peers") or ()
-        if not peers:
+    def __init__(self, spec: PoolSpec | dict):
+        spec = spec if isinstance(spec, PoolSpec) else PoolSpec.from_dict(spec)
+        super().__init__(spec)
+        if not spec.nixl_peers:
             raise ValueError("PoolSpec.nixl_peers: a nixl consumer needs at least one producer address")
-        for p in peers:
+        for p in spec.nixl_peers:
             parse_addr(p)
-        self.peers = list(peers)
-        # A stalled peer costs at most this per request (the pull holds the engine's scheduler).
-        self.timeout_s = float(spec.get("nixl_timeout_s", 30.0))
-        if self.timeout_s <= 0:
-            raise ValueError("PoolSpec.nixl_timeout_s must be > 0")
+        self.peers = list(spec.nixl_peers)
+        # A stalled peer costs at most this per pull (in a worker thread, never the scheduler).
+        self.timeout_s = spec.nixl_timeout_s
         self._puller: NixlPuller | None = None
+        self._pull_lock = threading.Lock()
 
-    def lookup(self, keys: Sequence[str], lease_s: float | None = None):
-        entries, lease = super().lookup(keys, lease_s)
-        if len(entries) == len(keys):
-            return entries, lease
-        self.release(lease)
-        missing = list(keys[len(entries):])
-        for addr in self.peers:
-            try:
-                if self._puller is None:
-                    self._puller = NixlPuller(timeout_s=self.timeout_s)
-                got, fig = self._puller.pull(addr, missing)
-            except Exception as e:  # noqa: BLE001 - an unreachable peer is a miss, not a failure
-                log.warning("PrefillShare NIXL: pull from %s failed: %s", addr, e)
-                self.count("", nixl_errors=1)
-                continue
-            if not got:
-                continue
-            for e, data in got:
-                if zlib.crc32(data) != e.checksum:
-                    self.count("", nixl_damaged=1)
-                    got = []
-                    break
-            if not got:
-                continue
-            first = len(entries)
-            self.put_many([PutItem(e.key, d, e.ntokens, e.layout, first + i) for i, (e, d) in enumerate(got)])
-            self.count("", nixl_pulls=1, nixl_blocks=len(got), nixl_bytes=fig["bytes"], nixl_seconds=fig["seconds"])
-            break
-        return super().lookup(keys, lease_s)
+    def fetch(self, keys: Sequence[str], lease_s: float | None = None) -> tuple[list[BlockEntry], str | None]:
+        """Longest leading run of ``keys``, pulling what this node lacks; leased like :meth:`lookup`."""
+        have = self.find(keys)
+        if len(have) < len(keys):
+            missing = list(keys[len(have):])
+            with self._pull_lock:
+                for addr in self.peers:
+                    try:
+                        if self._puller is None:
+                            self._puller = NixlPuller(timeout_s=self.timeout_s)
+                        fig = self._puller.pull_into(addr, missing, self, depth0=len(have))
+                    except Exception as e:  # noqa: BLE001 - an unreachable peer is a miss, not a failure
+                        log.warning("PrefillShare NIXL: pull from %s failed: %s", addr, e)
+                        self.add("", {"nixl_errors": 1})
+                        continue
+                    if fig["blocks"]:
+                        self.add("", {"nixl_pulls": 1, "nixl_blocks": fig["blocks"], "nixl_bytes": fig["bytes"],
+                                      "nixl_seconds": fig["seconds"]})
+                        break
+        return self.lookup(keys, lease_s)
 
 
 def _serve(argv: list[str]) -> int:
@@ -359,10 +341,8 @@ def _serve(argv: list[str]) -> int:
                                  description="serve this node's KV pool to other nodes over NIXL")
     ap.add_argument("--pool", required=True, help="the node's pool folder (PoolSpec.path)")
     ap.add_argument("--listen", default="127.0.0.1:0", help="host:port of the control channel")
-    ap.add_argument("--staging-mib", type=int, default=256)
-    ap.add_argument("--mem", choices=["DRAM", "VRAM"], default="DRAM")
     args = ap.parse_args(argv)
-    srv = NixlBlockServer(args.pool, args.listen, args.staging_mib << 20, args.mem).start()
+    srv = NixlBlockServer(args.pool, args.listen).start()
     print(f"NIXL block server {srv.name} listening on {srv.address}", flush=True)
     try:
         while True:
