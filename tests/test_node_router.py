@@ -107,16 +107,16 @@ async def _route(router, pendings) -> list[str]:
     (node_router.NodeAffinityRouter, _decode_arg()),
     (PrefixLocalityRouter, PrefillRequest("r", ((1, 2, 3),), locality_keys=("k1",))),
 ])
-def test_two_calls_made_while_serving_one_request_both_get_a_replica(cls, arg):
+def test_calls_made_while_serving_one_request_all_get_a_replica(cls, arg):
     """Serve gives every handle call a replica makes while serving one request that request's
-    internal id: an agent run with two agents on one decoder sends two such calls at once. Both
+    internal id: an agent run with several agents on one decoder sends such calls at once. All
     must be routed (Serve's base router fulfils only the request indexed under that id)."""
     async def run():
         router = _router(cls)
-        chosen = await _route(router, [_pending(arg, "one-request"), _pending(arg, "one-request")])
-        assert len(chosen) == 2
+        chosen = await _route(router, [_pending(arg, "one-request") for _ in range(3)])
+        assert len(chosen) == 3
         if cls is node_router.NodeAffinityRouter:
-            assert chosen == ["p1", "p1"]  # both on the prefill's node
+            assert chosen == ["p1"] * 3  # all on the prefill's node
 
     asyncio.run(run())
 
