@@ -137,7 +137,7 @@ def test_short_run_of_the_lora_systems_is_well_formed(tmp_path):
     systems = ("a-lora", "b-lora", "c-lora")
     cfg = ServeBenchConfig(
         systems=systems, fanouts=(2,), lengths=(128,), rounds=(2,), output_tokens=4, rates=(0.5,),
-        duration_s=3.0, max_sessions=4, probes=1, warmup=1, shape=SMALL,
+        duration_s=2.0, max_sessions=3, probes=1, warmup=0, shape=SMALL,
         topology=Topology(kv_cache_gib=0.125, prefill_replicas=1, lora_rank=8, colocated_replicas=1),
         out=str(tmp_path / "out"), model_dir=str(tmp_path / "models"), seed=random.Random().randint(0, 999))
     doc = run(cfg)
