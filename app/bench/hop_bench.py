@@ -1,0 +1,270 @@
+"""`prefillshare bench hops`: what the Orchestrator's extra stream hop costs per generated token.
+
+A completion's tokens travel Decode -> Orchestrator -> Router: two Ray streams. Streaming from
+the Decode deployment straight to the caller would take one. One app (one prefill module, one
+decoder, the shipped checkpoints by default) is streamed both ways from the same driver handle,
+alternating rounds so that machine load hits both alike, at each concurrency:
+
+  direct  Decode.generate              (one stream; the decoder prefills the prompt itself)
+  via     Orchestrator.complete        (shared prefill, then Decode -> Orchestrator -> caller)
+
+Per token is the time between a session's first and last streamed token over the tokens in
+between, so the prefill (which differs between the two) is left out. The Orchestrator's CPU
+seconds per token it relayed are read from its process. Results: a table and JSON.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import sys
+import time
+import uuid
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+APP = "hops"
+
+
+@dataclass(frozen=True)
+class HopSpec:
+    checkpoints: str = "checkpoints"  # relative: to the project root
+    decoder: str = "lookup"
+    concurrency: tuple[int, ...] = (1, 4)
+    rounds: int = 6  # per path and concurrency, alternating direct/via
+    output_tokens: int = 64
+    prompt_words: int = 60
+    out: str = "runs/bench/hops.json"
+
+    def __post_init__(self) -> None:
+        if not self.concurrency or min(self.concurrency) < 1:
+            raise ValueError("--concurrency: give positive session counts, e.g. 1,4")
+        if self.rounds < 1:
+            raise ValueError("--rounds: at least 1")
+        if self.output_tokens < 4:
+            raise ValueError("--output-tokens: at least 4 (per-token time needs tokens after the first)")
+
+
+@dataclass
+class PathResult:
+    path: str
+    concurrency: int
+    ms_per_token: list[float] = field(default_factory=list)  # one per session
+    tokens_per_chunk: list[float] = field(default_factory=list)
+    tokens_per_s: list[float] = field(default_factory=list)  # a round's sessions together, prefill included
+    decode_tokens_per_s: list[float] = field(default_factory=list)  # tokens after each first, first to last token
+    orchestrator_cpu_ms_per_token: list[float] = field(default_factory=list)
+
+    def summary(self) -> dict:
+        med = statistics.median
+        return {"path": self.path, "concurrency": self.concurrency,
+                "ms_per_token": med(self.ms_per_token), "tokens_per_chunk": med(self.tokens_per_chunk),
+                "tokens_per_s": med(self.tokens_per_s), "decode_tokens_per_s": med(self.decode_tokens_per_s),
+                "orchestrator_cpu_ms_per_token": med(self.orchestrator_cpu_ms_per_token)}
+
+
+def _checkpoints(spec: HopSpec) -> Path:
+    return ROOT / spec.checkpoints  # an absolute path stays as it is
+
+
+def app_config(spec: HopSpec, pool: str) -> dict:
+    ck = _checkpoints(spec)
+    engine = {"dtype": "auto", "max_model_len": 1024, "kv_cache_gib": 0.25, "block_size": 32,
+              "max_num_seqs": 16, "enforce_eager": True, "threads_bind": "nobind"}
+    return {
+        "tokenizer": str(ck / "tokenizer"),
+        "pool": {"path": pool, "capacity_gib": 0.25},
+        "limits": {"max_tokens_default": spec.output_tokens, "max_tokens_cap": max(256, spec.output_tokens)},
+        "engine_env": {"VLLM_HOST_IP": "127.0.0.1"},
+        "prefill_modules": [{"name": "base", "model": str(ck / "base"), "engine": engine,
+                             "placement": {"num_replicas": 1, "num_cpus": 0.5}}],
+        "decoders": [{"name": spec.decoder, "model": str(ck / "decoders" / spec.decoder), "engine": engine,
+                      "placement": {"num_replicas": 1, "num_cpus": 0.25,
+                                    "placement_group_bundles": [{"CPU": 0.25}]}}],
+    }
+
+
+def _orchestrator_process():
+    import psutil
+
+    for p in psutil.process_iter(["cmdline"]):
+        if any(f"ServeReplica:{APP}:Orchestrator" in part for part in (p.info["cmdline"] or [])):
+            return p
+    return None
+
+
+def _cpu_s(p) -> float:
+    if p is None:
+        return float("nan")
+    t = p.cpu_times()
+    return t.user + t.system
+
+
+async def _session(stream) -> tuple[int, int, float, float]:
+    """(tokens, chunks with tokens, first token time, last token time) of one streamed completion."""
+    tokens = chunks = 0
+    first = last = 0.0
+    async for chunk in stream:
+        if chunk.error:
+            raise RuntimeError(f"stream failed: {chunk.error}")
+        if chunk.delta_token_ids:
+            now = time.perf_counter()
+            first = first or now
+            last = now
+            tokens += len(chunk.delta_token_ids)
+            chunks += 1
+    return tokens, chunks, first, last
+
+
+async def _round(handles, path: str, c: int, prompts: list[tuple[int, ...]], spec: HopSpec, res: PathResult):
+    from app.sampling import Sampling
+    from deployments.messages import CompletionJob, DecodeRequest
+
+    sampling = Sampling(max_tokens=spec.output_tokens, ignore_eos=True)
+    streams = []
+    for i in range(c):
+        rid = f"hop-{uuid.uuid4().hex[:8]}"
+        if path == "direct":
+            streams.append(handles["decode"].generate.remote(DecodeRequest(rid, prompts[i], sampling)))
+        else:
+            streams.append(handles["orch"].complete.remote(CompletionJob(rid, spec.decoder, prompts[i], sampling)))
+    proc = handles["orch_proc"]
+    cpu0, t0 = _cpu_s(proc), time.perf_counter()
+    out = await asyncio.gather(*[_session(s) for s in streams])
+    wall, cpu = time.perf_counter() - t0, _cpu_s(proc) - cpu0
+    total = 0
+    for tokens, chunks, first, last in out:
+        if tokens < 2:
+            raise RuntimeError(f"{path}: a session streamed {tokens} token(s); per-token time needs two")
+        res.ms_per_token.append((last - first) / (tokens - 1) * 1e3)
+        res.tokens_per_chunk.append(tokens / chunks)
+        total += tokens
+    res.tokens_per_s.append(total / wall)
+    span = max(last for *_, last in out) - min(first for _, _, first, _ in out)
+    res.decode_tokens_per_s.append(sum(tokens - 1 for tokens, *_ in out) / span)
+    res.orchestrator_cpu_ms_per_token.append(cpu / total * 1e3)
+
+
+def _prompts(spec: HopSpec, n: int) -> list[tuple[int, ...]]:
+    """Distinct prompts (no prefix-cache hit across sessions or rounds) of about the same length."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(_checkpoints(spec) / "tokenizer"))
+    words = ("maya", "lamp", "oslo", "teal", "noon", "rome", "lima", "kyiv", "doha", "pear", "fig", "desk")
+    out = []
+    for i in range(n):
+        text = " ".join(f"{words[(i * 7 + j) % len(words)]}{(i * 31 + j) % 97}" for j in range(spec.prompt_words))
+        out.append(tuple(tok(text)["input_ids"]))
+    return out
+
+
+async def _measure(spec: HopSpec) -> list[dict]:
+    from ray import serve
+
+    handles = {"decode": serve.get_deployment_handle(f"Decode-{spec.decoder}", APP).options(stream=True),
+               "orch": serve.get_deployment_handle("Orchestrator", APP).options(stream=True),
+               "orch_proc": _orchestrator_process()}
+    prompts = _prompts(spec, 2 + sum(2 * spec.rounds * c for c in spec.concurrency))
+    it = iter(prompts)
+    # warm both paths (engine graphs, handle routers, the orchestrator's tokenizer)
+    for path in ("direct", "via"):
+        await _round(handles, path, 1, [next(it)], spec, PathResult(path, 1))
+    rows = []
+    for c in spec.concurrency:
+        results = {p: PathResult(p, c) for p in ("direct", "via")}
+        for r in range(spec.rounds):
+            order = ("direct", "via") if r % 2 == 0 else ("via", "direct")
+            for path in order:
+                await _round(handles, path, c, [next(it) for _ in range(c)], spec, results[path])
+        d, v = results["direct"].summary(), results["via"].summary()
+        print(f"{c} session(s): {d['ms_per_token']:.2f} ms/token direct, {v['ms_per_token']:.2f} via", file=sys.stderr)
+        rows.append({"concurrency": c, "direct": d, "via": v,
+                     "extra_ms_per_token": v["ms_per_token"] - d["ms_per_token"],
+                     "ratio_ms_per_token": v["ms_per_token"] / d["ms_per_token"],
+                     "ratio_tokens_per_s": v["tokens_per_s"] / d["tokens_per_s"],
+                     "ratio_decode_tokens_per_s": v["decode_tokens_per_s"] / d["decode_tokens_per_s"],
+                     "raw": {"direct": asdict(results["direct"]), "via": asdict(results["via"])}})
+    return rows
+
+
+def render(rows: list[dict]) -> str:
+    lines = ["| sessions | ms/token direct | ms/token via Orchestrator | via/direct | decode tokens/s direct | "
+             "decode tokens/s via | via/direct | tokens/s with prefill, direct / via | Orchestrator CPU ms/token |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        d, v = r["direct"], r["via"]
+        lines.append(f"| {r['concurrency']} | {d['ms_per_token']:.2f} | {v['ms_per_token']:.2f} | "
+                     f"{r['ratio_ms_per_token']:.2f}x | {d['decode_tokens_per_s']:.0f} | {v['decode_tokens_per_s']:.0f} | "
+                     f"{r['ratio_decode_tokens_per_s']:.2f}x | {d['tokens_per_s']:.0f} / {v['tokens_per_s']:.0f} | "
+                     f"{v['orchestrator_cpu_ms_per_token']:.2f} (direct: {d['orchestrator_cpu_ms_per_token']:.2f}) |")
+    return "\n".join(lines)
+
+
+def run(spec: HopSpec) -> dict:
+    import ray
+    from ray import serve
+
+    from app.config import load_config
+    from app.serve_app import build
+
+    pool = f"/dev/shm/ps-hops-{os.getpid()}"
+    cfg = load_config(app_config(spec, pool))
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        serve.start(proxy_location="Disabled")
+        t0 = time.perf_counter()
+        serve.run(build(cfg), name=APP, route_prefix=None)
+        ready_s = time.perf_counter() - t0
+        print(f"app up in {ready_s:.0f} s", file=sys.stderr)
+        rows = asyncio.run(_measure(spec))
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+        import shutil
+
+        shutil.rmtree(pool, ignore_errors=True)
+    load = os.getloadavg()
+    report = {"spec": asdict(spec), "app_ready_s": ready_s, "loadavg": load, "rows": rows}
+    Path(spec.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(spec.out).write_text(json.dumps(report, indent=1))
+    print(render(rows))
+    print(f"(app up in {ready_s:.0f} s; load average {load[0]:.1f}; JSON: {spec.out})")
+    return report
+
+
+def _ints(s: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in s.split(",") if x)
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    """Arguments of `prefillshare bench hops`."""
+    d = HopSpec()
+    parser.add_argument("--checkpoints", default=d.checkpoints, help="folder with base/, decoders/, tokenizer/")
+    parser.add_argument("--decoder", default=d.decoder)
+    parser.add_argument("--concurrency", type=_ints, default=d.concurrency, help="sessions at once, e.g. 1,4")
+    parser.add_argument("--rounds", type=int, default=d.rounds)
+    parser.add_argument("--output-tokens", type=int, default=d.output_tokens)
+    parser.add_argument("--out", default=d.out)
+    parser.set_defaults(func=_cli)
+
+
+def _cli(args: argparse.Namespace) -> int:
+    try:
+        spec = HopSpec(checkpoints=args.checkpoints, decoder=args.decoder, concurrency=args.concurrency,
+                       rounds=args.rounds, output_tokens=args.output_tokens, out=args.out)
+    except ValueError as e:
+        print(f"bench hops: {e}", file=sys.stderr)
+        return 2
+    run(spec)
+    return 0
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser(description=__doc__)
+    configure(p)
+    a = p.parse_args()
+    sys.exit(a.func(a))
