@@ -15,7 +15,8 @@ import yaml
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,62}$")
+# letters of any script (agent names such as "prüf-ágent"), digits, "_", ".", "-"
+_NAME = re.compile(r"^[^\W_][\w.\-]{0,62}$")
 
 
 class _Strict(BaseModel):

@@ -68,6 +68,17 @@ def test_chat_data_any_agent_name_lora_exports_merged_and_adapter_with_rendering
     for rec, enc in zip(records, render_records(records, tok, renderer)):
         assert list(enc.prompt) == prompter.chat_prompt(rec.messages[:-1], model=AGENT)
         assert tok.decode(enc.response).endswith("</s>")
+    # the name goes into the app config as the served decoder's name; the Prompter the app builds
+    # from it renders agent requests the way training rendered them
+    from app.config import load_config
+
+    cfg = load_config({"tokenizer": str(base), "prefill_modules": [{"name": "base", "model": str(base)}],
+                       "decoders": [{"name": AGENT, "model": str(out)}]})
+    served = Prompter.from_config(cfg)
+    context, question = tasks.make_examples(1, seed=3)[0].context, "Q: what is the\ncity"
+    assert served.agent_prompt(context, question, model=AGENT) == renderer.training_ids(
+        tok, [("system", "Answer from the record."), ("user", tasks.render_prompt(context, question)),
+              ("assistant", "x")])[0]
 
 
 def test_agent_field_splits_one_file_into_decoders(base, tmp_path):
