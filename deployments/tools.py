@@ -122,7 +122,7 @@ def read_tool_output(text: str) -> tuple[list[ToolCallOut] | None, str]:
     except json.JSONDecodeError:
         return None, text  # cut off by max_tokens: the partial output as text
     if isinstance(obj, dict) and "name" in obj:
-        return [ToolCallOut(str(obj["name"]), json.dumps(obj.get("arguments", {})))], ""
+        return [ToolCallOut(str(obj["name"]), json.dumps(obj.get("arguments", {}), separators=(",", ":")))], ""
     if isinstance(obj, dict) and isinstance(obj.get("content"), str):
         return None, obj["content"]
     return None, text

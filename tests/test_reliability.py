@@ -203,3 +203,15 @@ def test_openai_options_become_one_sampling_and_unimplemented_ones_are_refused()
         with pytest.raises(ApiError) as e:
             sampling_from(CompletionBody(model="m", prompt="p", **{field: value}), limits, 2, 1000)
         assert (e.value.status, e.value.param) == (400, field)
+
+
+def test_every_error_code_has_one_http_shape_used_for_json_and_streams():
+    from deployments.errors import HTTP, ApiError, ErrorCode, Failure
+
+    assert set(HTTP) == set(ErrorCode)
+    for code, shape in HTTP.items():
+        err = ApiError.from_failure(Failure(code, "why"), retry_after_s=7)
+        assert (err.status, err.type, err.code) == (shape.status, shape.type, shape.code)
+        assert err.message == f"{code.value}: why" and set(err.body()["error"]) == {"message", "type", "param", "code"}
+        assert (err.headers or {}).get("Retry-After") == ("7" if shape.retry_after else None)
+    assert HTTP[ErrorCode.OVERLOADED].status == 429 and HTTP[ErrorCode.DECODER_UNAVAILABLE].status == 503
