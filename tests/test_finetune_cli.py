@@ -75,6 +75,18 @@ def test_chat_data_any_agent_name_lora_exports_merged_and_adapter_with_rendering
     cfg = load_config({"tokenizer": str(base), "prefill_modules": [{"name": "base", "model": str(base)}],
                        "decoders": [{"name": AGENT, "model": str(out)}]})
     served = Prompter.from_config(cfg)
+    # a line of the messages file sent as an OpenAI chat request (content as text parts) goes through the
+    # Router's request parsing and turn extraction to the same ids training used for that line
+    from deployments.schemas import ChatBody, parse
+    from deployments.tools import turns
+
+    rows = [json.loads(line) for line in data.read_text(encoding="utf-8").splitlines()]
+    for row, enc in zip([r for r in rows if r["task"] == AGENT], render_records(records, tok, renderer), strict=True):
+        *prompt_msgs, _ = row["messages"]
+        request = {"model": AGENT, "messages": [{"role": m["role"], "content": [{"type": "text", "text": m["content"]}]}
+                                                for m in prompt_msgs]}
+        body = parse(json.dumps(request).encode(), ChatBody)
+        assert served.chat_prompt(turns(body.messages), model=body.model) == list(enc.prompt)
     context, question = tasks.make_examples(1, seed=3)[0].context, "Q: what is the\ncity"
     assert served.agent_prompt(context, question, model=AGENT) == renderer.training_ids(
         tok, [("system", "Answer from the record."), ("user", tasks.render_prompt(context, question)),
