@@ -103,6 +103,8 @@ def _ipc_reader(q_in, q_out) -> None:
     cache, once per task until it gets None."""
     while (task := q_in.get()) is not None:
         slab, shape, nblocks, slots, ids, dev, repeats = task
+        if dev == "cpu":
+            torch.set_num_threads(1)  # as one engine worker
         caches = _caches(shape, nblocks, dev, 7)
         lay = _layout(caches, shape, nblocks)
         ref = _layout([c.clone() for c in caches], shape, nblocks)
@@ -116,9 +118,12 @@ def _ipc_reader(q_in, q_out) -> None:
 
 def transport(args, results: dict, failures: list[str]) -> None:
     dev = args.device
-    shapes = TOY if dev == "cpu" else SHAPES
-    lengths = [int(x) for x in args.lengths.split(",")] if dev == "cuda" else [64]
-    repeats = 5 if dev == "cuda" else 2
+    full = dev == "cuda" or args.full
+    shapes = {k: v for k, v in (SHAPES if full else TOY).items() if k in args.shapes.split(",")}
+    lengths = [int(x) for x in args.lengths.split(",")] if full else [64]
+    repeats = 5 if full else 2
+    if dev == "cpu":
+        torch.set_num_threads(1)  # as one engine worker; the yardstick copies run with the same
     rows = []
     import torch.multiprocessing as tmp
 
@@ -450,6 +455,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     ap.add_argument("--steps", default="1,2,3,4", help="comma-separated steps to run (1 needs only torch)")
     ap.add_argument("--lengths", default="2048,4096")
+    ap.add_argument("--shapes", default="8B,100M", help="step 1: cache shapes to measure")
+    ap.add_argument("--full", action="store_true", help="--device cpu: step 1 at full sizes instead of toy ones")
     ap.add_argument("--decoders", type=int, default=4)
     ap.add_argument("--trials", type=int, default=2)
     ap.add_argument("--out", default=os.environ.get("OUT"))

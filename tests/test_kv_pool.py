@@ -8,7 +8,7 @@ import uuid
 import pytest
 import torch
 
-from app.engine.cpu_layout import BlockLayout, slot_runs
+from app.engine.cpu_layout import BlockLayout, joint_runs, slot_runs
 from app.engine.kv_keys import block_keys
 from app.engine.kv_pool import BlockDamaged, KVPool, PoolSpec, PutItem, SlotReused, SlotTorn
 
@@ -310,21 +310,29 @@ def _caches(shape, layers, dtype, seed):
     return [torch.randn(shape, generator=g).to(dtype) for _ in range(layers)]
 
 
+ORDERS = {  # (source block ids, slots, destination block ids)
+    "scattered": ([7, 2, 9, 3, 11], [4, 5, 6, 0, 1], [1, 0, 8, 4, 6]),  # index ops per run of slots
+    "consecutive": ([2, 3, 4, 5, 6, 7, 8, 11], [0, 1, 2, 3, 4, 5, 6, 7], [1, 2, 3, 4, 5, 6, 7, 9]),  # plain copies
+}
+
+
 @pytest.mark.parametrize("name", sorted(LAYOUTS))
 @pytest.mark.parametrize("last_tokens", [16, 5])
-def test_batched_slot_copies_equal_the_per_block_reference(name, last_tokens):
+@pytest.mark.parametrize("order", sorted(ORDERS))
+def test_batched_slot_copies_equal_the_per_block_reference(name, last_tokens, order):
     shape, bs, h, d, device_layout = LAYOUTS[name]
     nb, layers, dtype = 12, 3, torch.bfloat16
     src = BlockLayout.from_caches(_caches(shape(nb), layers, dtype, 1), bs, h, d, nb, device_layout)
-    ids = [7, 2, 9, 3, 11]
-    slots = [4, 5, 6, 0, 1]  # two runs, out of order
-    assert slot_runs(slots) == [(0, 4, 3), (3, 0, 2)]
+    ids, slots, dst_ids = ORDERS[order]
+    if order == "scattered":
+        assert slot_runs(slots) == [(0, 4, 3), (3, 0, 2)] and len(joint_runs(slots, ids)) == 5
+    else:
+        assert joint_runs(slots, ids) == [(0, 0, 2, 7), (7, 7, 11, 1)]
     slab = torch.zeros(8, src.block_nbytes + 64, dtype=torch.uint8)  # stride > slot: padded rows
     src.save_slots(ids, slab, slots)
     for b, s in zip(ids, slots):  # save: each slot holds exactly what gather() gives
         assert torch.equal(src.slots_view(slab, s, 1)[0], src.gather(b))
     assert not slab[:, src.block_nbytes:].any()  # nothing written past a slot
-    dst_ids = [1, 0, 8, 4, 6]
     batched = BlockLayout.from_caches(_caches(shape(nb), layers, dtype, 2), bs, h, d, nb, device_layout)
     ref = BlockLayout.from_caches([c.clone() for c in batched.caches], bs, h, d, nb, device_layout)
     batched.load_slots(slab, slots, dst_ids, last_tokens)

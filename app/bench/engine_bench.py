@@ -204,6 +204,7 @@ async def _run(cfg: BenchConfig, on_case=None) -> list[CaseResult]:
         await _ttft(cons, warm, "warm")
         if priv is not None:
             await _ttft(priv, warm, "warm")
+        sp_prev = await _saved(pool, 0)  # the warm-up's save counters are written (off the hot path)
         cases = [(L, n) for L in cfg.lengths for n in cfg.fanouts]
         for i, (L, n) in enumerate(tqdm(cases, desc="bench engine", disable=not cfg.progress)):
             ids = [rng.randrange(3, cfg.vocab) for _ in range(L)]
@@ -212,14 +213,14 @@ async def _run(cfg: BenchConfig, on_case=None) -> list[CaseResult]:
             priv_times = [(await _ttft(priv, ids, salt))[0] for _ in range(n)] if priv is not None else [0.0] * n
             cpu1 = _children_cpu()
             st0 = pool.stats(scope="bench-decoder")
-            sp0 = await _saved(pool, -1)
+            sp0 = sp_prev
             tb = time.perf_counter()
             await prod.prefill(ids, cache_salt=salt, kv_transfer_params={"fanout": n})
             base_s = time.perf_counter() - tb
             shared = [await _ttft(cons, ids, salt) for _ in range(n)]
             cpu2 = _children_cpu()
             st1 = pool.stats(scope="bench-decoder")
-            sp1 = await _saved(pool, sp0.get("saves"))
+            sp1 = sp_prev = await _saved(pool, sp0.get("saves"))
             moved = st1.get("bytes_moved") - st0.get("bytes_moved")
             toks = st1.get("load_tokens") - st0.get("load_tokens")
             load_s = st1.get("load_seconds") - st0.get("load_seconds")

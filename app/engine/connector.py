@@ -164,6 +164,7 @@ class PrefillShareConnector(KVConnectorBase_V1):
         self._report: dict[str, dict[str, Any]] = {}
         self._blocks: dict[str, list[int]] = {}  # block ids per request, for vLLM without bind_kv_cache_manager
         self._loading: dict[str, tuple[set[int], bool]] = {}  # loads sent to the worker: block ids, remote
+        self._pull_failed: set[str] = set()  # requests whose remote pull failed: prefill privately
         # worker side
         self._layout: BlockLayout | None = None
         self._invalid: set[int] = set()
@@ -208,6 +209,9 @@ class PrefillShareConnector(KVConnectorBase_V1):
         first = num_computed_tokens // self.block_size  # local hits are block-aligned here
         entries = self.pool.find([k.key for k in keys])
         if len(entries) < len(keys):
+            if rid in self._pull_failed:  # vLLM asks again after a failed load: recompute, no second pull
+                self._report[rid] = {"loaded_tokens": 0, "fallback": "missing", "counted": True}
+                return 0, False
             if self.remote:  # pulled by a worker thread, asynchronously
                 self._plans[rid] = _Plan(num_computed_tokens, shared - num_computed_tokens, [],
                                          [k.key for k in keys[first:]], keys[-1].num_tokens, True)
@@ -318,14 +322,18 @@ class PrefillShareConnector(KVConnectorBase_V1):
         if not self._loading:
             return
         invalid = set(connector_output.invalid_block_ids or ())
+        failed = set(getattr(connector_output, "failed_recving", None) or ())
         done = set(connector_output.finished_recving or ())
         for rid, (ids, remote) in list(self._loading.items()):
             if remote and rid not in done:
                 continue
             del self._loading[rid]
-            if ids & invalid and rid in self._report:
-                self._report[rid] = {"loaded_tokens": 0, "fallback": "missing" if remote else "load_failed",
-                                     "counted": True}
+            if ids & invalid or rid in failed:
+                if remote:
+                    self._pull_failed.add(rid)
+                if rid in self._report:
+                    self._report[rid] = {"loaded_tokens": 0, "fallback": "missing" if remote else "load_failed",
+                                         "counted": True}
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         rid = request.request_id
@@ -334,6 +342,7 @@ class PrefillShareConnector(KVConnectorBase_V1):
         self._keys.pop(rid, None)
         self._plans.pop(rid, None)
         self._loading.pop(rid, None)
+        self._pull_failed.discard(rid)
         ready = self._ready.pop(rid, None)
         if ready is not None and ready.lease is not None:  # finished before its load was sent
             self.pool.release(ready.lease)
@@ -355,6 +364,11 @@ class PrefillShareConnector(KVConnectorBase_V1):
             log.warning("PrefillShare: cache layout %s differs from planned %s", self._layout.layout,
                         self.layout_name)
         self.layout_name = self._layout.layout
+        if self.share_role == "consumer" and self._layout.device.type == "cpu":
+            # The CPU cache is allocated lazily by the OS: without this, a decoder's first loads
+            # into never-used blocks pay a page fault per 4 KiB (several times the copy itself).
+            for c in self._layout.caches:
+                c.zero_()
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
@@ -387,12 +401,25 @@ class PrefillShareConnector(KVConnectorBase_V1):
         with self._done_lock:
             self._done.append((spec.req_id, bad))
 
-    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+    def _take_done(self) -> list[tuple[str, set[int]]]:
         with self._done_lock:
             done, self._done = self._done, []
+        return done
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """Async loads done (vLLM without ``get_transfer_results``: failures as invalid blocks)."""
+        done = self._take_done()
         for _, bad in done:
             self._invalid.update(bad)
         return None, ({rid for rid, _ in done} or None)
+
+    def get_transfer_results(self, finished_req_ids: set[str]):
+        """Async loads done; failed ones named as such (vLLM then recomputes them from token 0)."""
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
+
+        done = self._take_done()
+        return KVConnectorTransferResults(finished_recving={rid for rid, _ in done},
+                                          failed_recving={rid for rid, bad in done if bad})
 
     def _load_one(self, spec: LoadSpec) -> set[int]:
         """Copy a leased run in (seqlock-checked); one transaction ends it. Returns invalid block ids."""

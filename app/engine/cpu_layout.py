@@ -19,8 +19,9 @@ Two ways to move blocks: :meth:`BlockLayout.gather` / :meth:`BlockLayout.scatter
 at a time (the reference the tests compare against), :meth:`BlockLayout.save_slots` /
 :meth:`BlockLayout.load_slots` move all blocks of a request between the paged cache and slab
 slots (``[n, *block_shape]``) with one ``index_select`` / ``index_copy_`` per layer and per run
-of consecutive slots; with the cache on a GPU and the slab in host memory, through one device
-staging buffer and one host<->device copy per run.
+of consecutive slots, or, where block ids and slots both run consecutively (a fresh cache hands
+out consecutive blocks), one plain strided copy per layer and run; with the cache on a GPU and
+the slab in host memory, through one device staging buffer and one host<->device copy per run.
 """
 from __future__ import annotations
 
@@ -29,7 +30,19 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["BlockLayout", "fingerprint", "slot_runs"]
+__all__ = ["BlockLayout", "fingerprint", "slot_runs", "joint_runs"]
+
+
+def joint_runs(slots: Sequence[int], block_ids: Sequence[int]) -> list[tuple[int, int, int, int]]:
+    """(first index, first slot, first block id, length) of each run where slots and block ids both
+    count up by one: such a run is one plain (strided) copy per layer, no index op."""
+    runs: list[tuple[int, int, int, int]] = []
+    for i, (s, b) in enumerate(zip(slots, block_ids, strict=True)):
+        if runs and runs[-1][1] + runs[-1][3] == s and runs[-1][2] + runs[-1][3] == b:
+            runs[-1] = (*runs[-1][:3], runs[-1][3] + 1)
+        else:
+            runs.append((i, s, b, 1))
+    return runs
 
 
 def slot_runs(slots: Sequence[int]) -> list[tuple[int, int, int]]:
@@ -142,10 +155,19 @@ class BlockLayout:
         ``[n, *block_shape]`` of the cache dtype (no copy)."""
         return slab[first : first + n, : self.block_nbytes].view(self.dtype).view(n, *self.block_shape)
 
-    def _layer_slots(self, run: torch.Tensor, layer: int) -> torch.Tensor:
-        """``run[:, layer]`` arranged like ``cache.index_select(block_dim, ...)`` returns it."""
-        v = run[:, layer]
-        return v if self.block_dim == 0 else v.movedim(0, self.block_dim)
+    def _pairs(self, run: torch.Tensor):
+        """(cache part, slots part) pairs whose block dim is 0, so that each index op moves whole
+        contiguous blocks (fast on CPU and GPU); a flash cache ``[2, blocks, ...]`` gives its K and
+        V halves. Other block dims fall back to one strided op per layer."""
+        for i, c in enumerate(self.caches):
+            v = run[:, i]
+            if self.block_dim == 0:
+                yield 0, c, v
+            elif self.block_dim == 1:
+                for j in range(c.shape[0]):
+                    yield 0, c[j], v[:, j]
+            else:
+                yield self.block_dim, c, v.movedim(0, self.block_dim)
 
     def save_slots(self, block_ids: Sequence[int], slab: torch.Tensor, slots: Sequence[int]) -> None:
         """Copy whole blocks ``block_ids`` of every layer into ``slots`` of ``slab``, batched.
@@ -156,14 +178,24 @@ class BlockLayout:
         if len(block_ids) != len(slots):
             raise ValueError("save_slots: one slot per block id")
         dev = self.device
-        for first, s0, n in slot_runs(slots):
-            ids = torch.tensor(block_ids[first : first + n], dtype=torch.long, device=dev)
-            dst = self.slots_view(slab, s0, n)
-            stage = dst if dst.device == dev else torch.empty(dst.shape, dtype=self.dtype, device=dev)
-            for i, c in enumerate(self.caches):
-                torch.index_select(c, self.block_dim, ids, out=self._layer_slots(stage, i))
-            if stage is not dst:
-                dst.copy_(stage, non_blocking=dst.is_pinned())
+        joint = joint_runs(slots, block_ids)
+        if len(joint) * 4 <= len(slots):  # long runs of consecutive blocks: plain copies
+            for _, s0, b0, n in joint:
+                dst = self.slots_view(slab, s0, n)
+                stage = dst if dst.device == dev else torch.empty(dst.shape, dtype=self.dtype, device=dev)
+                for dim, c, v in self._pairs(stage):
+                    v.copy_(c.narrow(dim, b0, n))
+                if stage is not dst:
+                    dst.copy_(stage, non_blocking=dst.is_pinned())
+        else:
+            for first, s0, n in slot_runs(slots):
+                ids = torch.tensor(block_ids[first : first + n], dtype=torch.long, device=dev)
+                dst = self.slots_view(slab, s0, n)
+                stage = dst if dst.device == dev else torch.empty(dst.shape, dtype=self.dtype, device=dev)
+                for dim, c, v in self._pairs(stage):
+                    torch.index_select(c, dim, ids, out=v)
+                if stage is not dst:
+                    dst.copy_(stage, non_blocking=dst.is_pinned())
         if dev.type == "cuda":
             torch.cuda.current_stream(dev).synchronize()  # bytes are in the slab before they are published
 
@@ -177,13 +209,22 @@ class BlockLayout:
         partial = last_tokens is not None and last_tokens < self.block_size and n_all > 0
         whole = n_all - 1 if partial else n_all
         dev = self.device
-        for first, s0, n in slot_runs(list(slots[:whole])):
-            ids = torch.tensor(block_ids[first : first + n], dtype=torch.long, device=dev)
-            src = self.slots_view(slab, s0, n)
-            if src.device != dev:
-                src = src.to(dev, non_blocking=src.is_pinned())
-            for i, c in enumerate(self.caches):
-                c.index_copy_(self.block_dim, ids, self._layer_slots(src, i))
+        joint = joint_runs(list(slots[:whole]), list(block_ids[:whole]))
+        if len(joint) * 4 <= whole:  # long runs of consecutive blocks: plain copies
+            for _, s0, b0, n in joint:
+                src = self.slots_view(slab, s0, n)
+                if src.device != dev:
+                    src = src.to(dev, non_blocking=src.is_pinned())
+                for dim, c, v in self._pairs(src):
+                    c.narrow(dim, b0, n).copy_(v)
+        else:
+            for first, s0, n in slot_runs(list(slots[:whole])):
+                ids = torch.tensor(block_ids[first : first + n], dtype=torch.long, device=dev)
+                src = self.slots_view(slab, s0, n)
+                if src.device != dev:
+                    src = src.to(dev, non_blocking=src.is_pinned())
+                for dim, c, v in self._pairs(src):
+                    c.index_copy_(dim, ids, v)
         if partial:
             self.scatter(self.slots_view(slab, slots[-1], 1)[0], block_ids[-1], last_tokens)
         if dev.type == "cuda":

@@ -550,6 +550,11 @@ class KVPool:
 
     def check_entries(self, entries: Sequence[BlockEntry]) -> None:
         """Raise SlotTorn/SlotReused unless every slot carries its entry's generation (seqlock read)."""
+        if entries and all(e.slab == entries[0].slab for e in entries):  # the usual case: one vector read
+            slab = self.slab(entries[0].slab)
+            slab.ensure(max(e.slot for e in entries))
+            if (slab.gens([e.slot for e in entries]) == [e.gen for e in entries]).all():
+                return
         for e in entries:
             slab = self.slab(e.slab)
             slab.ensure(e.slot)
