@@ -309,6 +309,7 @@ def train_decoder(
     if cfg.lora:
         model = model.merge_and_unload()
     model.eval()
+    model.config.use_cache = True  # the Trainer turns it off for training; generation wants it
     if cfg.method == "layer_split":
         training.update(shared_layers=cfg.shared_layers, weights="upper_layers")
     manifest = DecodeManifest(agent, base_id, tok_hash, training, prompt=renderer.fmt)
