@@ -11,6 +11,8 @@ import json
 import re
 from typing import Any
 
+import xgrammar  # imported with the Router, not on a request's path (it loads torch when alone)
+
 from app.config import LimitsConfig
 from app.sampling import Sampling, SamplingError, StructuredOutput
 from deployments.errors import ApiError
@@ -59,8 +61,6 @@ def check_unsupported(body) -> None:
 @functools.lru_cache(maxsize=256)
 def _checked_schema(text: str) -> str | None:
     """The problem xgrammar (the engines' structured-output backend) finds in a JSON schema."""
-    import xgrammar
-
     try:
         xgrammar.Grammar.from_json_schema(text)
     except Exception as e:  # noqa: BLE001 - any refusal is the client's schema
