@@ -1,0 +1,63 @@
+"""The two exports of a LoRA decoder agree in vLLM: merged checkpoint vs base + adapter (one engine each)."""
+from __future__ import annotations
+
+import multiprocessing
+from pathlib import Path
+
+import pytest
+
+from app.models.compat import check
+from app.training import tasks
+from app.training.tokenizer import load_tokenizer
+from app.training.trainer import TrainConfig, train_decoder
+
+CKPT = Path(__file__).resolve().parents[1] / "checkpoints"
+pytestmark = [pytest.mark.engine,
+              pytest.mark.skipif(not (CKPT / "base" / "config.json").is_file(), reason="no shipped base")]
+MAX_NEW = 8
+
+
+def _vllm_greedy(model: str, prompts: list[list[int]], adapter: str | None, queue) -> None:
+    from vllm import LLM, SamplingParams
+    from vllm.lora.request import LoRARequest
+
+    lora = dict(enable_lora=True, max_lora_rank=8, max_loras=1) if adapter else {}
+    llm = LLM(model=model, dtype="float32", enforce_eager=True, max_model_len=256, seed=0,
+              gpu_memory_utilization=0.5, **lora)
+    request = LoRARequest("decoder", 1, adapter) if adapter else None
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0.0, max_tokens=MAX_NEW), lora_request=request)
+    queue.put([list(o.outputs[0].token_ids) for o in outs])
+    llm.llm_engine.engine_core.shutdown()  # the engine core is a non-daemon child
+
+
+def _run(model: Path, prompts, adapter: Path | None = None) -> list[list[int]]:
+    ctx = multiprocessing.get_context("spawn")
+    queue = ctx.Queue()
+    proc = ctx.Process(target=_vllm_greedy, args=(str(model), prompts, str(adapter) if adapter else None, queue))
+    proc.start()
+    try:
+        return queue.get(timeout=600)
+    finally:
+        proc.join(60)
+
+
+def test_merged_export_generates_the_adapter_models_greedy_tokens(tmp_path):
+    """On the shipped (pretrained) base, whose answers are confident: a few LoRA steps teach the
+    route agent's hub names; the bf16 merged checkpoint answers token for token like base + adapter."""
+    base_dir = CKPT / "base"
+    examples = tasks.make_examples(60, seed=8)
+    out = train_decoder(base_dir, examples, "route", tmp_path / "merged",
+                        TrainConfig(steps=8, batch_size=16, lr=5e-3, warmup=1, lora=True, lora_rank=8, save_every=0),
+                        progress=False, adapter_out=tmp_path / "adapter")
+    assert check(base_dir, tmp_path / "adapter").shared and check(base_dir, out).shared
+    tok = load_tokenizer(base_dir)
+    prompts = [tok(e.prompt)["input_ids"] for e in tasks.make_examples(6, seed=9) if e.agent == "route"]
+    merged = _run(out, prompts)
+    adapted = _run(base_dir, prompts, tmp_path / "adapter")
+    assert merged == adapted
+    from app.models.checkpoint import load_model
+    from app.reference import private_greedy
+
+    base = load_model(base_dir)
+    assert merged != [private_greedy(base, p, MAX_NEW, tok.eos_token_id) for p in prompts]  # the adapter changed them
