@@ -20,6 +20,7 @@ import shutil
 import time
 import urllib.error
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -123,12 +124,12 @@ def _wait_ready(base: str) -> None:
     """Both applications running (every replica placed and started) and /ready answering 200."""
     from ray import serve
 
-    for _ in range(300):  # waiting for engine start-up, not a timing assertion
+    for _ in range(600):  # waiting for engine start-up, not a timing assertion
         apps = serve.status().applications
         running = {"kv", "ps"} <= set(apps) and all(a.status == "RUNNING" for a in apps.values())
         if running and _get(base + "/ready")[0] == 200:
             return
-        time.sleep(2)
+        time.sleep(1)
     pytest.fail(f"/ready never returned 200: {_get(base + '/ready')}")
 
 
@@ -141,15 +142,18 @@ def app(tmp_path_factory):
     from app.serve_app import build
     from deployments.kv_server import build_kv_server
 
-    paths = _make_models(tmp_path_factory.mktemp("models"))
     tag = os.getpid()
     pools = {"prefill": f"/dev/shm/ps-mn-prefill-{tag}", "decode": f"/dev/shm/ps-mn-decode-{tag}"}
-    cfg = load_config(_app_config(paths, pools, free_port()))
     tmp = f"/tmp/rmn{tag}"
     os.environ["RAY_TMPDIR"] = tmp
-    cluster, nodes = _start_cluster(tmp)
+    # the models are written while the raylets start (which mostly wait for registration)
+    with ThreadPoolExecutor(1) as ex:
+        models = ex.submit(_make_models, tmp_path_factory.mktemp("models"))
+        cluster, nodes = _start_cluster(tmp)
     port = free_port()
     try:
+        paths = models.result()
+        cfg = load_config(_app_config(paths, pools, free_port()))
         # one HTTP proxy: every raylet here shares the machine's ports
         serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
         serve.run(build_kv_server(cfg), name="kv", route_prefix=None)
@@ -217,8 +221,6 @@ def test_prefill_group_and_decoders_land_on_their_nodes(app):
 def test_fan_out_across_nodes_matches_reference_and_moves_kv_over_nixl(app, reference):
     """Three agents over one context, sent at once: alpha twice on the decode node (KV pulled
     over NIXL), beta on the prefill node (its replica there is preferred)."""
-    from concurrent.futures import ThreadPoolExecutor
-
     from app.reference import shared_greedy
     from app.serve_app import kv_bytes_per_token
     from app.training.tasks import render_prompt
@@ -298,8 +300,6 @@ def test_losing_the_prefill_node_falls_back_to_private_prefill_until_it_is_back(
     ``prefill_wait_s`` for a prefill replica, and the decoders' pulls from the gone block server
     are misses. Once a new node offers ``prefill_node`` the group is placed there and prompts are
     shared again (L-1 tokens from the new prefill node, pulled over NIXL)."""
-    from concurrent.futures import ThreadPoolExecutor
-
     from app.reference import private_greedy, shared_greedy
     from app.training.tasks import render_prompt
 
@@ -360,8 +360,6 @@ def test_losing_the_decode_node_fails_in_flight_requests_clearly_then_recovers(a
     node offers it Serve places them there and new requests succeed. Beta's requests go to its
     replica on the prefill node (the prefill's node) and complete throughout.
     """
-    from concurrent.futures import ThreadPoolExecutor
-
     from app.reference import shared_greedy
     from app.training.tasks import render_prompt
 
@@ -379,19 +377,19 @@ def test_losing_the_decode_node_fails_in_flight_requests_clearly_then_recovers(a
                 break
             time.sleep(0.1)
         cluster.remove_node(node2, allow_graceful=False)
-        for _ in range(60):  # the controller notices the dead replicas; they cannot be placed again
+        for _ in range(120):  # the controller notices the dead replicas; they cannot be placed again
             status, body = _get(url + "/ready")
             if status == 503:
                 break
-            time.sleep(2)
+            time.sleep(1)
         assert status == 503, body
         answered_while_down = sum(f.done() for f in futures)
         node3 = cluster.add_node(**DECODE_NODE)
-        for _ in range(300):  # waiting for the decoders' engines to start on node 3
+        for _ in range(600):  # waiting for the decoders' engines to start on node 3
             status, _ = _get(url + "/ready")
             if status == 200:
                 break
-            time.sleep(2)
+            time.sleep(1)
         assert status == 200, _get(url + "/ready")
         outcomes = [f.result() for f in futures]
     assert all(s == 200 for (m, _), (s, _) in zip(prompts, outcomes) if m == "beta"), outcomes
