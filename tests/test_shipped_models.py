@@ -24,6 +24,22 @@ def test_shipped_layout_manifests_and_size():
     assert total < 42 * 2**20, f"shipped checkpoints are {total / 2**20:.1f} MiB"
 
 
+def test_shipped_chat_adapters_render_their_template_and_share_the_base():
+    """checkpoints/chat: the chat-format suite's LoRA adapters (decoders and Full-FT baselines)."""
+    from app.training.rendering import Renderer
+    from app.training.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(CKPT / "base")
+    for agent in AGENTS:
+        for path, method in ((CKPT / "chat" / "adapters" / agent, "cache_conditioned"),
+                             (CKPT / "chat" / "baselines" / "fullft" / agent, "full_ft")):
+            m = read_manifest(path)
+            assert m.method == method and m.agent == agent and m.weights == "adapter"
+            assert m.prompt.format == "chat_template" and m.prompt.system
+            Renderer.for_decoder(path, m).check(tok, str(path))
+        assert check(CKPT / "base", CKPT / "chat" / "adapters" / agent).shared, agent
+
+
 def _vllm_greedy(model: str, prompts: list[str], queue) -> None:
     from vllm import LLM, SamplingParams
 
