@@ -164,7 +164,9 @@ def _cli(argv: list[str]) -> str:
     rc = main(argv)
     if rc != 0:
         raise RuntimeError(f"prefillshare {' '.join(argv)} exited {rc}")
-    return f"prefillshare {' '.join(argv[:1] + argv[-8:])} ({time.perf_counter() - t0:.0f}s)"
+    opt = dict(zip(argv, argv[1:]))
+    return (f"{opt.get('--method')}:{opt.get('--agent')} -> {opt.get('--adapter-out')} "
+            f"({time.perf_counter() - t0:.0f}s)")
 
 
 def run_chat_recipe(models: Path, work: Path, quick: bool = False, resume: bool = False, jobs: int = 2,
