@@ -12,8 +12,9 @@ Per case (prompt length L, fan-out N) it measures, each decoder request alone on
            from the pool + compute of the last prompt token;
 plus the KV hand-over itself from the pool counters: load (pool slots -> decoder cache) and save
 (producer cache -> pool slots) in GB/s and us/token, each beside a plain memory copy of the same
-bytes measured in this process in the same case (one thread, as each engine worker has), and CPU
-seconds of all engine processes in each phase (psutil). Prints a table, writes JSON.
+bytes measured in this process in the same case (one thread, as each engine worker has), per wall
+second and per CPU second of the copying thread (the latter holds when other processes share the
+cores), and CPU seconds of all engine processes in each phase (psutil). Prints a table, writes JSON.
 
     python -m app.bench.engine_bench --quick          # smoke test (small model, one case)
     python -m app.bench.engine_bench --out runs/bench/engine.json
@@ -97,6 +98,12 @@ class CaseResult:
     copy_gb_s: float  # plain memory copy of one decoder's KV bytes, same run
     load_vs_copy: float  # kv_load_gb_s / copy_gb_s
     save_vs_copy: float
+    # the same per CPU second of the copying thread (robust when other processes share the cores)
+    kv_load_gb_cpu_s: float
+    kv_save_gb_cpu_s: float
+    copy_gb_cpu_s: float
+    load_vs_copy_cpu: float
+    save_vs_copy_cpu: float
     cpu_s_private: float
     cpu_s_shared: float
     cached_tokens_ok: bool  # every shared decoder reported L-1 cached tokens
@@ -112,8 +119,9 @@ def _write_model_config(path: str, cfg: BenchConfig) -> None:
                 tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, dtype="bfloat16").save_pretrained(path)
 
 
-def _copy_gb_s(nbytes: int, repeats: int = 5) -> float:
-    """Best-of bandwidth of one contiguous copy of ``nbytes`` (the yardstick for load and save)."""
+def _copy_gb_s(nbytes: int, repeats: int = 5) -> tuple[float, float]:
+    """Best-of bandwidth of one contiguous copy of ``nbytes`` (the yardstick for load and save),
+    per wall second and per CPU second of the copying thread."""
     import torch
 
     threads = torch.get_num_threads()
@@ -121,12 +129,12 @@ def _copy_gb_s(nbytes: int, repeats: int = 5) -> float:
     try:
         src = torch.ones(max(nbytes, 1), dtype=torch.uint8)
         dst = torch.empty_like(src)
-        best = float("inf")
+        best = best_cpu = float("inf")
         for _ in range(repeats):
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()
             dst.copy_(src)
-            best = min(best, time.perf_counter() - t0)
-        return nbytes / best / 1e9
+            best, best_cpu = min(best, time.perf_counter() - t0), min(best_cpu, time.thread_time() - c0)
+        return nbytes / best / 1e9, nbytes / max(best_cpu, 1e-9) / 1e9
     finally:
         torch.set_num_threads(threads)
 
@@ -226,9 +234,13 @@ async def _run(cfg: BenchConfig, on_case=None) -> list[CaseResult]:
             load_s = st1.get("load_seconds") - st0.get("load_seconds")
             saved = sp1.get("save_bytes") - sp0.get("save_bytes")
             save_s = sp1.get("save_seconds") - sp0.get("save_seconds")
-            copy = _copy_gb_s(int(moved / n)) if moved else 0.0
+            copy, copy_cpu = _copy_gb_s(int(moved / n)) if moved else (0.0, 0.0)
             load_gbs = moved / load_s / 1e9 if load_s else 0.0
             save_gbs = saved / save_s / 1e9 if save_s else 0.0
+            load_c = st1.get("load_cpu_seconds") - st0.get("load_cpu_seconds")
+            save_c = sp1.get("save_cpu_seconds") - sp0.get("save_cpu_seconds")
+            load_gbc = moved / load_c / 1e9 if load_c > 0 else 0.0
+            save_gbc = saved / save_c / 1e9 if save_c > 0 else 0.0
             p_mean = statistics.mean(priv_times)
             s_mean = statistics.mean(t for t, _ in shared)
             results.append(CaseResult(
@@ -240,6 +252,9 @@ async def _run(cfg: BenchConfig, on_case=None) -> list[CaseResult]:
                 kv_load_gb_s=load_gbs, kv_save_gb_s=save_gbs,
                 kv_save_s_per_token=save_s / (L - 1), copy_gb_s=copy,
                 load_vs_copy=load_gbs / copy if copy else 0.0, save_vs_copy=save_gbs / copy if copy else 0.0,
+                kv_load_gb_cpu_s=load_gbc, kv_save_gb_cpu_s=save_gbc, copy_gb_cpu_s=copy_cpu,
+                load_vs_copy_cpu=load_gbc / copy_cpu if copy_cpu else 0.0,
+                save_vs_copy_cpu=save_gbc / copy_cpu if copy_cpu else 0.0,
                 cpu_s_private=cpu1 - cpu0, cpu_s_shared=cpu2 - cpu1,
                 cached_tokens_ok=all(c == L - 1 for _, c in shared),
                 extra={"fallbacks": pool.stats(scope="bench-decoder").fallbacks}))
@@ -249,7 +264,8 @@ async def _run(cfg: BenchConfig, on_case=None) -> list[CaseResult]:
             tqdm.write(f"L={L} N={n}: decoder prompt {r.private_prompt_s * 1e3:.0f} ms private vs "
                        f"{r.shared_prompt_s * 1e3:.1f} ms shared ({r.ratio:.1f}x); KV load {r.kv_load_gb_s:.2f} GB/s "
                        f"({r.load_vs_copy:.0%} of a copy), save {r.kv_save_gb_s:.2f} GB/s ({r.save_vs_copy:.0%}), "
-                       f"copy {r.copy_gb_s:.2f} GB/s")
+                       f"copy {r.copy_gb_s:.2f} GB/s; per CPU second: load {r.load_vs_copy_cpu:.0%}, "
+                       f"save {r.save_vs_copy_cpu:.0%} of a copy")
     finally:
         for e in engines:
             e.shutdown()
@@ -261,13 +277,14 @@ async def _run(cfg: BenchConfig, on_case=None) -> list[CaseResult]:
 def format_kv_table(results: list[CaseResult]) -> str:
     """The hand-over's own speed beside a plain copy of the same bytes, measured in the same case."""
     head = (f"{'L':>5} {'N':>2} | {'KV load':>10} {'us/tok':>7} {'of copy':>7} | {'KV save':>10} {'us/tok':>7} "
-            f"{'of copy':>7} | {'copy':>10} | loaded L-1")
+            f"{'of copy':>7} | {'copy':>10} | per CPU s: {'load':>5} {'save':>5} of copy | loaded L-1")
     lines = [head, "-" * len(head)]
     for r in results:
         lines.append(
             f"{r.prompt_tokens:>5} {r.fanout:>2} | {r.kv_load_gb_s:>5.2f} GB/s {r.kv_load_s_per_token * 1e6:>7.2f}"
             f" {r.load_vs_copy:>7.0%} | {r.kv_save_gb_s:>5.2f} GB/s {r.kv_save_s_per_token * 1e6:>7.2f}"
-            f" {r.save_vs_copy:>7.0%} | {r.copy_gb_s:>5.2f} GB/s | {'yes' if r.cached_tokens_ok else 'NO'}")
+            f" {r.save_vs_copy:>7.0%} | {r.copy_gb_s:>5.2f} GB/s | {'':>10} {r.load_vs_copy_cpu:>5.0%}"
+            f" {r.save_vs_copy_cpu:>5.0%}         | {'yes' if r.cached_tokens_ok else 'NO'}")
     return "\n".join(lines)
 
 
