@@ -316,11 +316,11 @@ class NixlPool(KVPool):
 
     def fetch(self, keys: Sequence[str], lease_s: float | None = None) -> tuple[list[BlockEntry], str | None]:
         """Longest leading run of ``keys``, pulling what this node lacks; leased like :meth:`lookup`."""
-        have = self.find(keys)
-        if len(have) < len(keys):
-            missing = list(keys[len(have):])
+        if len(self.find(keys)) < len(keys):
             with self._pull_lock:
-                for addr in self.peers:
+                have = self.find(keys)  # again: a pull that held the lock may have brought them
+                missing = list(keys[len(have):])
+                for addr in ([] if not missing else self.peers):
                     try:
                         if self._puller is None:
                             self._puller = NixlPuller(timeout_s=self.timeout_s)
