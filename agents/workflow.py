@@ -21,7 +21,8 @@ from agents.types import AgentResult
 from app.sampling import Sampling as _Sampling
 from app.sampling import SamplingError
 
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,62}$")
+# The config's name rule (app.config): letters of any script, digits, '_', '.', '-'.
+_NAME = re.compile(r"^[^\W_][\w.\-]{0,62}$")
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,7 @@ KV (a prefill engine holding the adapters, as in b-lora): a bad adapter (no mani
 max_lora_rank, more adapters than max_loras, another base, a rank the files contradict) fails
 the build with the field named, before anything starts. One Serve app for the rest (three
 engines: the base's prefill, a full-weight decoder "lookup" and a group holding adapters "ad0"
-and "ad1" whose large random B matrices visibly change the base's greedy tokens): every
+and "prüf-ágent-1" whose large random B matrices visibly change the base's greedy tokens): every
 agent's tokens equal the transformers reference (base KV of prompt[:-1] + the merged decoder)
 through /v1/agents/run, the openai client and the SDK. Run through scripts/test.sh.
 """
@@ -24,7 +24,10 @@ ROOT = Path(__file__).resolve().parent.parent
 TOKENIZER = ROOT / "checkpoints" / "tokenizer"
 CONTEXT = "order\nname: maya\nitem: lamp\nqty: 3\ncity: oslo\nday: tue\nnote: please call before noon"
 MAX_NEW = 6
-AGENTS = [("lookup", "what is the city?"), ("ad0", "what is the city?"), ("ad1", "call the shipping tool.")]
+# An agent name with a dash and non-ASCII letters goes from the config through /v1/agents/run,
+# the openai client and the SDK like any other.
+ADAPTERS = ("ad0", "prüf-ágent-1")
+AGENTS = [("lookup", "what is the city?"), ("ad0", "what is the city?"), ("prüf-ágent-1", "call the shipping tool.")]
 ENGINE = {"dtype": "float32", "max_model_len": 256, "kv_cache_gib": 0.125, "block_size": 32, "max_num_seqs": 8,
           "threads_bind": "nobind"}
 
@@ -35,8 +38,8 @@ def models(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("lora")
     paths = make_models(root, {"lookup": (1, {})})
-    for i in range(2):  # B ~ N(0, 0.1): the adapters change the base's greedy tokens, each its own way
-        paths[f"ad{i}"] = random_adapter(root / f"ad{i}", paths["base"], f"ad{i}", 8, seed=i + 1, b_std=0.1)
+    for i, name in enumerate(ADAPTERS):  # B ~ N(0, 0.1): the adapters change the base's greedy tokens, each its own way
+        paths[name] = random_adapter(root / name, paths["base"], name, 8, seed=i + 1, b_std=0.1)
     other = make_models(root / "other", {}, base_seed=7)
     paths["foreign"] = random_adapter(root / "foreign", other["base"], "foreign", 8, seed=3)
     return paths
@@ -44,7 +47,7 @@ def models(tmp_path_factory):
 
 def app_config(paths, group: dict | None = None, pool: str = "/dev/shm/unused") -> dict:
     group = group or {}
-    adapters = group.pop("adapters", [{"name": f"ad{i}", "path": str(paths[f"ad{i}"]), "rank": 8} for i in range(2)])
+    adapters = group.pop("adapters", [{"name": a, "path": str(paths[a]), "rank": 8} for a in ADAPTERS])
     place = {"num_cpus": 0.25, "placement_group_bundles": [{"CPU": 0.25}]}
     return {
         "tokenizer": str(TOKENIZER),
@@ -67,12 +70,12 @@ def test_group_plan_serves_each_adapter_by_name_on_the_base_kv(models):
     cfg = load_config(app_config(models))
     plan, _ = plan_app(cfg)
     by = {d.name: d for d in plan.decoders}
-    assert set(by) == {"lookup", "ad0", "ad1"}
+    assert set(by) == {"lookup", "ad0", "prüf-ágent-1"}
     assert by["lookup"].adapter is None and by["lookup"].prefill_module == "base"
-    assert all(by[a].prefill_module == "base" and by[a].group == "group" and by[a].adapter == a for a in ("ad0", "ad1"))
+    assert all(by[a].prefill_module == "base" and by[a].group == "group" and by[a].adapter == a for a in ("ad0", "prüf-ágent-1"))
     g = cfg.decoders[1]
     ec = engine_config(cfg, g.model, g.engine, g.placement, None, g)
-    assert [n for n, _ in ec.lora_adapters] == ["ad0", "ad1"] and ec.max_loras == 2 and ec.max_lora_rank == 8
+    assert [n for n, _ in ec.lora_adapters] == ["ad0", "prüf-ágent-1"] and ec.max_loras == 2 and ec.max_lora_rank == 8
     args = ec.engine_args()
     assert args.enable_lora and args.max_loras == 2
 
@@ -133,7 +136,7 @@ def test_per_adapter_kv_is_loaded_only_by_its_own_adapter(models):
     mid = prefill_module_id(models["base"])
     common = dict(dtype="float32", max_model_len=256, block_size=32, kv_space_gib=0.125, max_num_seqs=8,
                   omp_threads_bind="nobind", extra_env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}, max_loras=2,
-                  lora_adapters=tuple((a, str(models[a])) for a in ("ad0", "ad1")))
+                  lora_adapters=tuple((a, str(models[a])) for a in ("ad0", "prüf-ágent-1")))
     rng = random.Random(0)
     prompt, other = ([rng.randrange(3, 600) for _ in range(77)] for _ in range(2))
 
@@ -144,10 +147,10 @@ def test_per_adapter_kv_is_loaded_only_by_its_own_adapter(models):
             "consumer", mid, pool, adapter_keys=True)))
         try:
             await asyncio.gather(*[prod.prefill(prompt, f"p{a}", kv_transfer_params={"fanout": 1}, lora=a)
-                                   for a in ("ad0", "ad1")])
+                                   for a in ("ad0", "prüf-ágent-1")])
             outs = await asyncio.gather(*[cons.complete(prompt, Sampling(max_tokens=MAX_NEW), f"d{a}", lora=a)
-                                          for a in ("ad0", "ad1")])
-            await prod.prefill(other, "px", kv_transfer_params={"fanout": 1}, lora="ad1")
+                                          for a in ("ad0", "prüf-ágent-1")])
+            await prod.prefill(other, "px", kv_transfer_params={"fanout": 1}, lora="prüf-ágent-1")
             cross = await cons.complete(other, Sampling(max_tokens=1), "dx", lora="ad0")
             with pytest.raises(Exception, match="ad9"):
                 await cons.complete(prompt, Sampling(max_tokens=1), "dy", lora="ad9")
@@ -158,11 +161,11 @@ def test_per_adapter_kv_is_loaded_only_by_its_own_adapter(models):
             shutil.rmtree(pool.path, ignore_errors=True)
 
     outs, cross = asyncio.run(run())
-    for a, out in zip(("ad0", "ad1"), outs):
+    for a, out in zip(("ad0", "prüf-ágent-1"), outs):
         merged = PeftModel.from_pretrained(load_model(models["base"], torch.float32), str(models[a])).merge_and_unload()
         assert out.num_cached_tokens == len(prompt) - 1, a
         assert out.token_ids == shared_greedy(merged.eval(), merged, prompt, MAX_NEW), a
-    assert cross.num_cached_tokens == 0  # ad1's KV is not ad0's
+    assert cross.num_cached_tokens == 0  # prüf-ágent-1's KV is not ad0's
 
 
 # --- one Serve app: references through every route ----------------------------------------------
@@ -216,7 +219,7 @@ def reference(models):
     tok = AutoTokenizer.from_pretrained(str(models["tokenizer"]))
     base = load_model(models["base"], torch.float32).eval()
     decoders = {"lookup": load_model(models["lookup"], torch.float32).eval(), "base": base}
-    for a in ("ad0", "ad1"):
+    for a in ("ad0", "prüf-ágent-1"):
         decoders[a] = PeftModel.from_pretrained(load_model(models["base"], torch.float32),
                                                 str(models[a])).merge_and_unload().eval()
 
@@ -245,8 +248,8 @@ def test_mixed_fan_out_gives_each_decoder_its_reference_on_the_base_kv(app_url, 
         assert got["prefill"]["module"] == "base"
     # the adapters visibly change the base's tokens, and differ from each other on the same prompt
     ids, base_only = reference("base", AGENTS[2][1])
-    assert results["ad1"]["token_ids"] != base_only and results["ad0-again"]["token_ids"] != base_only
-    assert results["ad1"]["token_ids"] != results["ad0-again"]["token_ids"]
+    assert results["prüf-ágent-1"]["token_ids"] != base_only and results["ad0-again"]["token_ids"] != base_only
+    assert results["prüf-ágent-1"]["token_ids"] != results["ad0-again"]["token_ids"]
 
 
 @pytest.mark.serve
@@ -262,9 +265,9 @@ def test_openai_client_and_sdk_address_adapters_like_models(app_url, reference):
     tok = AutoTokenizer.from_pretrained(str(TOKENIZER))
     oa = openai.OpenAI(base_url=app_url + "/v1", api_key="unused", max_retries=0, timeout=300)
     models = {m.id: m for m in oa.models.list().data}
-    assert {"lookup", "ad0", "ad1"} <= set(models)
-    assert json.loads(models["ad1"].model_dump_json()).get("prefill_module") == "base"
-    for model in ("ad1", "lookup"):
+    assert {"lookup", "ad0", "prüf-ágent-1"} <= set(models)
+    assert json.loads(models["prüf-ágent-1"].model_dump_json()).get("prefill_module") == "base"
+    for model in ("prüf-ágent-1", "lookup"):
         ids, want = reference(model, AGENTS[0][1])
         out = oa.completions.create(model=model, prompt=render_prompt(CONTEXT, AGENTS[0][1]), max_tokens=MAX_NEW,
                                     temperature=0)
