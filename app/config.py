@@ -19,6 +19,16 @@ PROJECT_ROOT = Path(__file__).resolve().parent.parent
 _NAME = re.compile(r"^[^\W_][\w.\-]{0,62}$")
 
 
+def _valid_name(v: str) -> str:
+    if not _NAME.match(v):
+        raise ValueError("use letters, digits, '_', '.', '-' (max 63 chars)")
+    return v
+
+
+# A served or deployed name: prefill modules, decoders, adapters.
+Name = Annotated[str, AfterValidator(_valid_name)]
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -102,16 +112,9 @@ class Placement(_Strict):
 class AdapterConfig(_Strict):
     """One LoRA decoder of a group: served under ``name`` (the OpenAI ``model`` and agent name)."""
 
-    name: str
+    name: Name
     path: str = Field(description="adapter directory: PEFT adapter_config.json + weights + prefillshare.json")
     rank: int = Field(ge=1, description="the adapter's LoRA rank (checked against adapter_config.json's r)")
-
-    @field_validator("name")
-    @classmethod
-    def _name(cls, v: str) -> str:
-        if not _NAME.match(v):
-            raise ValueError("use letters, digits, '_', '.', '-' (max 63 chars)")
-        return v
 
 
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's allowed max_lora_rank values
@@ -152,17 +155,10 @@ class PrefillModuleConfig(LoRAGroup):
     """A shared frozen base: one PrefillServer deployment, N replicas. With ``adapters`` it is
     a per-adapter prefill (each adapter computes its own KV; nothing is shared across them)."""
 
-    name: str
+    name: Name
     model: str = Field(description="HF checkpoint directory of the base")
     placement: Placement = Field(default_factory=lambda: Placement(num_cpus=0.5))
     engine: EngineSettings = Field(default_factory=EngineSettings)
-
-    @field_validator("name")
-    @classmethod
-    def _name(cls, v: str) -> str:
-        if not _NAME.match(v):
-            raise ValueError("use letters, digits, '_', '.', '-' (max 63 chars)")
-        return v
 
 
 class DecoderConfig(LoRAGroup):
@@ -170,7 +166,7 @@ class DecoderConfig(LoRAGroup):
     ``adapters``, a decode group: one engine on ``model`` (the base) serving each adapter under
     its own name; ``name`` then names the group's deployment."""
 
-    name: str
+    name: Name
     model: str = Field(description="HF checkpoint directory with a prefillshare.json manifest; for a decode "
                        "group the base checkpoint the adapters apply to")
     prefill_module: str | None = Field(
@@ -182,13 +178,6 @@ class DecoderConfig(LoRAGroup):
         default_factory=lambda: Placement(num_cpus=0.25, placement_group_bundles=[{"CPU": 0.25}])
     )
     engine: EngineSettings = Field(default_factory=EngineSettings)
-
-    @field_validator("name")
-    @classmethod
-    def _name(cls, v: str) -> str:
-        if not _NAME.match(v):
-            raise ValueError("use letters, digits, '_', '.', '-' (max 63 chars)")
-        return v
 
     @property
     def served_names(self) -> list[str]:
