@@ -149,11 +149,13 @@ async def _saved(pool, before: float, timeout_s: float = 5.0):
         await asyncio.sleep(0.05)
 
 
-def _children_cpu() -> float:
+def process_tree_cpu_seconds(include_self: bool = False) -> float:
+    """User + system CPU seconds of this process's children (engines), and of itself if asked."""
     import psutil
 
+    me = psutil.Process()
     total = 0.0
-    for p in psutil.Process().children(recursive=True):
+    for p in me.children(recursive=True) + ([me] if include_self else []):
         try:
             t = p.cpu_times()
             total += t.user + t.system
@@ -217,16 +219,16 @@ async def _run(cfg: BenchConfig, on_case=None) -> list[CaseResult]:
         for i, (L, n) in enumerate(tqdm(cases, desc="bench engine", disable=not cfg.progress)):
             ids = [rng.randrange(3, cfg.vocab) for _ in range(L)]
             salt = f"case-{i}"
-            cpu0 = _children_cpu()
+            cpu0 = process_tree_cpu_seconds()
             priv_times = [(await _ttft(priv, ids, salt))[0] for _ in range(n)] if priv is not None else [0.0] * n
-            cpu1 = _children_cpu()
+            cpu1 = process_tree_cpu_seconds()
             st0 = pool.stats(scope="bench-decoder")
             sp0 = sp_prev
             tb = time.perf_counter()
             await prod.prefill(ids, cache_salt=salt, kv_transfer_params={"fanout": n})
             base_s = time.perf_counter() - tb
             shared = [await _ttft(cons, ids, salt) for _ in range(n)]
-            cpu2 = _children_cpu()
+            cpu2 = process_tree_cpu_seconds()
             st1 = pool.stats(scope="bench-decoder")
             sp1 = sp_prev = await _saved(pool, sp0.get("saves"))
             moved = st1.get("bytes_moved") - st0.get("bytes_moved")

@@ -25,6 +25,8 @@ import sys
 import time
 from pathlib import Path
 
+from app.bench.engine_bench import process_tree_cpu_seconds
+
 PROJECT = Path(__file__).resolve().parents[2]
 MODES = {"mp": {}, "uni": {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}}
 
@@ -42,19 +44,6 @@ def _memory() -> dict:
         except psutil.Error:
             pass
     return {"processes": len(procs), "rss_gib": rss / 2**30, "pss_gib": pss / 2**30}
-
-
-def _cpu_s() -> float:
-    import psutil
-
-    total = 0.0
-    for p in psutil.Process().children(recursive=True) + [psutil.Process()]:
-        try:
-            t = p.cpu_times()
-            total += t.user + t.system
-        except psutil.Error:
-            pass
-    return total
 
 
 async def _child(args) -> dict:
@@ -87,7 +76,7 @@ async def _child(args) -> dict:
         cpu0, w0 = None, None
         for s, prompts in enumerate(sessions):  # session 0 warms both engines up, unmeasured
             if s == 1:
-                cpu0, w0 = _cpu_s(), time.perf_counter()
+                cpu0, w0 = process_tree_cpu_seconds(include_self=True), time.perf_counter()
             await asyncio.gather(*[prod.prefill(p, f"p{s}-{i}", kv_transfer_params={"fanout": 1})
                                    for i, p in enumerate(prompts)])
             outs = await asyncio.gather(*[cons.complete(p, Sampling(max_tokens=args.output_tokens, ignore_eos=True),
@@ -95,7 +84,7 @@ async def _child(args) -> dict:
             if s:
                 tokens.append([o.token_ids for o in outs])
                 cached += sum(o.num_cached_tokens for o in outs)
-        cpu = _cpu_s() - cpu0
+        cpu = process_tree_cpu_seconds(include_self=True) - cpu0
         wall = time.perf_counter() - w0
         mem = _memory()
     finally:
