@@ -1,4 +1,5 @@
-"""Random-weight checkpoints of the shipped shape for the Serve tests, and a free loopback port.
+"""Random-weight checkpoints of the shipped shape for the Serve tests, a free loopback port, and
+one Serve app on a private Ray cluster (`serve_app`).
 
 A base (the prefill module) and decoders whose manifests name it; a decoder given other
 shape overrides (e.g. ``num_key_value_heads=3``) still names the base but cannot share its KV,
@@ -7,8 +8,12 @@ greedy ties unlikely, so tokens compare exactly with the transformers reference.
 """
 from __future__ import annotations
 
+import os
 import shutil
 import socket
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -20,6 +25,40 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@contextmanager
+def serve_app(cfg, name: str, ray_tmp: str, pool_dir: str) -> Iterator[str]:
+    """Start a private Ray cluster (temp dir ``ray_tmp``), run the app built from ``cfg`` on a free
+    loopback port, wait until every engine answers, yield its URL; stop it all and remove the pool."""
+    import ray
+    from ray import serve
+
+    from agents import Client
+    from app.serve_app import build
+
+    os.environ["RAY_TMPDIR"] = ray_tmp
+    for attempt in range(5):  # the raylet has a fixed 30 s to register; a saturated 2-core box can miss it
+        try:
+            ray.init(num_cpus=4, include_dashboard=False, _temp_dir=ray_tmp)
+            break
+        except Exception:  # noqa: BLE001 - retried, then raised
+            ray.shutdown()
+            if attempt == 4:
+                raise
+            time.sleep(5)
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    serve.run(build(cfg), name=name, route_prefix="/")
+    url = f"http://127.0.0.1:{port}"
+    try:
+        with Client(url, retries=5, backoff_s=0.5) as c:
+            c.wait_ready(timeout_s=600, interval_s=2)  # waiting for startup, not a timing assertion
+        yield url
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+        shutil.rmtree(pool_dir, ignore_errors=True)
 
 
 def make_models(root: Path, decoders: dict[str, tuple[int, dict]], base_seed: int = 0) -> dict[str, Path]:

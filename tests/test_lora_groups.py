@@ -14,11 +14,10 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import time
 from pathlib import Path
 
 import pytest
-from random_models import free_port, make_models
+from random_models import make_models, serve_app
 
 ROOT = Path(__file__).resolve().parent.parent
 TOKENIZER = ROOT / "checkpoints" / "tokenizer"
@@ -171,38 +170,12 @@ def test_per_adapter_kv_is_loaded_only_by_its_own_adapter(models):
 # --- one Serve app: references through every route ----------------------------------------------
 @pytest.fixture(scope="module")
 def app_url(models):
-    import ray
-    from ray import serve
-
-    from agents import Client
     from app.config import load_config
-    from app.serve_app import build
 
     pool_dir = f"/dev/shm/ps-lora-{os.getpid()}"
     cfg = load_config(app_config(models, pool=pool_dir))
-    tmp = f"/tmp/rlora{os.getpid()}"
-    os.environ["RAY_TMPDIR"] = tmp
-    for attempt in range(5):  # the raylet has a fixed 30 s to register; a saturated 2-core box can miss it
-        try:
-            ray.init(num_cpus=4, include_dashboard=False, _temp_dir=tmp)
-            break
-        except Exception:  # noqa: BLE001 - retried, then raised
-            ray.shutdown()
-            if attempt == 4:
-                raise
-            time.sleep(5)
-    port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    serve.run(build(cfg), name="ps-lora", route_prefix="/")
-    url = f"http://127.0.0.1:{port}"
-    try:
-        with Client(url, retries=5, backoff_s=0.5) as c:
-            c.wait_ready(timeout_s=600, interval_s=2)  # waiting for startup, not a timing assertion
+    with serve_app(cfg, "ps-lora", f"/tmp/rlora{os.getpid()}", pool_dir) as url:
         yield url
-    finally:
-        serve.shutdown()
-        ray.shutdown()
-        shutil.rmtree(pool_dir, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")

@@ -11,14 +11,12 @@ import asyncio
 import importlib.util
 import os
 import re
-import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
-from random_models import free_port, make_models
+from random_models import make_models, serve_app
 
 from agents import (
     Agent,
@@ -51,11 +49,7 @@ def _make_models(root: Path) -> dict[str, Path]:
 
 @pytest.fixture(scope="module")
 def app_url(tmp_path_factory):
-    import ray
-    from ray import serve
-
     from app.config import load_config
-    from app.serve_app import build
 
     paths = _make_models(tmp_path_factory.mktemp("models"))
     pool_dir = f"/dev/shm/ps-sdk-{os.getpid()}"
@@ -72,29 +66,8 @@ def app_url(tmp_path_factory):
                              "placement": {"num_replicas": 1, "num_cpus": 0.5}}],
         "decoders": [dec("lookup"), dec("tool_call"), dec("verify")],
     })
-    tmp = f"/tmp/rsdk{os.getpid()}"
-    os.environ["RAY_TMPDIR"] = tmp
-    for attempt in range(5):  # the raylet has a fixed 30 s to register; a saturated 2-core box can miss it
-        try:
-            ray.init(num_cpus=4, include_dashboard=False, _temp_dir=tmp)
-            break
-        except Exception:  # noqa: BLE001 - retried, then raised
-            ray.shutdown()
-            if attempt == 4:
-                raise
-            time.sleep(5)
-    port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    serve.run(build(cfg), name="ps-sdk", route_prefix="/")
-    url = f"http://127.0.0.1:{port}"
-    try:
-        with Client(url, retries=5, backoff_s=0.5) as c:
-            c.wait_ready(timeout_s=600, interval_s=2)  # waiting for startup, not a timing assertion
+    with serve_app(cfg, "ps-sdk", f"/tmp/rsdk{os.getpid()}", pool_dir) as url:
         yield url
-    finally:
-        serve.shutdown()
-        ray.shutdown()
-        shutil.rmtree(pool_dir, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
