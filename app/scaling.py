@@ -24,6 +24,8 @@ import json
 import math
 from dataclasses import asdict, dataclass, replace
 
+from app.handover import shared_length
+
 SYSTEMS = ("prefillshare", "disagg", "colocated")
 
 
@@ -172,7 +174,7 @@ def size(profile: Profile, w: Workload, system: str, pack: bool = False) -> Sizi
     if system not in SYSTEMS:
         raise ValueError(f"system: {system!r} is not one of {SYSTEMS}")
     n, ctx, out, u = w.fanout, w.context, w.output, w.utilization
-    shared = ctx - 1  # hand-over: the decoder computes the last prompt token itself (docs/DESIGN.md)
+    shared = shared_length(ctx)  # the decoder computes the last prompt token itself
     kv_req = shared * profile.kv_bytes_per_token
     dec_per_agent = out * profile.decode_s_per_token(ctx + out // 2)
     if system == "colocated":

@@ -63,6 +63,7 @@ from app.engine.kv_pool import (
     SlotReused,
     SlotTorn,
 )
+from app.handover import shared_length
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -196,7 +197,7 @@ class PrefillShareConnector(KVConnectorBase_V1):
         rid = request.request_id
         self._plans.pop(rid, None)
         n = request.num_prompt_tokens
-        shared = n - 1
+        shared = shared_length(n)
         if shared <= num_computed_tokens or shared <= 0:
             return 0, False
         if self.incompatible:
@@ -312,7 +313,7 @@ class PrefillShareConnector(KVConnectorBase_V1):
             pins = max(int(params.get("fanout", 0)), 0)
         except (TypeError, ValueError):
             pins = 0
-        self._report[req.request_id] = {"prefill_module_id": self.module_id, "shared_tokens": req.num_prompt_tokens - 1,
+        self._report[req.request_id] = {"prefill_module_id": self.module_id, "shared_tokens": shared_length(req.num_prompt_tokens),
                                         "blocks": len(keys), "last_key": keys[-1].key if keys else None}
         return SaveSpec(req.request_id, [k.key for k in keys], [k.num_tokens for k in keys],
                         list(block_ids[: len(keys)]), pins)
