@@ -54,13 +54,24 @@ class ModelShape:
 SMALL = ModelShape(hidden=256, layers=2, heads=4, kv_heads=2, intermediate=512, max_position=4096)
 
 
+def silent_token_ids(tok) -> list[int]:
+    """EOS, the special tokens and the tokens that are not printable text on their own (lone
+    UTF-8 bytes, control characters)."""
+    def printable(text: str) -> bool:
+        return bool(text) and "\ufffd" not in text and (text.isprintable() or text.isspace())
+
+    ids = {tok.eos_token_id, *tok.all_special_ids}
+    ids.update(i for i in range(len(tok)) if not printable(tok.decode([i])))
+    return sorted(i for i in ids if i is not None)
+
+
 def _random_source(root: Path, shape: ModelShape, tokenizer_dir: Path) -> Path:
     """The one weights file (+ config), written once per shape."""
     import torch
     from safetensors.torch import save_file
     from transformers import AutoTokenizer, LlamaConfig
 
-    src = root / f"src-{shape.key}"
+    src = root / f"src-{shape.key}-text"
     if (src / "model.safetensors").is_file() and (src / "config.json").is_file():
         return src
     tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
@@ -79,7 +90,12 @@ def _random_source(root: Path, shape: ModelShape, tokenizer_dir: Path) -> Path:
 
     state = {"model.embed_tokens.weight": rnd(len(tok), shape.hidden), "model.norm.weight": torch.ones(
         shape.hidden, dtype=torch.bfloat16)}
-    state["model.embed_tokens.weight"][tok.eos_token_id] = 0
+    # Tied embeddings: a zero row gives its token logit 0, below the best of hundreds of random
+    # logits, so greedy decoding never picks it. Zeroed: EOS (answers run their O tokens) and every
+    # token that is not text on its own (special tokens, lone UTF-8 bytes), which the engines'
+    # detokenizer holds back: a random model stuck on one would stream no text at all, leaving
+    # TTFT and the streaming path unmeasured.
+    state["model.embed_tokens.weight"][silent_token_ids(tok)] = 0
     for i in range(shape.layers):
         p = f"model.layers.{i}."
         state.update({
