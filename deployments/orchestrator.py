@@ -1,8 +1,10 @@
-"""Orchestrator: runs prefill -> decode for completions and multi-agent workflows.
+"""Orchestrator: prefill for completions, prefill -> decode for multi-agent workflows.
 
 A request's path: group the agents by the prefill module their decoder consumes, ask one
 replica of that module (chosen by the prefix router) to compute the shared context once and
-each agent's prompt but its last token, then stream every decoder concurrently. Decoders
+each agent's prompt but its last token, then stream every decoder concurrently. An OpenAI
+completion has one decoder: ``prepare`` does its prefill and returns the ready decoder
+request, which the Router streams itself (no relay of every token through this deployment). Decoders
 without a compatible module prefill privately; a prefill failure, or no prefill replica taking
 the call within ``plan.prefill_wait_s``, degrades to private prefill; decode calls prefer a
 replica on the prefill's node (deployments/node_router.py);
@@ -16,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+from collections import Counter
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
@@ -24,6 +27,7 @@ from ray.serve.exceptions import BackPressureError
 
 from app.handover import shared_length, split_prompt
 from app.sampling import Sampling, TokenLogprob
+from deployments.decode_call import DecoderCall
 from deployments.errors import ErrorCode, Failure
 from deployments.messages import (
     AgentEvent,
@@ -32,11 +36,11 @@ from deployments.messages import (
     AppPlan,
     CompletionJob,
     DecodeChunk,
+    DecodePlan,
     DecodeRequest,
     PrefillRequest,
     PrefillTicket,
 )
-from deployments.metrics import RequestRecord
 from deployments.openai_format import chat_logprobs
 from deployments.prompts import Prompter, common_prefix, locality_keys
 
@@ -70,7 +74,6 @@ class _Agent:
     ticket: PrefillTicket | None = None
     seqs: dict[int, _Sequence] = field(default_factory=dict)
     num_cached_tokens: int = 0
-    ttft_s: float | None = None
     error: Failure | None = None
 
     @property
@@ -122,6 +125,8 @@ class Orchestrator:
         self.decode_handles = {k: h.options(stream=True) for k, h in decoders.items()}
         self.metrics = metrics
         self.prompter = Prompter(plan.tokenizer, plan.renderers)  # each decoder's own rendering
+        self.prepared = 0  # completions prepared for the Router to stream
+        self.relayed_chunks: Counter[str] = Counter()  # decoder chunks streamed through here, by route
 
     # --- building blocks -------------------------------------------------------------
     def _fallback(self, reason: str) -> None:
@@ -174,41 +179,30 @@ class Orchestrator:
                 groups.setdefault(dp.prefill_module, []).append(a)
         await asyncio.gather(*[self._prefill_group(m, g, f"{request_id}-{m}", salt) for m, g in groups.items()])
 
+    def _decode_plan(self, a: _Agent, request_id: str, route: str, salt: str | None) -> DecodePlan:
+        """The decoder request of agent ``a`` after its prefill (or without one: private)."""
+        dp, t = self.plan.decoder(a.model), a.ticket
+        req = DecodeRequest(request_id=request_id, prompt_token_ids=tuple(a.prompt), sampling=a.sampling,
+                            cache_salt=salt, prefer_node=t.node_id if t is not None else None, adapter=dp.adapter)
+        return DecodePlan(req, a.model, a.name, route,
+                          shared_tokens_expected=shared_length(len(a.prompt)) if t is not None else 0,
+                          kv_bytes_per_token=dp.kv_bytes_per_token,
+                          prefill_module=t.prefill_module if t is not None else None,
+                          prefill_replica=t.replica_id if t is not None else None, error=a.error)
+
     async def _decode(self, a: _Agent, request_id: str, route: str, t0: float,
                       salt: str | None) -> AsyncIterator[DecodeChunk]:
-        """Stream one agent's decoder; always ends with a finished chunk; records metrics.
-        Latencies count from ``t0``, when the request reached the orchestrator (prefill included)."""
-        dp = self.plan.decoder(a.model)
-        expect = shared_length(len(a.prompt)) if a.ticket is not None else 0
-        req = DecodeRequest(request_id=request_id, prompt_token_ids=tuple(a.prompt), sampling=a.sampling,
-                            cache_salt=salt,
-                            prefer_node=a.ticket.node_id if a.ticket is not None else None, adapter=dp.adapter)
-        try:
-            async for chunk in self.decode_handles[a.model].generate.remote(req):
-                if chunk.error:
-                    a.error = chunk.error
-                else:
-                    if a.ttft_s is None and chunk.delta_token_ids:
-                        a.ttft_s = time.perf_counter() - t0
-                    a.seqs.setdefault(chunk.index, _Sequence()).add(chunk)
-                    a.num_cached_tokens = chunk.num_cached_tokens
-                if a.ticket is not None:
-                    chunk.prefill_module, chunk.prefill_replica = a.ticket.prefill_module, a.ticket.replica_id
-                yield chunk
-        except BackPressureError as e:
-            a.error = Failure(ErrorCode.OVERLOADED, f"decoder {a.model}: {e}")
-            yield DecodeChunk(request_id, a.model, "", [], True, "error", error=a.error)
-        except Exception as e:  # noqa: BLE001 - a dead replica fails this agent only
-            a.error = Failure(ErrorCode.DECODER_UNAVAILABLE, f"decoder {a.model}: {type(e).__name__}: {e}")
-            yield DecodeChunk(request_id, a.model, "", [], True, "error", error=a.error)
-        if expect and a.error is None and a.num_cached_tokens == 0:
-            self._fallback("kv_miss")
-        if self.metrics is not None:
-            self.metrics.request.remote(RequestRecord(
-                model=a.model, agent=a.name, route=route, ttft_s=a.ttft_s, e2e_s=time.perf_counter() - t0,
-                prompt_tokens=len(a.prompt), generated_tokens=a.num_generated,
-                shared_tokens_expected=expect, shared_tokens_loaded=a.num_cached_tokens,
-                kv_bytes_per_token=dp.kv_bytes_per_token, ok=a.error is None))
+        """Stream one agent's decoder into ``a``; always ends with a finished chunk."""
+        call = DecoderCall(self.decode_handles[a.model], self._decode_plan(a, request_id, route, salt), t0,
+                           self.metrics)
+        async for chunk in call.chunks():
+            self.relayed_chunks[route] += 1
+            if chunk.error:
+                a.error = chunk.error
+            else:
+                a.seqs.setdefault(chunk.index, _Sequence()).add(chunk)
+                a.num_cached_tokens = chunk.num_cached_tokens
+            yield chunk
 
     def _prompt(self, spec: AgentSpec, context: str, round_: int) -> list[int]:
         """The agent's prompt ids: the Router's own for the first round (tokenized once there),
@@ -218,16 +212,14 @@ class Orchestrator:
         return self.prompter.agent_prompt(context, spec.instruction, model=spec.model)
 
     # --- OpenAI completions ----------------------------------------------------------
-    async def complete(self, job: CompletionJob) -> AsyncIterator[DecodeChunk]:
-        """One decoder over one prompt: prefill on the shared base, then stream."""
-        t0 = time.perf_counter()
+    async def prepare(self, job: CompletionJob) -> DecodePlan:
+        """One decoder over one prompt: the prefill on the shared base (or the private
+        fallback); the caller streams the returned request from the decoder itself. A failure
+        before decoding (the prefill module shed the call) comes back as ``error``."""
+        self.prepared += 1
         a = _Agent(0, "", job.model, list(job.prompt_token_ids), job.sampling)
         await self._prefill_all([a], job.request_id, job.cache_salt)
-        if a.error is not None:
-            yield DecodeChunk(job.request_id, job.model, "", [], True, "error", error=a.error)
-            return
-        async for chunk in self._decode(a, job.request_id, job.route, t0, job.cache_salt):
-            yield chunk
+        return self._decode_plan(a, job.request_id, job.route, job.cache_salt)
 
     # --- agent workflows -------------------------------------------------------------
     async def run(self, req: AgentRunRequest) -> AsyncIterator[AgentEvent]:
@@ -292,3 +284,7 @@ class Orchestrator:
 
     async def ready(self) -> dict:
         return {"deployment": "Orchestrator"}
+
+    async def counters(self) -> dict:
+        """What went through this replica: completions prepared, decoder chunks relayed by route."""
+        return {"prepared": self.prepared, "relayed_chunks": dict(self.relayed_chunks)}

@@ -1,7 +1,9 @@
 """Router: the HTTP ingress (OpenAI-compatible routes, agent runs, readiness, metrics).
 
 It validates and tokenizes, then hands typed jobs to the Orchestrator; it holds no serving
-logic. Every bad request gets a 4xx JSON error in OpenAI's shape whose `param` names the
+logic. A completion (one decoder) is prepared by the Orchestrator (routing, shared prefill)
+and then streamed from its decode deployment to here directly; agent runs stream through the
+Orchestrator, which merges their decoders. Every bad request gets a 4xx JSON error in OpenAI's shape whose `param` names the
 field, and never reaches an engine. In front of that: the API key (401; its tenant salts the
 request's KV, app/auth.py), the body size (413), and admission (429 + Retry-After when this
 replica already runs `limits.max_inflight_requests`, or when Serve sheds load downstream).
@@ -29,6 +31,7 @@ from app.auth import KeyRing, Tenant, load_keyring
 from app.config import AuthConfig, LimitsConfig
 from app.sampling import Sampling
 from deployments.admission import Admission, Outcome, Slot
+from deployments.decode_call import DecoderCall
 from deployments.errors import ApiError, Failure, error_body
 from deployments.messages import AgentRunRequest, AgentSpec, AppPlan, CompletionJob, DecodeChunk
 from deployments.openai_format import Answer, ToolCallOut
@@ -51,6 +54,38 @@ async def _chain(head, rest):
     yield head
     async for item in rest:
         yield item
+
+
+class _DirectCompletion:
+    """A completion's chunks, streamed from its decoder to the Router without a relay.
+
+    The Orchestrator prepares the request (routing, the shared prefill or the private
+    fallback; a failure there is the first chunk), then the decoder streams here through
+    :class:`DecoderCall`. Iterates like a Serve stream; ``cancel()`` stops the step in flight.
+    """
+
+    def __init__(self, orch, decoders: dict, metrics, job: CompletionJob):
+        self._orch, self._decoders, self._metrics, self._job = orch, decoders, metrics, job
+        self._pending = None  # the prepare call, then the DecoderCall
+        self._chunks = self._run()
+
+    def __aiter__(self):
+        return self
+
+    def __anext__(self):
+        return self._chunks.__anext__()
+
+    def cancel(self) -> None:
+        if self._pending is not None:
+            self._pending.cancel()
+
+    async def _run(self) -> AsyncIterator[DecodeChunk]:
+        t0 = time.perf_counter()  # latencies count from here, the prefill included
+        self._pending = self._orch.prepare.remote(self._job)
+        plan = await self._pending
+        call = self._pending = DecoderCall(self._decoders[plan.model], plan, t0, self._metrics)
+        async for chunk in call.chunks():
+            yield chunk
 
 
 def _overloaded(message: str, retry_after_s: int) -> ApiError:
@@ -90,6 +125,7 @@ class Router:
         self.orch = orchestrator
         self.prefill = prefill
         self.decoders = decoders
+        self.decode_streams = {k: h.options(stream=True) for k, h in decoders.items()}
         self.metrics = metrics
         self.prompter = Prompter(plan.tokenizer, plan.renderers)  # each decoder's own rendering
         self.created = int(time.time())
@@ -322,7 +358,8 @@ class Router:
                         calls[i] = found
             return answer.response(job.sampling.n, calls)
 
-        return await self._serve(job.route, lambda: self.orch.options(stream=True).complete.remote(job),
+        return await self._serve(job.route,
+                                 lambda: _DirectCompletion(self.orch, self.decode_streams, self.metrics, job),
                                  body.stream, events, collect)
 
     @api.post("/v1/agents/run")

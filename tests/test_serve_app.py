@@ -225,6 +225,32 @@ def test_openai_client_lists_models_completes_and_streams_each_decoder(app, clie
     assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
 
 
+def test_completions_stream_from_the_decoder_while_agent_runs_go_through_the_orchestrator(app, client):
+    """A completion's tokens come from its decoder straight to the Router: the Orchestrator only
+    prepares it (the shared prefill: the decoder loads every prompt token but the last from the
+    base) and relays none of its chunks; an agent run's chunks still stream through it."""
+    from ray import serve
+
+    orch = serve.get_deployment_handle("Orchestrator", "ps")
+    before = orch.counters.remote().result()
+    full = client.completions.create(model="alpha", prompt=PROMPT, max_tokens=4, temperature=0)
+    streamed = list(client.chat.completions.create(
+        model="beta", messages=[{"role": "system", "content": CONTEXT}, {"role": "user", "content": "the city?"}],
+        max_tokens=4, temperature=0, stream=True, stream_options={"include_usage": True}))
+    after = orch.counters.remote().result()
+    for usage in (full.usage, streamed[-1].usage):
+        assert usage.completion_tokens >= 1
+        assert usage.prompt_tokens_details.cached_tokens == usage.prompt_tokens - 1  # shared prefill loaded
+    assert full.model_extra["prefillshare"]["prefill_replica"] is not None
+    assert after["prepared"] == before["prepared"] + 2
+    assert after["relayed_chunks"].get("completions", 0) == 0 and after["relayed_chunks"].get("chat", 0) == 0
+    status, out = _post(app["url"] + "/v1/agents/run", {"context": CONTEXT, "agents": [
+        {"model": "alpha", "instruction": "what is the item?", "max_tokens": 2}]})
+    assert status == 200, out
+    relayed = orch.counters.remote().result()["relayed_chunks"]
+    assert relayed["agents"] > after["relayed_chunks"].get("agents", 0)
+
+
 def test_fan_out_matches_reference_and_reports_shared_prompt_tokens(app, reference):
     from app.training.tasks import render_prompt
 

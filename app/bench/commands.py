@@ -11,7 +11,7 @@ import importlib
 BENCHES = {
     "serve": ("app.bench.serve_bench", "PrefillShare vs per-model P/D vs colocated through the Serve app's HTTP API"),
     "engine": ("app.bench.engine_bench", "engine level: one shared prefill + N decoders vs N private prefills"),
-    "hops": ("app.bench.hop_bench", "per-token cost of the Orchestrator's stream hop: Decode direct vs via Orchestrator"),
+    "hops": ("app.bench.hop_bench", "per-token cost of the Orchestrator's stream hop: decoder alone, relayed, completion path"),
 }
 
 

@@ -1,16 +1,21 @@
-"""`prefillshare bench hops`: what the Orchestrator's extra stream hop costs per generated token.
+"""`prefillshare bench hops`: what the Orchestrator's stream hop costs per generated token.
 
-A completion's tokens travel Decode -> Orchestrator -> Router: two Ray streams. Streaming from
-the Decode deployment straight to the caller would take one. One app (one prefill module, one
-decoder, the shipped checkpoints by default) is streamed both ways from the same driver handle,
-alternating rounds so that machine load hits both alike, at each concurrency:
+An agent run's tokens travel Decode -> Orchestrator -> caller: two Ray streams, because the
+Orchestrator merges its agents' streams. A single-decoder completion streams from the decoder
+to the Router directly since the Orchestrator only prepares it. One app (one prefill module, one
+decoder, the shipped checkpoints by default) is streamed three ways from the same driver,
+rotating the order each round so that machine load hits all alike, at each concurrency:
 
-  direct  Decode.generate              (one stream; the decoder prefills the prompt itself)
-  via     Orchestrator.complete        (shared prefill, then Decode -> Orchestrator -> caller)
+  decoder  Decode.generate                   (one stream, no shared prefill: the floor)
+  relay    Orchestrator.run, one agent       (shared prefill, Decode -> Orchestrator -> caller)
+  direct   Orchestrator.prepare, then the    (shared prefill, Decode -> caller: the Router's
+           decoder's stream (DecoderCall)     completion path)
 
 Per token is the time between a session's first and last streamed token over the tokens in
-between, so the prefill (which differs between the two) is left out. The Orchestrator's CPU
-seconds per token it relayed are read from its process. Results: a table and JSON.
+between, so the prefill (which differs between them) is left out; the relay's agent events carry
+text, not token ids, so there its tokens come from the agent's usage and its chunks are the
+text events. The Orchestrator's CPU seconds per streamed token are read from its process.
+Results: a table and JSON.
 """
 from __future__ import annotations
 
@@ -34,7 +39,7 @@ class HopSpec:
     checkpoints: str = "checkpoints"  # relative: to the project root
     decoder: str = "lookup"
     concurrency: tuple[int, ...] = (1, 4)
-    rounds: int = 6  # per path and concurrency, alternating direct/via
+    rounds: int = 6  # per path and concurrency, the paths rotating
     output_tokens: int = 64
     prompt_words: int = 60
     out: str = "runs/bench/hops.json"
@@ -103,17 +108,40 @@ def _cpu_s(p) -> float:
     return t.user + t.system
 
 
-async def _session(stream) -> tuple[int, int, float, float]:
-    """(tokens, chunks with tokens, first token time, last token time) of one streamed completion."""
+PATHS = ("decoder", "relay", "direct")
+
+
+async def _session(handles, path: str, spec: HopSpec, prompt: tuple[int, ...], sampling) -> tuple:
+    """(tokens, chunks with tokens, first token time, last token time) of one streamed request."""
+    from deployments.decode_call import DecoderCall
+    from deployments.messages import AgentRunRequest, AgentSpec, CompletionJob, DecodeRequest
+
+    rid = f"hop-{uuid.uuid4().hex[:8]}"
     tokens = chunks = 0
     first = last = 0.0
+    if path == "relay":
+        run = AgentRunRequest(rid, "", ((AgentSpec("a", spec.decoder, "-", sampling, prompt),),))
+        async for ev in handles["orch"].options(stream=True).run.remote(run):
+            if ev.error:
+                raise RuntimeError(f"relay failed: {ev.error}")
+            if ev.kind == "delta":
+                last = time.perf_counter()
+                first = first or last
+                chunks += 1
+            elif ev.kind == "agent_done":
+                tokens = ev.result["usage"]["completion_tokens"]
+        return tokens, chunks, first, last
+    if path == "direct":
+        plan = await handles["orch"].prepare.remote(CompletionJob(rid, spec.decoder, prompt, sampling))
+        stream = DecoderCall(handles["decode"], plan, time.perf_counter()).chunks()
+    else:
+        stream = handles["decode"].generate.remote(DecodeRequest(rid, prompt, sampling))
     async for chunk in stream:
         if chunk.error:
-            raise RuntimeError(f"stream failed: {chunk.error}")
+            raise RuntimeError(f"{path} failed: {chunk.error}")
         if chunk.delta_token_ids:
-            now = time.perf_counter()
-            first = first or now
-            last = now
+            last = time.perf_counter()
+            first = first or last
             tokens += len(chunk.delta_token_ids)
             chunks += 1
     return tokens, chunks, first, last
@@ -121,24 +149,17 @@ async def _session(stream) -> tuple[int, int, float, float]:
 
 async def _round(handles, path: str, c: int, prompts: list[tuple[int, ...]], spec: HopSpec, res: PathResult):
     from app.sampling import Sampling
-    from deployments.messages import CompletionJob, DecodeRequest
 
     sampling = Sampling(max_tokens=spec.output_tokens, ignore_eos=True)
-    streams = []
-    for i in range(c):
-        rid = f"hop-{uuid.uuid4().hex[:8]}"
-        if path == "direct":
-            streams.append(handles["decode"].generate.remote(DecodeRequest(rid, prompts[i], sampling)))
-        else:
-            streams.append(handles["orch"].complete.remote(CompletionJob(rid, spec.decoder, prompts[i], sampling)))
     proc = handles["orch_proc"]
     cpu0, t0 = _cpu_s(proc), time.perf_counter()
-    out = await asyncio.gather(*[_session(s) for s in streams])
+    out = await asyncio.gather(*[_session(handles, path, spec, prompts[i], sampling) for i in range(c)])
     wall, cpu = time.perf_counter() - t0, _cpu_s(proc) - cpu0
     total = 0
     for tokens, chunks, first, last in out:
-        if tokens < 2:
-            raise RuntimeError(f"{path}: a session streamed {tokens} token(s); per-token time needs two")
+        if tokens < 2 or chunks < 2:
+            raise RuntimeError(f"{path}: a session streamed {tokens} token(s) in {chunks} chunk(s); "
+                               "per-token time needs two")
         res.ms_per_token.append((last - first) / (tokens - 1) * 1e3)
         res.tokens_per_chunk.append(tokens / chunks)
         total += tokens
@@ -165,41 +186,40 @@ async def _measure(spec: HopSpec) -> list[dict]:
     from ray import serve
 
     handles = {"decode": serve.get_deployment_handle(f"Decode-{spec.decoder}", APP).options(stream=True),
-               "orch": serve.get_deployment_handle("Orchestrator", APP).options(stream=True),
+               "orch": serve.get_deployment_handle("Orchestrator", APP),
                "orch_proc": _orchestrator_process()}
-    prompts = _prompts(spec, 2 + sum(2 * spec.rounds * c for c in spec.concurrency))
+    prompts = _prompts(spec, len(PATHS) * (1 + sum(spec.rounds * c for c in spec.concurrency)))
     it = iter(prompts)
-    # warm both paths (engine graphs, handle routers, the orchestrator's tokenizer)
-    for path in ("direct", "via"):
+    # warm every path (engine graphs, handle routers, the orchestrator's tokenizer)
+    for path in PATHS:
         await _round(handles, path, 1, [next(it)], spec, PathResult(path, 1))
     rows = []
     for c in spec.concurrency:
-        results = {p: PathResult(p, c) for p in ("direct", "via")}
+        results = {p: PathResult(p, c) for p in PATHS}
         for r in range(spec.rounds):
-            order = ("direct", "via") if r % 2 == 0 else ("via", "direct")
-            for path in order:
+            for path in PATHS[r % len(PATHS):] + PATHS[:r % len(PATHS)]:  # each path leads in turn
                 await _round(handles, path, c, [next(it) for _ in range(c)], spec, results[path])
-        d, v = results["direct"].summary(), results["via"].summary()
-        print(f"{c} session(s): {d['ms_per_token']:.2f} ms/token direct, {v['ms_per_token']:.2f} via", file=sys.stderr)
-        rows.append({"concurrency": c, "direct": d, "via": v,
-                     "extra_ms_per_token": v["ms_per_token"] - d["ms_per_token"],
-                     "ratio_ms_per_token": v["ms_per_token"] / d["ms_per_token"],
-                     "ratio_tokens_per_s": v["tokens_per_s"] / d["tokens_per_s"],
-                     "ratio_decode_tokens_per_s": v["decode_tokens_per_s"] / d["decode_tokens_per_s"],
-                     "raw": {"direct": asdict(results["direct"]), "via": asdict(results["via"])}})
+        s = {p: results[p].summary() for p in PATHS}
+        print(f"{c} session(s): " + ", ".join(f"{s[p]['ms_per_token']:.2f} ms/token {p}" for p in PATHS),
+              file=sys.stderr)
+        row = {"concurrency": c, **s, "raw": {p: asdict(results[p]) for p in PATHS}}
+        for p in ("relay", "direct"):
+            row[f"ratio_ms_per_token_{p}"] = s[p]["ms_per_token"] / s["decoder"]["ms_per_token"]
+        row["ratio_ms_per_token_direct_vs_relay"] = s["direct"]["ms_per_token"] / s["relay"]["ms_per_token"]
+        rows.append(row)
     return rows
 
 
 def render(rows: list[dict]) -> str:
-    lines = ["| sessions | ms/token direct | ms/token via Orchestrator | via/direct | decode tokens/s direct | "
-             "decode tokens/s via | via/direct | tokens/s with prefill, direct / via | Orchestrator CPU ms/token |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| sessions | ms/token decoder | ms/token relay | ms/token direct | relay/decoder | direct/decoder | "
+             "decode tokens/s decoder / relay / direct | Orchestrator CPU ms/token decoder / relay / direct |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        d, v = r["direct"], r["via"]
-        lines.append(f"| {r['concurrency']} | {d['ms_per_token']:.2f} | {v['ms_per_token']:.2f} | "
-                     f"{r['ratio_ms_per_token']:.2f}x | {d['decode_tokens_per_s']:.0f} | {v['decode_tokens_per_s']:.0f} | "
-                     f"{r['ratio_decode_tokens_per_s']:.2f}x | {d['tokens_per_s']:.0f} / {v['tokens_per_s']:.0f} | "
-                     f"{v['orchestrator_cpu_ms_per_token']:.2f} (direct: {d['orchestrator_cpu_ms_per_token']:.2f}) |")
+        cells = [str(r["concurrency"]), *(f"{r[p]['ms_per_token']:.2f}" for p in PATHS),
+                 *(f"{r[f'ratio_ms_per_token_{p}']:.2f}x" for p in ("relay", "direct")),
+                 " / ".join(f"{r[p]['decode_tokens_per_s']:.0f}" for p in PATHS),
+                 " / ".join(f"{r[p]['orchestrator_cpu_ms_per_token']:.2f}" for p in PATHS)]
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
