@@ -32,6 +32,15 @@ def _save(plt, fig, path: str | Path, title: str, panels: int) -> Path:
     return path
 
 
+def _label(ax, xlabel: str, ylabel: str, title: str) -> None:
+    """One panel's axes, title, grid and legend, the same in every serve plot."""
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+
+
 def p95_vs_load(points: list[PointResult], path: str | Path, title: str = "") -> Path:
     """One panel per (N, L, R): p95 fan-out latency against offered load, a line per system."""
     plt = _plt()
@@ -51,11 +60,8 @@ def p95_vs_load(points: list[PointResult], path: str | Path, title: str = "") ->
                 ax.errorbar(loads, mid, yerr=[[a - min(y) for a, y in zip(mid, ys)], [max(y) - a for a, y in zip(mid, ys)]],
                             marker=m, color=c, capsize=3, label=f"{s} {SYSTEMS[s]}")
         mode = next((p.mode for p in points if (p.fanout, p.context_tokens, p.rounds) == (n, L, R)), "rate")
-        ax.set_xlabel("offered load (sessions/s)" if mode == "rate" else "concurrent sessions")
-        ax.set_ylabel("p95 fan-out latency (s)")
-        ax.set_title(f"N={n} L={L} R={R}", fontsize=10)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        _label(ax, "offered load (sessions/s)" if mode == "rate" else "concurrent sessions",
+               "p95 fan-out latency (s)", f"N={n} L={L} R={R}")
     return _save(plt, fig, path, title, len(groups))
 
 
@@ -72,11 +78,7 @@ def throughput_vs_n(points: list[PointResult], path: str | Path, title: str = ""
             if ns:
                 c, m = _STYLE[s]
                 ax.plot(ns, best, marker=m, color=c, label=f"{s} {SYSTEMS[s]}")
-        ax.set_xlabel("fan-out N (decoders per round)")
-        ax.set_ylabel("best output tokens/s")
-        ax.set_title(f"L={L} R={R}", fontsize=10)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        _label(ax, "fan-out N (decoders per round)", "best output tokens/s", f"L={L} R={R}")
     return _save(plt, fig, path, title, len(groups))
 
 

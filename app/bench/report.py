@@ -267,11 +267,16 @@ def _f(x, fmt="{:.2f}") -> str:
     return "-" if x is None else fmt.format(x)
 
 
+def _table(head: str, rows: list[str]) -> str:
+    """A Markdown table: the header row, its rule, the rows."""
+    return "\n".join([head, "|" + "---|" * (head.count("|") - 1), *rows])
+
+
 def points_table(points: list[PointResult]) -> str:
     head = ("| system | N | L | R | load | rep | ok/sent | fan-out p50/p95/p99 s | TTFT p50/p95 s | sessions/s | "
             "out tok/s | prefill tok/session | cache hit | KV held peak MiB (pool + decoders) | CPU s/session | "
             "load avg |")
-    rows = [head, "|" + "---|" * (head.count("|") - 1)]
+    rows = []
     for p in points:
         fl, tt = p.fanout_latency, p.ttft
         load = f"{p.load:g}/s" if p.mode == "rate" else f"c={p.load:g}"
@@ -281,7 +286,7 @@ def points_table(points: list[PointResult]) -> str:
             f"{p.sessions_per_s:.3f} | {p.output_tok_per_s:.1f} | {p.prefill_tokens_computed_per_session:.0f} | "
             f"{_f(p.cache_hit_ratio)} | {p.kv_held_peak_bytes / 2**20:.1f} ({p.pool_peak_bytes / 2**20:.1f} + "
             f"{p.decoder_kv_peak_bytes / 2**20:.1f}) | {_f(p.cpu_s_per_session)} | {_f(p.loadavg, '{:.1f}')} |")
-    return "\n".join(rows)
+    return _table(head, rows)
 
 
 def _spread(lo, hi) -> str:
@@ -292,7 +297,7 @@ def comparison_table(comps: list[Comparison]) -> str:
     head = ("| point | system vs baseline | repeats, finished sessions | max throughput (sessions/s) | "
             "ratio [min-max] | reading | bound | ratio / bound | p95(base)/p95(system) per load [min-max] | "
             "at base 2x unloaded | max rate under SLO |")
-    rows = [head, "|" + "---|" * (head.count("|") - 1)]
+    rows = []
     for c in comps:
         a, b = c.max_throughput.get(c.system), c.max_throughput.get(c.baseline)
         frac = c.throughput_ratio / c.throughput_bound if c.throughput_ratio and c.throughput_bound else None
@@ -306,13 +311,11 @@ def comparison_table(comps: list[Comparison]) -> str:
             f"{c.verdict} | {_f(c.throughput_bound, '{:.2f}x')} | {_f(frac, '{:.0%}')} | {p95s} | "
             f"{_f(c.p95_at_2x_unloaded, '{:.2f}x')} | {_f(c.max_rate.get(c.system), '{:g}')} / "
             f"{_f(c.max_rate.get(c.baseline), '{:g}')} |")
-    return "\n".join(rows)
+    return _table(head, rows)
 
 
 def costs_table(costs: dict) -> str:
     """costs: {L: {system: PhaseCosts}}"""
-    rows = ["| L | system | first-agent TTFT s | next-agent TTFT s | decode O tokens s |", "|---|---|---|---|---|"]
-    for L, per in sorted(costs.items()):
-        for s, c in sorted(per.items()):
-            rows.append(f"| {L} | {s} {SYSTEMS[s]} | {c.first_s:.3f} | {c.marginal_s:.3f} | {c.decode_s:.3f} |")
-    return "\n".join(rows)
+    rows = [f"| {L} | {s} {SYSTEMS[s]} | {c.first_s:.3f} | {c.marginal_s:.3f} | {c.decode_s:.3f} |"
+            for L, per in sorted(costs.items()) for s, c in sorted(per.items())]
+    return _table("| L | system | first-agent TTFT s | next-agent TTFT s | decode O tokens s |", rows)

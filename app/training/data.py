@@ -11,14 +11,13 @@ belong to it. Every problem raises :class:`DataError` naming ``file:line`` and t
 """
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from app.training.batches import Encoded
 from app.training.rendering import Renderer, RenderError
-from app.training.tasks import DataError
+from app.training.tasks import DataError, jsonl_objects
 
 ROLES = ("system", "user", "assistant")
 FORMATS = ("messages", "text", "suite")
@@ -79,45 +78,32 @@ def _messages(obj: dict, where: str) -> tuple[tuple[str, str], ...]:
 
 def read_records(path: str | Path, agent: str | None = None, agent_field: str = "agent") -> list[Record]:
     """Parse a JSONL file in one of the three formats; keep ``agent``'s lines when given."""
-    path = Path(path)
-    if not path.is_file():
-        raise DataError(f"{path}: no such data file")
     out: list[Record] = []
     first_format = None
-    with path.open(encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            where = f"{path}:{lineno}"
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(f"{where}: not valid JSON ({e.msg})") from None
-            if not isinstance(obj, dict):
-                raise DataError(f"{where}: expected a JSON object, got {type(obj).__name__}")
-            fmt = _format_of(obj)
-            if first_format is None:
-                first_format = (fmt, lineno)
-            elif fmt != first_format[0]:
-                raise DataError(f"{where}: a {fmt} line in a file whose line {first_format[1]} is {first_format[0]}: "
-                                "one format per file")
-            name = obj.get(agent_field)
-            if name is None:
-                if agent is None:
-                    raise DataError(f"{where}: missing field {agent_field!r} (the agent; or pass --agent NAME)")
-                name = agent
-            elif not isinstance(name, str) or not name.strip():
-                raise DataError(f"{where}: field {agent_field!r} must be a non-empty string")
-            if agent is not None and name != agent:
-                continue
-            if fmt == "messages":
-                out.append(Record(name, fmt, where, messages=_messages(obj, where)))
-            elif fmt == "text":
-                out.append(Record(name, fmt, where, prompt=_string(obj, "prompt", where),
-                                  completion=_string(obj, "completion", where)))
-            else:
-                out.append(Record(name, fmt, where, context=_string(obj, "context", where),
-                                  instruction=_string(obj, "instruction", where), answer=_string(obj, "answer", where)))
+    for where, lineno, obj in jsonl_objects(path):
+        fmt = _format_of(obj)
+        if first_format is None:
+            first_format = (fmt, lineno)
+        elif fmt != first_format[0]:
+            raise DataError(f"{where}: a {fmt} line in a file whose line {first_format[1]} is {first_format[0]}: "
+                            "one format per file")
+        name = obj.get(agent_field)
+        if name is None:
+            if agent is None:
+                raise DataError(f"{where}: missing field {agent_field!r} (the agent; or pass --agent NAME)")
+            name = agent
+        elif not isinstance(name, str) or not name.strip():
+            raise DataError(f"{where}: field {agent_field!r} must be a non-empty string")
+        if agent is not None and name != agent:
+            continue
+        if fmt == "messages":
+            out.append(Record(name, fmt, where, messages=_messages(obj, where)))
+        elif fmt == "text":
+            out.append(Record(name, fmt, where, prompt=_string(obj, "prompt", where),
+                              completion=_string(obj, "completion", where)))
+        else:
+            out.append(Record(name, fmt, where, context=_string(obj, "context", where),
+                              instruction=_string(obj, "instruction", where), answer=_string(obj, "answer", where)))
     if not out:
         raise DataError(f"{path}: no examples" + (f" for agent {agent!r}" if agent is not None else ""))
     return out

@@ -20,11 +20,22 @@ from app.training.trainer import TrainConfig, has_checkpoint, train_decoder
 
 
 @dataclass(frozen=True)
-class Recipe:
+class SuiteSplit:
+    """The generated suite both recipes train and evaluate on: contexts, agents, a held-out split."""
+
     contexts: int = 3000
     test_fraction: float = 0.07
     seed: int = 0
     agents: tuple[str, ...] = tuple(tasks.AGENTS)
+
+    def examples(self) -> tuple[list[tasks.Example], list[tasks.Example]]:
+        """(train, test); test contexts are never seen in training."""
+        return tasks.split_examples(tasks.make_examples(self.contexts, self.seed, self.agents),
+                                    self.test_fraction, self.seed)
+
+
+@dataclass(frozen=True)
+class Recipe(SuiteSplit):
     pretrain: PretrainConfig = PretrainConfig()
     decoder: TrainConfig = TrainConfig(steps=120, batch_size=32, lr=2e-3, warmup=12)
     shared_layers: int = 2
@@ -73,8 +84,7 @@ def run_recipe(which: str, models: Path, work: Path, quick: bool = False, resume
     if not (resume and (tok_dir / "tokenizer.json").is_file()):
         train_tokenizer(tok_dir, seed=r.seed)
         log(f"tokenizer -> {tok_dir}")
-    examples = tasks.make_examples(r.contexts, r.seed, r.agents)
-    train, test = tasks.split_examples(examples, r.test_fraction, r.seed)
+    train, test = r.examples()
     tasks.write_jsonl(work / "data" / "train.jsonl", train)
     tasks.write_jsonl(work / "data" / "test.jsonl", test)
     tasks.write_jsonl(models / "data" / "test.jsonl", test)
@@ -128,11 +138,7 @@ CHAT_TEMPLATE = (
 
 
 @dataclass(frozen=True)
-class ChatRecipe:
-    contexts: int = 3000
-    test_fraction: float = 0.07
-    seed: int = 0
-    agents: tuple[str, ...] = tuple(tasks.AGENTS)
+class ChatRecipe(SuiteSplit):
     steps: int = 120
     batch_size: int = 32
     lr: float = 5e-3
@@ -184,7 +190,7 @@ def run_chat_recipe(models: Path, work: Path, quick: bool = False, resume: bool 
     base_dir, root = models / "base", models / "chat"
     if not (base_dir / "config.json").is_file():
         raise FileNotFoundError(f"{base_dir}: no base; run `prefillshare train --recipe base` first")
-    train, test = tasks.split_examples(tasks.make_examples(r.contexts, r.seed, r.agents), r.test_fraction, r.seed)
+    train, test = r.examples()
     data = work / "chat"
     _write_chat(data / "train.jsonl", train)
     _write_chat(root / "data" / "test.jsonl", test)

@@ -183,31 +183,39 @@ class DataError(ValueError):
 REQUIRED_KEYS = ("agent", "context", "instruction", "answer")
 
 
-def read_jsonl(path: str | os.PathLike, known_agents: Iterable[str] | None = None) -> list[Example]:
-    """Parse a suite file; every problem raises :class:`DataError` naming ``path:line``."""
+def jsonl_objects(path: str | os.PathLike) -> Iterator[tuple[str, int, dict]]:
+    """(``path:line``, line number, object) for each non-blank line of a JSONL file; a missing
+    file, a line that is not JSON or not an object raises :class:`DataError` naming the line."""
     path = Path(path)
     if not path.is_file():
         raise DataError(f"{path}: no such data file")
-    known = set(known_agents) if known_agents is not None else None
-    out = []
     with path.open(encoding="utf-8") as fh:
         for lineno, line in enumerate(fh, 1):
             if not line.strip():
                 continue
+            where = f"{path}:{lineno}"
             try:
                 obj = json.loads(line)
             except json.JSONDecodeError as e:
-                raise DataError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
+                raise DataError(f"{where}: not valid JSON ({e.msg})") from None
             if not isinstance(obj, dict):
-                raise DataError(f"{path}:{lineno}: expected a JSON object, got {type(obj).__name__}")
-            for k in REQUIRED_KEYS:
-                if k not in obj:
-                    raise DataError(f"{path}:{lineno}: missing field {k!r}")
-                if not isinstance(obj[k], str):
-                    raise DataError(f"{path}:{lineno}: field {k!r} must be a string")
-            if known is not None and obj["agent"] not in known:
-                raise DataError(f"{path}:{lineno}: unknown agent {obj['agent']!r}; known: {', '.join(sorted(known))}")
-            out.append(Example(obj["agent"], obj["context"], obj["instruction"], obj["answer"]))
+                raise DataError(f"{where}: expected a JSON object, got {type(obj).__name__}")
+            yield where, lineno, obj
+
+
+def read_jsonl(path: str | os.PathLike, known_agents: Iterable[str] | None = None) -> list[Example]:
+    """Parse a suite file; every problem raises :class:`DataError` naming ``path:line``."""
+    known = set(known_agents) if known_agents is not None else None
+    out = []
+    for where, _, obj in jsonl_objects(path):
+        for k in REQUIRED_KEYS:
+            if k not in obj:
+                raise DataError(f"{where}: missing field {k!r}")
+            if not isinstance(obj[k], str):
+                raise DataError(f"{where}: field {k!r} must be a string")
+        if known is not None and obj["agent"] not in known:
+            raise DataError(f"{where}: unknown agent {obj['agent']!r}; known: {', '.join(sorted(known))}")
+        out.append(Example(obj["agent"], obj["context"], obj["instruction"], obj["answer"]))
     if not out:
         raise DataError(f"{path}: no examples")
     return out
