@@ -319,14 +319,23 @@ def _chat_body(model: str, messages: Sequence[Mapping[str, Any]], max_tokens: in
 
 # ---- blocking client -----------------------------------------------------------------------
 
-class Client:
-    """Blocking client. `Client(url)` then `run(context, agents=[...])`."""
+class _Connection:
+    """The settings and HTTP client both clients are built from: one constructor signature."""
+
+    _http_class: type[httpx.Client] | type[httpx.AsyncClient]
 
     def __init__(self, base_url: str = "http://127.0.0.1:8000", *, api_key: str | None = None,
                  timeout: float = 120.0, connect_timeout: float = 5.0, retries: int = 3,
                  backoff_s: float = 0.25, max_backoff_s: float = 4.0):
         self._s = _Settings(base_url, api_key, timeout, connect_timeout, retries, backoff_s, max_backoff_s)
-        self._http = httpx.Client(base_url=self._s.base_url, headers=self._s.headers, timeout=self._s.timeout)
+        self._http = self._http_class(base_url=self._s.base_url, headers=self._s.headers, timeout=self._s.timeout)
+
+
+class Client(_Connection):
+    """Blocking client. `Client(url)` then `run(context, agents=[...])`."""
+
+    _http_class = httpx.Client
+    _http: httpx.Client
 
     def close(self) -> None:
         self._http.close()
@@ -566,14 +575,11 @@ class RunStream:
         return self._result
 
 
-class AsyncClient:
+class AsyncClient(_Connection):
     """asyncio client; same methods as `Client`, plus `stream()` -> RunStream."""
 
-    def __init__(self, base_url: str = "http://127.0.0.1:8000", *, api_key: str | None = None,
-                 timeout: float = 120.0, connect_timeout: float = 5.0, retries: int = 3,
-                 backoff_s: float = 0.25, max_backoff_s: float = 4.0):
-        self._s = _Settings(base_url, api_key, timeout, connect_timeout, retries, backoff_s, max_backoff_s)
-        self._http = httpx.AsyncClient(base_url=self._s.base_url, headers=self._s.headers, timeout=self._s.timeout)
+    _http_class = httpx.AsyncClient
+    _http: httpx.AsyncClient
 
     async def aclose(self) -> None:
         await self._http.aclose()
