@@ -32,8 +32,9 @@ import sys
 import tempfile
 import time
 import uuid
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
+from app.bench.models import SMALL, ModelShape
 from app.engine import compute_dtype
 
 __all__ = ["BenchConfig", "CaseResult", "run_bench", "configure", "main", "format_kv_table"]
@@ -43,11 +44,7 @@ __all__ = ["BenchConfig", "CaseResult", "run_bench", "configure", "main", "forma
 class BenchConfig:
     lengths: tuple[int, ...] = (512, 1024, 2048, 4096)
     fanouts: tuple[int, ...] = (2, 4, 8)
-    hidden: int = 1024
-    layers: int = 8
-    heads: int = 16
-    kv_heads: int = 4
-    intermediate: int = 2816
+    shape: ModelShape = ModelShape()
     vocab: int = 8192
     dtype: str = "auto"
     block_size: int = 32
@@ -64,8 +61,6 @@ class BenchConfig:
             raise ValueError("--lengths: prompt lengths must be >= 2")
         if not self.fanouts or min(self.fanouts) < 1:
             raise ValueError("--fanouts: fan-outs must be >= 1")
-        if self.hidden % self.heads or self.heads % self.kv_heads:
-            raise ValueError("--hidden/--heads/--kv-heads: hidden must divide by heads, heads by kv heads")
 
     @property
     def max_model_len(self) -> int:
@@ -73,10 +68,7 @@ class BenchConfig:
 
     @property
     def params(self) -> int:
-        hd = self.hidden // self.heads
-        attn = self.hidden * (self.heads * hd) * 2 + self.hidden * (self.kv_heads * hd) * 2
-        mlp = 3 * self.hidden * self.intermediate
-        return self.layers * (attn + mlp) + self.vocab * self.hidden
+        return self.shape.params(self.vocab)
 
 
 @dataclass
@@ -113,9 +105,10 @@ class CaseResult:
 def _write_model_config(path: str, cfg: BenchConfig) -> None:
     from transformers import LlamaConfig
 
-    LlamaConfig(vocab_size=cfg.vocab, hidden_size=cfg.hidden, num_hidden_layers=cfg.layers,
-                num_attention_heads=cfg.heads, num_key_value_heads=cfg.kv_heads,
-                intermediate_size=cfg.intermediate, max_position_embeddings=cfg.max_model_len,
+    m = cfg.shape
+    LlamaConfig(vocab_size=cfg.vocab, hidden_size=m.hidden, num_hidden_layers=m.layers,
+                num_attention_heads=m.heads, num_key_value_heads=m.kv_heads,
+                intermediate_size=m.intermediate, max_position_embeddings=cfg.max_model_len,
                 tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, dtype="bfloat16").save_pretrained(path)
 
 
@@ -328,8 +321,7 @@ def run_bench(cfg: BenchConfig) -> list[CaseResult]:
     return results
 
 
-QUICK = dict(lengths=(300,), fanouts=(2,), hidden=256, layers=2, heads=4, kv_heads=2, intermediate=512,
-             vocab=1024, kv_space_gib=0.25, max_num_batched_tokens=256)
+QUICK = dict(lengths=(300,), fanouts=(2,), shape=SMALL, vocab=1024, kv_space_gib=0.25, max_num_batched_tokens=256)
 
 
 def _ints(s: str) -> tuple[int, ...]:
@@ -361,10 +353,11 @@ def _cli(args: argparse.Namespace) -> int:
     kw: dict = dict(QUICK) if args.quick else {}
     if args.quick:
         kw["out"] = "runs/bench/engine_quick.json"
-    for name in ("lengths", "fanouts", "hidden", "layers", "dtype", "block_size", "out"):
+    for name in ("lengths", "fanouts", "dtype", "block_size", "out"):
         v = getattr(args, name)
         if v is not None:
             kw[name] = v
+    over = {k: getattr(args, k) for k in ("hidden", "layers") if getattr(args, k) is not None}
     if args.binds:
         binds = tuple(args.binds.split(","))
         if len(binds) != 3:
@@ -373,6 +366,7 @@ def _cli(args: argparse.Namespace) -> int:
     kw["progress"] = not args.no_progress
     kw["private"] = not args.no_private
     try:
+        kw["shape"] = replace(kw.get("shape", ModelShape()), **over)
         cfg = BenchConfig(**kw)
     except ValueError as e:
         raise SystemExit(str(e)) from None
