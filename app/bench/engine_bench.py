@@ -28,7 +28,6 @@ import os
 import random
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 import uuid
@@ -37,7 +36,7 @@ from dataclasses import asdict, dataclass, field, replace
 from app.bench.models import SMALL, ModelShape
 from app.engine import compute_dtype
 
-__all__ = ["BenchConfig", "CaseResult", "run_bench", "configure", "main", "format_kv_table"]
+__all__ = ["BenchConfig", "CaseResult", "run_bench", "configure", "format_kv_table"]
 
 
 @dataclass(frozen=True)
@@ -372,15 +371,3 @@ def _cli(args: argparse.Namespace) -> int:
         raise SystemExit(str(e)) from None
     results = run_bench(cfg)
     return 0 if all(r.cached_tokens_ok for r in results) else 1
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="prefillshare bench engine", description=__doc__.splitlines()[0])
-    configure(parser)
-    args = parser.parse_args(argv)
-    return args.func(args)
-
-
-if __name__ == "__main__":
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    sys.exit(main())

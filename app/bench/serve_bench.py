@@ -24,7 +24,6 @@ import os
 import shutil
 import socket
 import statistics
-import sys
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -561,14 +560,3 @@ def _cli(args: argparse.Namespace) -> int:
         raise SystemExit(str(e)) from None
     doc = run(cfg)
     return 0 if doc["points"] and all(p["ok"] > 0 for p in doc["points"]) else 1
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="prefillshare bench serve", description=__doc__.splitlines()[0])
-    configure(parser)
-    args = parser.parse_args(argv)
-    return args.func(args)
-
-
-if __name__ == "__main__":
-    sys.exit(main())
