@@ -66,15 +66,17 @@ def test_percentiles_bound_and_summary_accounting():
             'prefillshare_prefill_tokens_saved_total{stage="decode",module="agent0"} 500\n'
             'prefillshare_kv_pool_hit_tokens_total{model="agent0"} 500\n'
             'prefillshare_kv_pool_lookup_tokens_total{model="agent0"} 520\n')
-    p = summarize("a", spec, "rate", 0.1, res, 0.0, 30.0, {}, parse_metrics(text), 1024.0, 10, 6.0)
+    p = summarize("a", spec, "rate", 0.1, res, 0.0, 30.0, {}, parse_metrics(text), 4096.0, 1024.0, 10, 6.0)
     assert (p.ok, p.sent) == (3, 4) and p.errors == ["HTTP 500"]
     assert p.sessions_per_s == pytest.approx(0.1) and p.output_tok_per_s == pytest.approx(24 / 30)
     assert p.prefill_tokens_computed_per_session == pytest.approx(100) and p.cache_hit_ratio == pytest.approx(0.25)
     assert p.pool_hit_ratio == pytest.approx(500 / 520)
     assert p.decoder_kv_peak_bytes == 2 * 264 * 10  # two agents of one session overlap, sessions do not
+    # KV needed: pinned pool blocks + decoders; the pool's cached blocks are reported apart
+    assert p.kv_held_peak_bytes == 1024 + 2 * 264 * 10 and p.pool_peak_bytes == 4096
     assert p.cpu_s_per_session == pytest.approx(2.0) and p.fanout_latency["p95"] == pytest.approx(2.0)
     assert max_sustainable([p], slo_s=5.0) is None  # a session failed: not sustainable
-    q = summarize("b", spec, "rate", 0.1, res[:3], 0.0, 30.0, {}, {}, 0.0, 10, None)
+    q = summarize("b", spec, "rate", 0.1, res[:3], 0.0, 30.0, {}, {}, 0.0, 0.0, 10, None)
     c = compare([p, q], costs, "b", 5.0)
     assert c.throughput_ratio == pytest.approx(1.0) and c.p95_ratios == [(0.1, 1.0, 1.0, 1.0)]
     assert c.throughput_spread is None and c.verdict == "one run: no spread"
@@ -90,7 +92,7 @@ def test_repeats_give_a_spread_and_a_reading():
     def point(system, rate, repeat, p95):
         r = SessionResult(0, sent=0.0, scheduled=0.0, done=p95, rounds_s=[p95])
         r.agents = [AgentTiming(0, "agent0", 0.0, ttft_s=0.1, e2e_s=p95, prompt_tokens=260, completion_tokens=4)]
-        p = summarize(system, spec, "concurrency", 1.0, [r] * int(rate * 10), 0.0, 10.0, {}, {}, 0.0, 10, 1.0)
+        p = summarize(system, spec, "concurrency", 1.0, [r] * int(rate * 10), 0.0, 10.0, {}, {}, 0.0, 0.0, 10, 1.0)
         return replace(p, repeat=repeat)
 
     # a-lora twice as fast in every repeat; c-lora's p95 1.5x / 3x a-lora's

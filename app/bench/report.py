@@ -73,24 +73,27 @@ class PointResult:
     prefill_tokens_computed_per_session: float
     cache_hit_ratio: float | None     # prompt tokens an engine found in its prefix cache / tokens it was given
     pool_hit_ratio: float | None      # of tokens decoders expected from the pool, found
-    pool_peak_bytes: float
+    pool_peak_bytes: float            # sampled: every block the pool held, cached ones included
     decoder_kv_peak_bytes: float      # modelled: in-flight agents' (prompt + output) tokens x bytes/token
     cpu_s_per_session: float | None
     errors: list[str] = field(default_factory=list)
     repeat: int = 0                   # which repeat of this (system, N, L, R, load) point
     loadavg: float | None = None      # the machine's 1-minute load average when the point ended
+    pool_pinned_peak_bytes: float = 0.0  # sampled: blocks pinned for fan-out loads still to come
 
     def to_dict(self) -> dict:
         return asdict(self)
 
     @property
     def kv_held_peak_bytes(self) -> float:
-        """KV held at the peak: the pool's blocks plus the decoders' modelled resident KV."""
-        return self.pool_peak_bytes + self.decoder_kv_peak_bytes
+        """KV the fan-outs need at the peak: the pool's pinned blocks plus the decoders' modelled
+        resident KV. The pool's other blocks are a cache (LRU, evictable), like the engines'
+        prefix caches, which no system counts here."""
+        return self.pool_pinned_peak_bytes + self.decoder_kv_peak_bytes
 
 
 def summarize(system: str, spec, mode: str, load: float, results: list[SessionResult], t0: float, t_end: float,
-              before: dict, after: dict, pool_peak: float, kv_bytes_per_token: int,
+              before: dict, after: dict, pool_peak: float, pool_pinned_peak: float, kv_bytes_per_token: int,
               cpu_s: float | None) -> PointResult:
     ok = [r for r in results if r.ok]
     agents = [a for r in ok for a in r.agents]
@@ -124,7 +127,7 @@ def summarize(system: str, spec, mode: str, load: float, results: list[SessionRe
         prefill_tokens_computed_per_session=computed / len(ok) if ok else 0.0,
         cache_hit_ratio=(cached / (cached + computed)) if cached + computed else None,
         pool_hit_ratio=hit / lookup if lookup else None,
-        pool_peak_bytes=pool_peak, decoder_kv_peak_bytes=peak,
+        pool_peak_bytes=pool_peak, decoder_kv_peak_bytes=peak, pool_pinned_peak_bytes=pool_pinned_peak,
         cpu_s_per_session=(cpu_s / len(ok)) if (cpu_s is not None and ok) else None,
         errors=errs,
     )
@@ -274,7 +277,8 @@ def _table(head: str, rows: list[str]) -> str:
 
 def points_table(points: list[PointResult]) -> str:
     head = ("| system | N | L | R | load | rep | ok/sent | fan-out p50/p95/p99 s | TTFT p50/p95 s | sessions/s | "
-            "out tok/s | prefill tok/session | cache hit | KV held peak MiB (pool + decoders) | CPU s/session | "
+            "out tok/s | prefill tok/session | cache hit | KV needed peak MiB (pinned pool + decoders) | pool cache MiB | "
+            "CPU s/session | "
             "load avg |")
     rows = []
     for p in points:
@@ -284,8 +288,8 @@ def points_table(points: list[PointResult]) -> str:
             f"| {p.system} {SYSTEMS[p.system]} | {p.fanout} | {p.context_tokens} | {p.rounds} | {load} | {p.repeat} | "
             f"{p.ok}/{p.sent} | {_f(fl['p50'])}/{_f(fl['p95'])}/{_f(fl['p99'])} | {_f(tt['p50'])}/{_f(tt['p95'])} | "
             f"{p.sessions_per_s:.3f} | {p.output_tok_per_s:.1f} | {p.prefill_tokens_computed_per_session:.0f} | "
-            f"{_f(p.cache_hit_ratio)} | {p.kv_held_peak_bytes / 2**20:.1f} ({p.pool_peak_bytes / 2**20:.1f} + "
-            f"{p.decoder_kv_peak_bytes / 2**20:.1f}) | {_f(p.cpu_s_per_session)} | {_f(p.loadavg, '{:.1f}')} |")
+            f"{_f(p.cache_hit_ratio)} | {p.kv_held_peak_bytes / 2**20:.1f} ({p.pool_pinned_peak_bytes / 2**20:.1f} + "
+            f"{p.decoder_kv_peak_bytes / 2**20:.1f}) | {p.pool_peak_bytes / 2**20:.1f} | {_f(p.cpu_s_per_session)} | {_f(p.loadavg, '{:.1f}')} |")
     return _table(head, rows)
 
 

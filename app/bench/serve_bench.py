@@ -176,25 +176,27 @@ def _metrics(url: str) -> dict:
     return parse_metrics(text)
 
 
-async def _sample_pool(url: str, stop: asyncio.Event, period_s: float = 2.0) -> float:
-    """Peak of the pool's held bytes while a point runs."""
+async def _sample_pool(url: str, stop: asyncio.Event, period_s: float = 1.0) -> tuple[float, float]:
+    """Peaks of the pool's held bytes (every block, cached ones included) and of its pinned
+    blocks (held for fan-out loads still to come) while a point runs."""
     import httpx
 
     from app.bench.report import metric_sum, parse_metrics
 
-    peak = 0.0
+    held = pinned = 0.0
     async with httpx.AsyncClient(timeout=10) as c:
         while not stop.is_set():
             try:
-                r = await c.get(url + "/metrics")
-                peak = max(peak, metric_sum(parse_metrics(r.text), "prefillshare_kv_pool_held_bytes"))
+                m = parse_metrics((await c.get(url + "/metrics")).text)
+                held = max(held, metric_sum(m, "prefillshare_kv_pool_held_bytes"))
+                pinned = max(pinned, metric_sum(m, "prefillshare_kv_pool_pinned_blocks"))
             except httpx.HTTPError:
                 pass
             try:
                 await asyncio.wait_for(stop.wait(), period_s)
             except TimeoutError:
                 pass
-    return peak
+    return held, pinned
 
 
 # --- measuring one system ------------------------------------------------------------
@@ -265,11 +267,13 @@ def _run_point(url: str, cfg: ServeBenchConfig, system: str, spec: WorkloadSpec,
             stop.set()
             peak_box.append(await sampler)
 
-    peak_box: list[float] = []
+    peak_box: list[tuple[float, float]] = []
     results, t0, t_end = asyncio.run(go())
     cpu = _cluster_cpu_s() - cpu0
     after = _metrics(url)
-    p = summarize(system, spec, cfg.mode, load, results, t0, t_end, before, after, peak_box[0],
+    held, pinned_blocks = peak_box[0]
+    pinned = pinned_blocks * cfg.topology.block_size * kv_bytes_per_token
+    p = summarize(system, spec, cfg.mode, load, results, t0, t_end, before, after, held, pinned,
                   kv_bytes_per_token, cpu)
     return replace(p, repeat=repeat, loadavg=round(os.getloadavg()[0], 1))
 
