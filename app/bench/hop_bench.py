@@ -147,10 +147,8 @@ async def _session(handles, path: str, spec: HopSpec, prompt: tuple[int, ...], s
     return tokens, chunks, first, last
 
 
-async def _round(handles, path: str, c: int, prompts: list[tuple[int, ...]], spec: HopSpec, res: PathResult):
-    from app.sampling import Sampling
-
-    sampling = Sampling(max_tokens=spec.output_tokens, ignore_eos=True)
+async def _round(handles, path: str, c: int, prompts: list[tuple[int, ...]], spec: HopSpec, sampling,
+                 res: PathResult):
     proc = handles["orch_proc"]
     cpu0, t0 = _cpu_s(proc), time.perf_counter()
     out = await asyncio.gather(*[_session(handles, path, spec, prompts[i], sampling) for i in range(c)])
@@ -169,9 +167,14 @@ async def _round(handles, path: str, c: int, prompts: list[tuple[int, ...]], spe
     res.orchestrator_cpu_ms_per_token.append(cpu / total * 1e3)
 
 
-def _prompts(spec: HopSpec, n: int) -> list[tuple[int, ...]]:
-    """Distinct prompts (no prefix-cache hit across sessions or rounds) of about the same length."""
+def _workload(spec: HopSpec, n: int) -> tuple[list[tuple[int, ...]], object]:
+    """Distinct prompts (no prefix-cache hit across sessions or rounds) of about the same length,
+    and one sampling for all: ``output_tokens`` each, special tokens banned so that every token
+    is text (an agent run's events carry text only; a trained decoder would otherwise emit
+    end-of-sequence tokens past its answer, which stream as tokens without text)."""
     from transformers import AutoTokenizer
+
+    from app.sampling import Sampling
 
     tok = AutoTokenizer.from_pretrained(str(_checkpoints(spec) / "tokenizer"))
     words = ("maya", "lamp", "oslo", "teal", "noon", "rome", "lima", "kyiv", "doha", "pear", "fig", "desk")
@@ -179,7 +182,8 @@ def _prompts(spec: HopSpec, n: int) -> list[tuple[int, ...]]:
     for i in range(n):
         text = " ".join(f"{words[(i * 7 + j) % len(words)]}{(i * 31 + j) % 97}" for j in range(spec.prompt_words))
         out.append(tuple(tok(text)["input_ids"]))
-    return out
+    ban = tuple((i, -100.0) for i in sorted(set(tok.all_special_ids)))
+    return out, Sampling(max_tokens=spec.output_tokens, ignore_eos=True, logit_bias=ban)
 
 
 async def _measure(spec: HopSpec) -> list[dict]:
@@ -188,17 +192,17 @@ async def _measure(spec: HopSpec) -> list[dict]:
     handles = {"decode": serve.get_deployment_handle(f"Decode-{spec.decoder}", APP).options(stream=True),
                "orch": serve.get_deployment_handle("Orchestrator", APP),
                "orch_proc": _orchestrator_process()}
-    prompts = _prompts(spec, len(PATHS) * (1 + sum(spec.rounds * c for c in spec.concurrency)))
+    prompts, sampling = _workload(spec, len(PATHS) * (1 + sum(spec.rounds * c for c in spec.concurrency)))
     it = iter(prompts)
     # warm every path (engine graphs, handle routers, the orchestrator's tokenizer)
     for path in PATHS:
-        await _round(handles, path, 1, [next(it)], spec, PathResult(path, 1))
+        await _round(handles, path, 1, [next(it)], spec, sampling, PathResult(path, 1))
     rows = []
     for c in spec.concurrency:
         results = {p: PathResult(p, c) for p in PATHS}
         for r in range(spec.rounds):
             for path in PATHS[r % len(PATHS):] + PATHS[:r % len(PATHS)]:  # each path leads in turn
-                await _round(handles, path, c, [next(it) for _ in range(c)], spec, results[path])
+                await _round(handles, path, c, [next(it) for _ in range(c)], spec, sampling, results[path])
         s = {p: results[p].summary() for p in PATHS}
         print(f"{c} session(s): " + ", ".join(f"{s[p]['ms_per_token']:.2f} ms/token {p}" for p in PATHS),
               file=sys.stderr)
