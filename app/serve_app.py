@@ -320,6 +320,8 @@ def build(cfg: AppConfig):
         for dp in served:  # a decode group serves each adapter's name through its one engine
             decoders[dp.name] = handle
 
+    # one set of decode handles for both callers: the Router streams completions from them, the
+    # Orchestrator streams agent runs' decoders
     orch = Orchestrator.options(**_small(cfg, cfg.orchestrator)).bind(plan, prefill, decoders, metrics)
     auth = cfg.auth
     if auth.keys_file:  # the Router replica reads the file itself: keys never travel in Serve's config

@@ -723,7 +723,7 @@ def test_client_that_disconnects_mid_stream_frees_its_slot_and_the_engines(app):
     first = _stream_then_hang_up(app, {"model": "alpha", "prompt": CONTEXT, "max_tokens": 64, "stream": True,
                                        "temperature": 0.7, "seed": 1})
     assert first.startswith("data: ")
-    for _ in range(60):  # the cancellation travels router -> orchestrator -> decoder
+    for _ in range(60):  # the cancellation travels router -> decoder
         queues = _metric(_metrics(app["url"]), "prefillshare_queue_length")
         if _ingress_state(app)["inflight"] == 0 and queues == 0:
             break
