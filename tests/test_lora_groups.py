@@ -239,7 +239,11 @@ def test_openai_client_and_sdk_address_adapters_like_models(app_url, reference):
     oa = openai.OpenAI(base_url=app_url + "/v1", api_key="unused", max_retries=0, timeout=300)
     models = {m.id: m for m in oa.models.list().data}
     assert {"lookup", "ad0", "prüf-ágent-1"} <= set(models)
-    assert json.loads(models["prüf-ágent-1"].model_dump_json()).get("prefill_module") == "base"
+    adapter, full = (json.loads(models[m].model_dump_json()) for m in ("prüf-ágent-1", "lookup"))
+    assert adapter.get("prefill_module") == "base"
+    # an adapter names the decode group serving it, as vLLM's /v1/models does; a full decoder has none
+    assert adapter.get("parent") == "group" and full.get("parent") is None
+    assert adapter.get("max_model_len", 0) > 0
     for model in ("prüf-ágent-1", "lookup"):
         ids, want = reference(model, AGENTS[0][1])
         out = oa.completions.create(model=model, prompt=render_prompt(CONTEXT, AGENTS[0][1]), max_tokens=MAX_NEW,
