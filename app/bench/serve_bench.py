@@ -199,6 +199,18 @@ async def _sample_pool(url: str, stop: asyncio.Event, period_s: float = 1.0) -> 
     return held, pinned
 
 
+def _relative(value, root: Path):
+    """``value`` with every path string under ``root`` made relative to it: results that do not
+    name the machine they ran on."""
+    if isinstance(value, dict):
+        return {k: _relative(v, root) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_relative(v, root) for v in value]
+    if isinstance(value, str) and value.startswith(str(root) + os.sep):
+        return os.path.relpath(value, root)
+    return value
+
+
 # --- measuring one system ------------------------------------------------------------
 def _probe_costs(url: str, cfg: ServeBenchConfig, maker, L: int, n: int, system_seed: int):
     """Unloaded phase costs at context length L (medians over cfg.probes repeats), one request
@@ -396,7 +408,7 @@ def _document(cfg: ServeBenchConfig, mset, topo: Topology, deploy_s: dict, skipp
     doc = {
         "config": _jsonable(asdict(cfg)),
         "machine": _machine(),
-        "models": mset.to_dict(),
+        "models": _relative(mset.to_dict(), PROJECT),
         "topology": asdict(topo),
         "deploy_seconds": deploy_s,
         "skipped": skipped,
