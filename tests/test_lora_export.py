@@ -5,7 +5,6 @@ tests/test_shipped_models.py checks equal to vLLM's on a plain checkpoint.
 """
 from __future__ import annotations
 
-import multiprocessing
 from pathlib import Path
 
 import pytest
@@ -14,6 +13,7 @@ from app.models.compat import check
 from app.training import tasks
 from app.training.tokenizer import load_tokenizer
 from app.training.trainer import TrainConfig, train_decoder
+from tests.engine_child import KV_CACHE_BYTES, run_in_child
 
 CKPT = Path(__file__).resolve().parents[1] / "checkpoints"
 pytestmark = [pytest.mark.engine,
@@ -27,7 +27,7 @@ def _vllm_greedy(model: str, prompts: list[list[int]], adapter: str | None, queu
 
     lora = dict(enable_lora=True, max_lora_rank=8, max_loras=1) if adapter else {}
     llm = LLM(model=model, dtype="float32", enforce_eager=True, max_model_len=256, seed=0,
-              gpu_memory_utilization=0.5, **lora)
+              kv_cache_memory_bytes=KV_CACHE_BYTES, **lora)
     request = LoRARequest("decoder", 1, adapter) if adapter else None
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         SamplingParams(temperature=0.0, max_tokens=MAX_NEW), lora_request=request)
@@ -36,14 +36,7 @@ def _vllm_greedy(model: str, prompts: list[list[int]], adapter: str | None, queu
 
 
 def _run(model: Path, prompts, adapter: Path | None = None) -> list[list[int]]:
-    ctx = multiprocessing.get_context("spawn")
-    queue = ctx.Queue()
-    proc = ctx.Process(target=_vllm_greedy, args=(str(model), prompts, str(adapter) if adapter else None, queue))
-    proc.start()
-    try:
-        return queue.get(timeout=600)
-    finally:
-        proc.join(60)
+    return run_in_child(_vllm_greedy, str(model), prompts, str(adapter) if adapter else None)
 
 
 def test_merged_export_generates_the_adapter_models_greedy_tokens(tmp_path):

@@ -1,7 +1,6 @@
 """The shipped checkpoints: layout, size, manifests, and that vLLM loads and runs them."""
 from __future__ import annotations
 
-import multiprocessing
 from pathlib import Path
 
 import pytest
@@ -9,6 +8,7 @@ import pytest
 from app.models.compat import check
 from app.models.manifest import read_manifest
 from app.training import tasks
+from tests.engine_child import KV_CACHE_BYTES, run_in_child
 
 CKPT = Path(__file__).resolve().parents[1] / "checkpoints"
 AGENTS = tuple(tasks.AGENTS)
@@ -44,7 +44,7 @@ def _vllm_greedy(model: str, prompts: list[str], queue) -> None:
     from vllm import LLM, SamplingParams
 
     llm = LLM(model=model, dtype="float32", enforce_eager=True, max_model_len=512, seed=0,
-              gpu_memory_utilization=0.5)
+              kv_cache_memory_bytes=KV_CACHE_BYTES)
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=16))
     queue.put([o.outputs[0].text for o in outs])
     # the engine core is a non-daemon child: without this the process never exits
@@ -61,14 +61,7 @@ def test_vllm_loads_a_shipped_decoder_and_matches_transformers():
     path = CKPT / "decoders" / "lookup"
     examples = [e for e in tasks.read_jsonl(CKPT / "data" / "test.jsonl") if e.agent == "lookup"][:4]
     prompts = [e.prompt for e in examples]
-    ctx = multiprocessing.get_context("spawn")
-    queue = ctx.Queue()
-    proc = ctx.Process(target=_vllm_greedy, args=(str(path), prompts, queue))
-    proc.start()
-    try:
-        texts = queue.get(timeout=600)
-    finally:
-        proc.join(60)  # if it still runs, the session finish (conftest.py) stops its whole tree
+    texts = run_in_child(_vllm_greedy, str(path), prompts)
     tok, model = load_tokenizer(path), load_model(path)
     for text, prompt in zip(texts, prompts):
         ids = private_greedy(model, tok(prompt)["input_ids"], 16, tok.eos_token_id)
