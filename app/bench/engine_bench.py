@@ -16,8 +16,8 @@ bytes measured in this process in the same case (one thread, as each engine work
 second and per CPU second of the copying thread (the latter holds when other processes share the
 cores), and CPU seconds of all engine processes in each phase (psutil). Prints a table, writes JSON.
 
-    python -m app.bench.engine_bench --quick          # smoke test (small model, one case)
-    python -m app.bench.engine_bench --out runs/bench/engine.json
+    prefillshare bench engine --quick          # smoke test (small model, one case)
+    prefillshare bench engine --out runs/bench/engine.json
 """
 from __future__ import annotations
 
