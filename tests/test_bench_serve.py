@@ -107,6 +107,28 @@ def test_repeats_give_a_spread_and_a_reading():
     assert spread_verdict(0.8, 1.3) == "no measurable difference" and spread_verdict(0.5, 0.9) == "worse"
 
 
+def test_report_remakes_tables_and_plots_of_a_saved_run(tmp_path):
+    """``--report`` recomputes the comparisons from the saved points and costs (a damaged stored
+    comparison is replaced) and draws every plot; a file that is not a run's JSON is refused by name."""
+    from app.bench.serve_bench import rerender
+
+    saved = json.loads((ROOT / "docs/results/bench_serve_lora.json").read_text())
+    damaged = json.loads(json.dumps(saved))
+    for c in damaged["comparisons"]:
+        c["throughput_ratio"], c["p95_ratios"] = 0.0, []
+    src = tmp_path / "run.json"
+    src.write_text(json.dumps(damaged))
+    doc = rerender(src, log=lambda *_: None)
+    assert json.loads(json.dumps(doc["comparisons"])) == saved["comparisons"]
+    out = tmp_path / "run"  # beside the JSON, named after it
+    for f in ("results.md", "p95_vs_load.png", "throughput_vs_n.png", "throughput_vs_load.png"):
+        assert (out / f).stat().st_size > 0
+    assert "| N=8 L=4096 R=1 | a-lora vs c-lora |" in (out / "results.md").read_text()
+    (tmp_path / "other.json").write_text('{"points": 1}')
+    with pytest.raises(SystemExit, match="--report: .*other.json"):
+        rerender(tmp_path / "other.json")
+
+
 def test_every_system_is_a_valid_app_config(tmp_path):
     """The six systems' configs load and plan (adapters checked, per-adapter KV where it belongs); no engine starts."""
     from app.bench.models import SMALL, random_models

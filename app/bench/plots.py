@@ -1,6 +1,7 @@
 """PNG plots of a serving-benchmark run (matplotlib, Agg: no display needed)."""
 from __future__ import annotations
 
+import statistics
 from pathlib import Path
 
 from app.bench.report import PointResult
@@ -51,8 +52,6 @@ def p95_vs_load(points: list[PointResult], path: str | Path, title: str = "") ->
             ps = sorted([p for p in points if (p.system, p.fanout, p.context_tokens, p.rounds) == (s, n, L, R)
                          and p.fanout_latency["p95"] is not None], key=lambda p: p.load)
             if ps:  # median over repeats, the min-max as an error bar
-                import statistics
-
                 c, m = _STYLE[s]
                 loads = sorted({p.load for p in ps})
                 ys = [[p.fanout_latency["p95"] for p in ps if p.load == x] for x in loads]
@@ -79,6 +78,34 @@ def throughput_vs_n(points: list[PointResult], path: str | Path, title: str = ""
                 c, m = _STYLE[s]
                 ax.plot(ns, best, marker=m, color=c, label=f"{s} {SYSTEMS[s]}")
         _label(ax, "fan-out N (decoders per round)", "best output tokens/s", f"L={L} R={R}")
+    return _save(plt, fig, path, title, len(groups))
+
+
+def throughput_vs_load(points: list[PointResult], path: str | Path, title: str = "") -> Path:
+    """Achieved sessions/s against offered load, one panel per (N, L, R), a line per system.
+
+    Where a system's line leaves the dashed "offered" diagonal (Poisson rates) or flattens
+    (concurrency), it has saturated; the median over repeats is drawn, the min-max as a bar."""
+    plt = _plt()
+    groups = sorted({(p.fanout, p.context_tokens, p.rounds) for p in points})
+    fig, axes = plt.subplots(1, len(groups), figsize=(4.2 * len(groups), 3.6), squeeze=False)
+    for ax, (n, L, R) in zip(axes[0], groups):
+        here = [p for p in points if (p.fanout, p.context_tokens, p.rounds) == (n, L, R)]
+        loads = sorted({p.load for p in here})
+        mode = here[0].mode
+        if mode == "rate":
+            ax.plot(loads, loads, linestyle="--", color="grey", linewidth=1, label="offered")
+        for s in SYSTEMS:
+            xs = sorted({p.load for p in here if p.system == s})
+            if not xs:
+                continue
+            ys = [[p.sessions_per_s for p in here if p.system == s and p.load == x] for x in xs]
+            mid = [statistics.median(y) for y in ys]
+            c, m = _STYLE[s]
+            ax.errorbar(xs, mid, yerr=[[a - min(y) for a, y in zip(mid, ys)], [max(y) - a for a, y in zip(mid, ys)]],
+                        marker=m, color=c, capsize=3, label=f"{s} {SYSTEMS[s]}")
+        _label(ax, "offered load (sessions/s)" if mode == "rate" else "concurrent sessions",
+               "achieved sessions/s", f"N={n} L={L} R={R}")
     return _save(plt, fig, path, title, len(groups))
 
 

@@ -467,8 +467,32 @@ def render_markdown(doc: dict, points, comps, costs) -> str:
     return "\n".join(lines) + "\n"
 
 
+def rerender(results_json: str | Path, out: str | None = None, log=print) -> dict:
+    """Tables and plots of a saved run, made again with this code (``--report``): comparisons are
+    recomputed from the run's points and phase costs with the SLO the run used; nothing is measured."""
+    from app.bench.report import Comparison, PhaseCosts, PointResult, compare_all
+
+    path = Path(results_json)
+    try:
+        doc = json.loads(path.read_text())
+        points = [PointResult(**p) for p in doc["points"]]
+        costs = {int(L): {s: PhaseCosts(**c) for s, c in per.items()} for L, per in doc["phase_costs"].items()}
+        slo = {c["label"]: c["slo_s"] for c in doc.get("comparisons", [])}
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise SystemExit(f"--report: {path} is not a results.json of prefillshare bench serve ({e})") from None
+    comps: list[Comparison] = []
+    for key in sorted({(p.fanout, p.context_tokens, p.rounds) for p in points}):
+        pts = [p for p in points if (p.fanout, p.context_tokens, p.rounds) == key]
+        comps += compare_all(pts, costs.get(key[1], {}), slo.get(f"N={key[0]} L={key[1]} R={key[2]}"))
+    doc["comparisons"] = [c.to_dict() for c in comps]
+    if out is None:  # next to the JSON: its own folder, or one named after the file
+        out = str(path.parent if path.name == "results.json" else path.with_suffix(""))
+    write_outputs(doc, points, comps, costs, out, log)
+    return doc
+
+
 def write_outputs(doc: dict, points, comps, costs, out: str, log=print) -> None:
-    from app.bench.plots import p95_vs_load, throughput_vs_n
+    from app.bench.plots import p95_vs_load, throughput_vs_load, throughput_vs_n
 
     out_dir = Path(out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -479,8 +503,9 @@ def write_outputs(doc: dict, points, comps, costs, out: str, log=print) -> None:
         title = f"{doc['models']['description']}; {doc['machine']['cpus']} CPUs"
         p95_vs_load(points, out_dir / "p95_vs_load.png", title)
         throughput_vs_n(points, out_dir / "throughput_vs_n.png", title)
+        throughput_vs_load(points, out_dir / "throughput_vs_load.png", title)
     log(md)
-    log(f"wrote {out_dir}/results.json, results.md, p95_vs_load.png, throughput_vs_n.png")
+    log(f"wrote {out_dir}/results.json, results.md, p95_vs_load.png, throughput_vs_n.png, throughput_vs_load.png")
 
 
 # --- command line --------------------------------------------------------------------
@@ -536,7 +561,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     a("--max-engines", type=int, help="skip (and report) systems needing more engines (default 8)")
     a("--slo", type=float, dest="slo_s", help="p95 fan-out latency SLO in s (default 2x baseline b unloaded)")
     a("--slo-factor", type=float)
-    a("--out", help="output directory (default runs/bench/serve)")
+    a("--out", help="output directory (default runs/bench/serve; with --report, beside the JSON)")
+    a("--report", metavar="RESULTS_JSON", help="measure nothing: make the tables and plots of a saved run again")
     a("--model-dir", help="where benchmark checkpoints are written (default runs/bench/serve-models)")
     parser.set_defaults(func=_cli)
 
@@ -570,6 +596,9 @@ def config_from_args(args: argparse.Namespace) -> ServeBenchConfig:
 
 
 def _cli(args: argparse.Namespace) -> int:
+    if args.report:
+        rerender(args.report, args.out)
+        return 0
     try:
         cfg = config_from_args(args)
     except ValueError as e:
