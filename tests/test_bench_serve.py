@@ -167,7 +167,7 @@ def test_short_run_of_the_lora_systems_is_well_formed(tmp_path):
     doc = run(cfg)
     out = tmp_path / "out"
     assert json.loads((out / "results.json").read_text())["points"] == doc["points"]
-    for f in ("results.md", "p95_vs_load.png", "throughput_vs_n.png"):
+    for f in ("results.md", "p95_vs_load.png", "throughput_vs_n.png", "throughput_vs_load.png"):
         assert (out / f).stat().st_size > 0
     pts = {p["system"]: p for p in doc["points"]}
     assert set(pts) == set(systems)
