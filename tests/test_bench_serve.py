@@ -19,6 +19,7 @@ from app.bench.client import AgentTiming, SessionResult, request_body
 from app.bench.report import (
     PhaseCosts,
     compare,
+    comparison_table,
     max_sustainable,
     parse_metrics,
     percentile,
@@ -89,21 +90,27 @@ def test_repeats_give_a_spread_and_a_reading():
 
     spec = WorkloadSpec(256, 2, 4, 1)
 
-    def point(system, rate, repeat, p95):
+    def point(system, rate, repeat, p95, cpu_s_per_session):
         r = SessionResult(0, sent=0.0, scheduled=0.0, done=p95, rounds_s=[p95])
         r.agents = [AgentTiming(0, "agent0", 0.0, ttft_s=0.1, e2e_s=p95, prompt_tokens=260, completion_tokens=4)]
-        p = summarize(system, spec, "concurrency", 1.0, [r] * int(rate * 10), 0.0, 10.0, {}, {}, 0.0, 0.0, 10, 1.0)
+        ok = int(rate * 10)
+        p = summarize(system, spec, "concurrency", 1.0, [r] * ok, 0.0, 10.0, {}, {}, 0.0, 0.0, 10, cpu_s_per_session * ok)
         return replace(p, repeat=repeat)
 
-    # a-lora twice as fast in every repeat; c-lora's p95 1.5x / 3x a-lora's
-    pts = [point("a-lora", 0.4, 0, 1.0), point("c-lora", 0.2, 0, 1.5), point("a-lora", 0.6, 1, 1.0),
-           point("c-lora", 0.3, 1, 3.0)]
+    # a-lora twice as fast in every repeat; c-lora's p95 1.5x / 3x a-lora's; c-lora spends 4-6x the CPU
+    pts = [point("a-lora", 0.4, 0, 1.0, 2.0), point("c-lora", 0.2, 0, 1.5, 8.0), point("a-lora", 0.6, 1, 1.0, 2.0),
+           point("c-lora", 0.3, 1, 3.0, 12.0)]
     costs = {"a-lora": PhaseCosts(1.0, 0.1, 0.5), "c-lora": PhaseCosts(1.0, 1.0, 0.5)}
     c = compare(pts, costs, "c-lora", None, "a-lora")
     assert c.repeats == 2 and c.throughput_ratio == pytest.approx(2.0) and c.verdict == "better"
     assert c.p95_ratios == [(1.0, pytest.approx(2.25), pytest.approx(1.5), pytest.approx(3.0))]
     assert c.throughput_bound == pytest.approx((1.0 + 1.0 + 1.0) / (1.0 + 0.1 + 1.0))
     assert c.finished_sessions == {"a-lora": 10, "c-lora": 5}
+    assert c.cpu_bound == pytest.approx(10.0 / 2.0)  # median CPU s per session, c-lora / a-lora
+    # SLO 2 s: a-lora meets it in both repeats (0.4, 0.6 sessions/s), c-lora only in repeat 0 (0.2, then 0)
+    slo = compare(pts, costs, "c-lora", 2.0, "a-lora").max_rate
+    assert slo == {"a-lora": pytest.approx(0.5), "c-lora": pytest.approx(0.1)}
+    assert "1: 2.25x [1.50-3.00] lower" in comparison_table([c])
     assert spread_verdict(0.8, 1.3) == "no measurable difference" and spread_verdict(0.5, 0.9) == "worse"
 
 
@@ -119,7 +126,12 @@ def test_report_remakes_tables_and_plots_of_a_saved_run(tmp_path):
     src = tmp_path / "run.json"
     src.write_text(json.dumps(damaged))
     doc = rerender(src, log=lambda *_: None)
-    assert json.loads(json.dumps(doc["comparisons"])) == saved["comparisons"]
+    remade = json.loads(json.dumps(doc["comparisons"]))
+    assert len(remade) == len(saved["comparisons"]) == 2
+    for new, old in zip(remade, saved["comparisons"]):
+        for k in ("label", "system", "baseline", "throughput_ratio", "throughput_spread", "p95_ratios", "throughput_bound"):
+            assert new[k] == old[k], k
+        assert new["cpu_bound"] > 1  # added since: CPU s per session of the baseline over a-lora's
     out = tmp_path / "run"  # beside the JSON, named after it
     for f in ("results.md", "p95_vs_load.png", "throughput_vs_n.png", "throughput_vs_load.png"):
         assert (out / f).stat().st_size > 0

@@ -56,7 +56,7 @@ class ServeBenchConfig:
     shape: ModelShape = ModelShape()
     topology: Topology = Topology()
     max_engines: int = 8
-    slo_s: float | None = None             # default: slo_factor x baseline b's lowest-load p95
+    slo_s: float | None = None             # default: slo_factor x the baseline's (b, else c-lora) lowest-load p95
     slo_factor: float = 2.0
     out: str = "runs/bench/serve"
     model_dir: str = "runs/bench/serve-models"
@@ -559,8 +559,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     a("--lora-kv-cache-gib", type=float, help="KV space of an engine holding the N adapters (default N x --kv-cache-gib)")
     a("--colocated-replicas", type=int, help="c-lora: replicas of the multi-LoRA engine (default 2: one per core)")
     a("--max-engines", type=int, help="skip (and report) systems needing more engines (default 8)")
-    a("--slo", type=float, dest="slo_s", help="p95 fan-out latency SLO in s (default 2x baseline b unloaded)")
-    a("--slo-factor", type=float)
+    a("--slo", type=float, dest="slo_s", help="p95 fan-out latency SLO in s (default: --slo-factor x the "
+      "baseline's p95 at the lowest load; the baseline is b, or c-lora when b did not run)")
+    a("--slo-factor", type=float, help="default SLO as a multiple of the baseline's lowest-load p95 (default 2)")
     a("--out", help="output directory (default runs/bench/serve; with --report, beside the JSON)")
     a("--report", metavar="RESULTS_JSON", help="measure nothing: make the tables and plots of a saved run again")
     a("--model-dir", help="where benchmark checkpoints are written (default runs/bench/serve-models)")
