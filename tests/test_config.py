@@ -104,13 +104,45 @@ def test_serve_config_yaml_is_valid_for_serve_and_for_the_app():
     assert len(cfg.decoders) >= 3
     engines = sum(p.placement.num_replicas for p in cfg.prefill_modules) + sum(
         d.placement.num_replicas for d in cfg.decoders)
-    # ~1.35 GiB per engine beyond its KV space (docs/platform.md): keep the default app small.
+    # ~1.2 GiB per engine beyond its KV space (docs/platform.md), 1.35 with a margin: keep the default app small.
     gib = sum((1.35 + p.engine.kv_cache_gib) * p.placement.num_replicas for p in cfg.prefill_modules) + sum(
         (1.35 + d.engine.kv_cache_gib) * d.placement.num_replicas for d in cfg.decoders)
     assert engines >= 4 and gib < 10
     logical_cpus = sum(p.placement.num_cpus * p.placement.num_replicas for p in cfg.prefill_modules) + sum(
         d.placement.num_cpus * d.placement.num_replicas for d in cfg.decoders)
     assert logical_cpus + cfg.router.num_cpus + cfg.orchestrator.num_cpus + cfg.metrics.num_cpus <= 2
+
+
+def test_the_commented_lora_group_in_serve_config_yaml_plans_as_written():
+    """The chat-format decode group that serve_config.yaml documents (commented out) is valid as
+    written: uncommented, the app plans it with the shipped adapters (manifests, ranks, base), no engine."""
+    from app.serve_app import plan_app
+
+    lines = (ROOT / "serve_config.yaml").read_text().splitlines()
+    start = next(i for i, x in enumerate(lines) if x.strip() == "# - name: chat-group")
+    indent = lines[start].index("#")
+    out = list(lines)
+    for i in range(start, len(lines)):
+        if not lines[i].strip().startswith("#") or lines[i].index("#") != indent:
+            break
+        out[i] = lines[i][:indent] + lines[i][indent + 2:]
+    raw = yaml.safe_load("\n".join(out))
+    cfg = load_config(raw["applications"][0]["args"]["config"])
+    plan, _ = plan_app(cfg)
+    group = [d for d in plan.decoders if d.group == "chat-group"]
+    assert [d.name for d in group] == ["chat-lookup", "chat-tool_call", "chat-reschedule", "chat-route"]
+    assert all(d.adapter == d.name and d.prefill_module == "base" for d in group)
+
+
+def test_cpu_engines_run_their_worker_inside_enginecore_unless_threads_are_pinned_or_on_gpu():
+    from app.config import EngineSettings, Placement
+    from app.serve_app import engine_env
+
+    cfg = load_config(minimal())
+    flag = "VLLM_ENABLE_V1_MULTIPROCESSING"
+    assert engine_env(cfg, Placement(), EngineSettings())[flag] == "0"
+    assert flag not in engine_env(cfg, Placement(), EngineSettings(threads_bind="0-1"))
+    assert flag not in engine_env(cfg, Placement(num_gpus=1), EngineSettings())
 
 
 # --- prefix-locality policy ----------------------------------------------------------------
