@@ -380,11 +380,21 @@ class ConfigError(ValueError):
     """A config that cannot run; the message names the field."""
 
 
+# a field path at the start of a validator's message: "adapters[0].rank: 32 is above ..."
+_MSG_FIELD = re.compile(r"^([A-Za-z_]\w*(?:\[\d+\])*(?:\.[A-Za-z_]\w*(?:\[\d+\])*)*): (.*)$", re.S)
+
+
 def _format(err: ValidationError) -> str:
+    """Every problem as ``field.path[i].name: message``, the same form the build's checks use; a
+    model validator's message that names a sub-field extends the path."""
     parts = []
     for e in err.errors():
-        loc = ".".join(str(x) for x in e["loc"]) or "(root)"
-        parts.append(f"{loc}: {e['msg']}")
+        loc = "".join(f"[{x}]" if isinstance(x, int) else f".{x}" for x in e["loc"]).lstrip(".")
+        msg = e["msg"].removeprefix("Value error, ")
+        m = _MSG_FIELD.match(msg) if e["type"] == "value_error" else None
+        if m:
+            loc, msg = f"{loc}.{m[1]}" if loc else m[1], m[2]
+        parts.append(f"{loc or '(root)'}: {msg}")
     return "; ".join(parts)
 
 

@@ -141,7 +141,7 @@ def test_openai_bodies_keep_unknown_fields_and_agent_bodies_reject_them():
     ({"limits": {"max_inflight_requests": 300}}, "max_inflight_requests"),
     ({"orchestrator": {"max_queued_requests": 0}}, "orchestrator.max_queued_requests"),
     ({"decoders": [{"name": "d", "model": "m", "placement": {"max_queued_requests": -2}}]},
-     "decoders.0.placement.max_queued_requests"),
+     "decoders[0].placement.max_queued_requests"),
     ({"limits": {"retry_after_s": 0}}, "limits.retry_after_s"),
     ({"auth": {"keys": {"a": "b"}}}, "auth.keys"),
 ])
