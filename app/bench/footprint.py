@@ -9,7 +9,7 @@ engine processes (RSS and PSS), CPU seconds per session (one context of ``L`` to
 prompts prefilled on the base, each decoded for ``O`` tokens on the decoder) and the tokens,
 which must be equal across modes.
 
-    python -m app.bench.footprint --runs 2 --out runs/bench/footprint.json
+    prefillshare bench footprint --runs 2 --out runs/bench/footprint.json
 """
 from __future__ import annotations
 
@@ -98,8 +98,8 @@ async def _child(args) -> dict:
             "cached_tokens": cached, "tokens": tokens}
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m app.bench.footprint", description=__doc__.splitlines()[0])
+def configure(p: argparse.ArgumentParser) -> None:
+    """Arguments of `prefillshare bench footprint`."""
     p.add_argument("--runs", type=int, default=2, help="runs per mode, alternating")
     p.add_argument("--sessions", type=int, default=6)
     p.add_argument("--agents", type=int, default=4)
@@ -108,14 +108,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="runs/bench/footprint.json")
     p.add_argument("--child", choices=list(MODES), help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
+    p.set_defaults(func=_cli)
+
+
+def _cli(args: argparse.Namespace) -> int:
     if args.child:
         print(json.dumps(asyncio.run(_child(args))))
         return 0
     runs = []
     for r in range(args.runs):
         for mode in MODES:
-            cmd = [sys.executable, "-m", "app.bench.footprint", "--child", mode, "--sessions", str(args.sessions),
+            cmd = [sys.executable, "-m", "app.cli", "bench", "footprint", "--child", mode, "--sessions", str(args.sessions),
                    "--agents", str(args.agents), "--length", str(args.length),
                    "--output-tokens", str(args.output_tokens), "--seed", str(args.seed)]
             out = subprocess.run(cmd, cwd=PROJECT, capture_output=True, text=True, check=True)
@@ -143,7 +146,3 @@ def main(argv: list[str] | None = None) -> int:
     Path(args.out).write_text(json.dumps(doc, indent=2))
     print(json.dumps({"tokens_equal": equal, "summary": summary}, indent=1))
     return 0 if equal else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())
