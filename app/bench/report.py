@@ -79,16 +79,18 @@ class PointResult:
     errors: list[str] = field(default_factory=list)
     repeat: int = 0                   # which repeat of this (system, N, L, R, load) point
     loadavg: float | None = None      # the machine's 1-minute load average when the point ended
-    pool_pinned_peak_bytes: float = 0.0  # sampled: blocks pinned for fan-out loads still to come
+    pool_pinned_peak_bytes: float | None = None  # sampled: blocks pinned for fan-out loads still to come (None: a run from before it was)
 
     def to_dict(self) -> dict:
         return asdict(self)
 
     @property
-    def kv_held_peak_bytes(self) -> float:
+    def kv_held_peak_bytes(self) -> float | None:
         """KV the fan-outs need at the peak: the pool's pinned blocks plus the decoders' modelled
         resident KV. The pool's other blocks are a cache (LRU, evictable), like the engines'
         prefix caches, which no system counts here."""
+        if self.pool_pinned_peak_bytes is None:
+            return None
         return self.pool_pinned_peak_bytes + self.decoder_kv_peak_bytes
 
 
@@ -299,9 +301,16 @@ def points_table(points: list[PointResult]) -> str:
             f"| {p.system} {SYSTEMS[p.system]} | {p.fanout} | {p.context_tokens} | {p.rounds} | {load} | {p.repeat} | "
             f"{p.ok}/{p.sent} | {_f(fl['p50'])}/{_f(fl['p95'])}/{_f(fl['p99'])} | {_f(tt['p50'])}/{_f(tt['p95'])} | "
             f"{p.sessions_per_s:.3f} | {p.output_tok_per_s:.1f} | {p.prefill_tokens_computed_per_session:.0f} | "
-            f"{_f(p.cache_hit_ratio)} | {p.kv_held_peak_bytes / 2**20:.1f} ({p.pool_pinned_peak_bytes / 2**20:.1f} + "
-            f"{p.decoder_kv_peak_bytes / 2**20:.1f}) | {p.pool_peak_bytes / 2**20:.1f} | {_f(p.cpu_s_per_session)} | {_f(p.loadavg, '{:.1f}')} |")
+            f"{_f(p.cache_hit_ratio)} | {_kv_needed(p)} | {p.pool_peak_bytes / 2**20:.1f} | {_f(p.cpu_s_per_session)} | "
+            f"{_f(p.loadavg, '{:.1f}')} |")
     return _table(head, rows)
+
+
+def _kv_needed(p: PointResult) -> str:
+    mib = 2**20
+    if p.pool_pinned_peak_bytes is None:  # runs from before the pins were sampled
+        return f"- (not sampled + {p.decoder_kv_peak_bytes / mib:.1f})"
+    return f"{p.kv_held_peak_bytes / mib:.1f} ({p.pool_pinned_peak_bytes / mib:.1f} + {p.decoder_kv_peak_bytes / mib:.1f})"
 
 
 def _spread(lo, hi) -> str:
