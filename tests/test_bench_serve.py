@@ -136,6 +136,14 @@ def test_report_remakes_tables_and_plots_of_a_saved_run(tmp_path):
     for f in ("results.md", "p95_vs_load.png", "throughput_vs_n.png", "throughput_vs_load.png"):
         assert (out / f).stat().st_size > 0
     assert "| N=8 L=4096 R=1 | a-lora vs c-lora |" in (out / "results.md").read_text()
+    # two runs drawn together: every point of both, each run's comparisons with its own phase costs
+    grid = json.loads((ROOT / "docs/results/bench_serve_lora_grid.json").read_text())
+    both = rerender([src, ROOT / "docs/results/bench_serve_lora_grid.json"], str(tmp_path / "both"), log=lambda *_: None)
+    assert len(both["points"]) == len(saved["points"]) + len(grid["points"])
+    assert [c["label"] for c in both["comparisons"]] == [c["label"] for c in saved["comparisons"] + grid["comparisons"]]
+    assert "Runs drawn together" in (tmp_path / "both" / "results.md").read_text()
+    with pytest.raises(SystemExit, match="give --out"):
+        rerender([src, src])
     (tmp_path / "other.json").write_text('{"points": 1}')
     with pytest.raises(SystemExit, match="--report: .*other.json"):
         rerender(tmp_path / "other.json")

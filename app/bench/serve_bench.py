@@ -462,33 +462,53 @@ def render_markdown(doc: dict, points, comps, costs) -> str:
         "## Unloaded phase costs (bound inputs)",
         costs_table(costs),
     ]
+    if doc.get("merged_from"):
+        lines[2:2] = [f"Runs drawn together: {', '.join(doc['merged_from'])} (machine, models and settings "
+                      "below are the first run's; each comparison uses its own run's phase costs).", ""]
     if doc["skipped"]:
         lines += ["", "## Not run", *[f"- {s}" for s in doc["skipped"]]]
     return "\n".join(lines) + "\n"
 
 
-def rerender(results_json: str | Path, out: str | None = None, log=print) -> dict:
-    """Tables and plots of a saved run, made again with this code (``--report``): comparisons are
-    recomputed from the run's points and phase costs with the SLO the run used; nothing is measured."""
+def rerender(results_json: str | Path | list, out: str | None = None, log=print) -> dict:
+    """Tables and plots of saved runs, made again with this code (``--report``); nothing is measured.
+
+    Each run's comparisons are recomputed from its own points and phase costs with the SLO it
+    used. Several runs (e.g. N=2,4 and N=8 at one L) are drawn together: their points are pooled,
+    and the costs table keeps, per L, the first run's probes."""
     from app.bench.report import Comparison, PhaseCosts, PointResult, compare_all
 
-    path = Path(results_json)
-    try:
-        doc = json.loads(path.read_text())
-        points = [PointResult(**p) for p in doc["points"]]
-        costs = {int(L): {s: PhaseCosts(**c) for s, c in per.items()} for L, per in doc["phase_costs"].items()}
-        slo = {c["label"]: c["slo_s"] for c in doc.get("comparisons", [])}
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise SystemExit(f"--report: {path} is not a results.json of prefillshare bench serve ({e})") from None
+    paths = [Path(results_json)] if isinstance(results_json, str | Path) else [Path(p) for p in results_json]
+    if len(paths) > 1 and out is None:
+        raise SystemExit("--report with several runs: give --out")
+    merged: dict | None = None
+    points: list[PointResult] = []
     comps: list[Comparison] = []
-    for key in sorted({(p.fanout, p.context_tokens, p.rounds) for p in points}):
-        pts = [p for p in points if (p.fanout, p.context_tokens, p.rounds) == key]
-        comps += compare_all(pts, costs.get(key[1], {}), slo.get(f"N={key[0]} L={key[1]} R={key[2]}"))
-    doc["comparisons"] = [c.to_dict() for c in comps]
+    costs: dict[int, dict[str, PhaseCosts]] = {}
+    for path in paths:
+        try:
+            doc = json.loads(path.read_text())
+            pts = [PointResult(**p) for p in doc["points"]]
+            run_costs = {int(L): {s: PhaseCosts(**c) for s, c in per.items()} for L, per in doc["phase_costs"].items()}
+            slo = {c["label"]: c["slo_s"] for c in doc.get("comparisons", [])}
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise SystemExit(f"--report: {path} is not a results.json of prefillshare bench serve ({e})") from None
+        for key in sorted({(p.fanout, p.context_tokens, p.rounds) for p in pts}):
+            group = [p for p in pts if (p.fanout, p.context_tokens, p.rounds) == key]
+            comps += compare_all(group, run_costs.get(key[1], {}), slo.get(f"N={key[0]} L={key[1]} R={key[2]}"))
+        for L, per in run_costs.items():
+            costs.setdefault(L, per)
+        points += pts
+        merged = merged or doc
+    assert merged is not None
+    merged = {**merged, "points": [p.to_dict() for p in points], "comparisons": [c.to_dict() for c in comps],
+              "phase_costs": {str(L): {s: asdict(c) for s, c in per.items()} for L, per in costs.items()}}
+    if len(paths) > 1:
+        merged["merged_from"] = [str(p) for p in paths]
     if out is None:  # next to the JSON: its own folder, or one named after the file
-        out = str(path.parent if path.name == "results.json" else path.with_suffix(""))
-    write_outputs(doc, points, comps, costs, out, log)
-    return doc
+        out = str(paths[0].parent if paths[0].name == "results.json" else paths[0].with_suffix(""))
+    write_outputs(merged, points, comps, costs, out, log)
+    return merged
 
 
 def write_outputs(doc: dict, points, comps, costs, out: str, log=print) -> None:
@@ -563,7 +583,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
       "baseline's p95 at the lowest load; the baseline is b, or c-lora when b did not run)")
     a("--slo-factor", type=float, help="default SLO as a multiple of the baseline's lowest-load p95 (default 2)")
     a("--out", help="output directory (default runs/bench/serve; with --report, beside the JSON)")
-    a("--report", metavar="RESULTS_JSON", help="measure nothing: make the tables and plots of a saved run again")
+    a("--report", metavar="RESULTS_JSON", nargs="+", help="measure nothing: make the tables and plots of saved runs "
+      "again (several: drawn together, e.g. N=2,4 and N=8; needs --out)")
     a("--model-dir", help="where benchmark checkpoints are written (default runs/bench/serve-models)")
     parser.set_defaults(func=_cli)
 
