@@ -42,25 +42,31 @@ def _label(ax, xlabel: str, ylabel: str, title: str) -> None:
     ax.legend(fontsize=8)
 
 
+def _median_with_range(ax, xs: list[float], ys: list[list[float]], system: str) -> None:
+    """One system's line: the median over repeats at each x, the min-max as an error bar."""
+    mid = [statistics.median(y) for y in ys]
+    c, m = _STYLE[system]
+    ax.errorbar(xs, mid, yerr=[[a - min(y) for a, y in zip(mid, ys)], [max(y) - a for a, y in zip(mid, ys)]],
+                marker=m, color=c, capsize=3, label=f"{system} {SYSTEMS[system]}")
+
+
+def _load_axis(mode: str) -> str:
+    return "offered load (sessions/s)" if mode == "rate" else "concurrent sessions"
+
+
 def p95_vs_load(points: list[PointResult], path: str | Path, title: str = "") -> Path:
     """One panel per (N, L, R): p95 fan-out latency against offered load, a line per system."""
     plt = _plt()
-    groups = sorted({(p.fanout, p.context_tokens, p.rounds) for p in points})
+    groups = sorted({p.key for p in points})
     fig, axes = plt.subplots(1, len(groups), figsize=(4.2 * len(groups), 3.6), squeeze=False)
-    for ax, (n, L, R) in zip(axes[0], groups):
+    for ax, key in zip(axes[0], groups):
+        here = [p for p in points if p.key == key]
         for s in SYSTEMS:
-            ps = sorted([p for p in points if (p.system, p.fanout, p.context_tokens, p.rounds) == (s, n, L, R)
-                         and p.fanout_latency["p95"] is not None], key=lambda p: p.load)
-            if ps:  # median over repeats, the min-max as an error bar
-                c, m = _STYLE[s]
+            ps = [p for p in here if p.system == s and p.fanout_latency["p95"] is not None]
+            if ps:
                 loads = sorted({p.load for p in ps})
-                ys = [[p.fanout_latency["p95"] for p in ps if p.load == x] for x in loads]
-                mid = [statistics.median(y) for y in ys]
-                ax.errorbar(loads, mid, yerr=[[a - min(y) for a, y in zip(mid, ys)], [max(y) - a for a, y in zip(mid, ys)]],
-                            marker=m, color=c, capsize=3, label=f"{s} {SYSTEMS[s]}")
-        mode = next((p.mode for p in points if (p.fanout, p.context_tokens, p.rounds) == (n, L, R)), "rate")
-        _label(ax, "offered load (sessions/s)" if mode == "rate" else "concurrent sessions",
-               "p95 fan-out latency (s)", f"N={n} L={L} R={R}")
+                _median_with_range(ax, loads, [[p.fanout_latency["p95"] for p in ps if p.load == x] for x in loads], s)
+        _label(ax, _load_axis(here[0].mode), "p95 fan-out latency (s)", here[0].label)
     return _save(plt, fig, path, title, len(groups))
 
 
@@ -87,25 +93,19 @@ def throughput_vs_load(points: list[PointResult], path: str | Path, title: str =
     Where a system's line leaves the dashed "offered" diagonal (Poisson rates) or flattens
     (concurrency), it has saturated; the median over repeats is drawn, the min-max as a bar."""
     plt = _plt()
-    groups = sorted({(p.fanout, p.context_tokens, p.rounds) for p in points})
+    groups = sorted({p.key for p in points})
     fig, axes = plt.subplots(1, len(groups), figsize=(4.2 * len(groups), 3.6), squeeze=False)
-    for ax, (n, L, R) in zip(axes[0], groups):
-        here = [p for p in points if (p.fanout, p.context_tokens, p.rounds) == (n, L, R)]
-        loads = sorted({p.load for p in here})
-        mode = here[0].mode
-        if mode == "rate":
+    for ax, key in zip(axes[0], groups):
+        here = [p for p in points if p.key == key]
+        if here[0].mode == "rate":
+            loads = sorted({p.load for p in here})
             ax.plot(loads, loads, linestyle="--", color="grey", linewidth=1, label="offered")
         for s in SYSTEMS:
             xs = sorted({p.load for p in here if p.system == s})
-            if not xs:
-                continue
-            ys = [[p.sessions_per_s for p in here if p.system == s and p.load == x] for x in xs]
-            mid = [statistics.median(y) for y in ys]
-            c, m = _STYLE[s]
-            ax.errorbar(xs, mid, yerr=[[a - min(y) for a, y in zip(mid, ys)], [max(y) - a for a, y in zip(mid, ys)]],
-                        marker=m, color=c, capsize=3, label=f"{s} {SYSTEMS[s]}")
-        _label(ax, "offered load (sessions/s)" if mode == "rate" else "concurrent sessions",
-               "achieved sessions/s", f"N={n} L={L} R={R}")
+            if xs:
+                _median_with_range(ax, xs, [[p.sessions_per_s for p in here if p.system == s and p.load == x]
+                                            for x in xs], s)
+        _label(ax, _load_axis(here[0].mode), "achieved sessions/s", here[0].label)
     return _save(plt, fig, path, title, len(groups))
 
 

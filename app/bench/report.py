@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass, field
 
 from app.bench.client import SessionResult
 from app.bench.systems import PAIRS, SYSTEMS
+from app.bench.workload import point_label
 
 
 def percentile(xs: list[float], q: float) -> float | None:
@@ -83,6 +84,15 @@ class PointResult:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    @property
+    def key(self) -> tuple[int, int, int]:
+        """(N, L, R): the points compared with one another and drawn in one panel."""
+        return self.fanout, self.context_tokens, self.rounds
+
+    @property
+    def label(self) -> str:
+        return point_label(*self.key)
 
     @property
     def kv_held_peak_bytes(self) -> float | None:
@@ -264,7 +274,7 @@ def compare(points: list[PointResult], costs: dict[str, PhaseCosts], baseline: s
 
     cpu = {s: cpu_at_best(s) for s in by}
     return Comparison(
-        label=f"N={p0.fanout} L={p0.context_tokens} R={p0.rounds}", baseline=baseline, slo_s=slo_s,
+        label=p0.label, baseline=baseline, slo_s=slo_s,
         max_rate={s: max_rate(s) for s in by},
         max_throughput=maxtp, throughput_ratio=_median(per_rep),
         throughput_bound=throughput_bound(costs, p0.fanout, baseline, subject),

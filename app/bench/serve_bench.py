@@ -397,8 +397,7 @@ def _document(cfg: ServeBenchConfig, mset, topo: Topology, deploy_s: dict, skipp
     n_max = max(cfg.fanouts)
     comps = []
     for spec in cfg.specs(n_max):
-        pts = [p for p in points if (p.fanout, p.context_tokens, p.rounds) == (spec.fanout, spec.context_tokens,
-                                                                              spec.rounds)]
+        pts = [p for p in points if p.label == spec.label]
         ref = [p for p in pts if p.system == "b"] or [p for p in pts if p.system == "c-lora"] or pts
         slo = cfg.slo_s
         if slo is None and ref:
@@ -493,9 +492,9 @@ def rerender(results_json: str | Path | list, out: str | None = None, log=print)
             slo = {c["label"]: c["slo_s"] for c in doc.get("comparisons", [])}
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise SystemExit(f"--report: {path} is not a results.json of prefillshare bench serve ({e})") from None
-        for key in sorted({(p.fanout, p.context_tokens, p.rounds) for p in pts}):
-            group = [p for p in pts if (p.fanout, p.context_tokens, p.rounds) == key]
-            comps += compare_all(group, run_costs.get(key[1], {}), slo.get(f"N={key[0]} L={key[1]} R={key[2]}"))
+        for key in sorted({p.key for p in pts}):
+            group = [p for p in pts if p.key == key]
+            comps += compare_all(group, run_costs.get(key[1], {}), slo.get(group[0].label))
         for L, per in run_costs.items():
             costs.setdefault(L, per)
         points += pts

@@ -18,6 +18,11 @@ _SYLLABLES = ("ka", "lo", "mi", "ne", "ru", "sa", "to", "vi", "de", "po", "ul", 
 _VERBS = ("summarize", "check", "extract", "rewrite", "verify", "count", "classify", "plan", "list", "route")
 
 
+def point_label(fanout: int, context_tokens: int, rounds: int) -> str:
+    """How a point's shape is named in logs, tables and comparisons."""
+    return f"N={fanout} L={context_tokens} R={rounds}"
+
+
 @dataclass(frozen=True)
 class WorkloadSpec:
     """One point's shape: context tokens, fan-out, output tokens, rounds."""
@@ -40,7 +45,7 @@ class WorkloadSpec:
 
     @property
     def label(self) -> str:
-        return f"N={self.fanout} L={self.context_tokens} R={self.rounds}"
+        return point_label(self.fanout, self.context_tokens, self.rounds)
 
 
 @dataclass(frozen=True)
