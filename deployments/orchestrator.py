@@ -43,6 +43,7 @@ from deployments.messages import (
 )
 from deployments.openai_format import chat_logprobs
 from deployments.prompts import Prompter, common_prefix, locality_keys
+from deployments.ray_internals import replica_assigned
 
 
 @dataclass
@@ -153,7 +154,7 @@ class Orchestrator:
         resp = self.prefill_handles[module].prefill.remote(req)
         try:
             # Serve holds a call while the deployment has no replica (its node is gone): bound that wait
-            ref = await asyncio.wait_for(resp._to_object_ref(), self.plan.prefill_wait_s)
+            ref = await asyncio.wait_for(replica_assigned(resp), self.plan.prefill_wait_s)
             ticket: PrefillTicket = await ref
         except BackPressureError as e:
             for a in agents:

@@ -14,6 +14,8 @@ project's routers (the decode node-affinity router hung agent runs until the cli
    is already off the routing queue: no task takes it up again. Here a subclass's ranking runs
    under a guard; on an exception the request gets Serve's default choice (two random replicas,
    the less loaded wins), logged and counted (``prefillshare_router_failovers_total``).
+
+The hand-over of cause 1 uses private RequestRouter methods: deployments/ray_internals.py.
 """
 from __future__ import annotations
 
@@ -23,7 +25,9 @@ import random
 import weakref
 from collections.abc import Sequence
 
-from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
+from ray.serve.request_router import PendingRequest, RunningReplica
+
+from deployments.ray_internals import ChosenReplicaRouter
 
 log = logging.getLogger("ray.serve")
 
@@ -34,7 +38,7 @@ def default_choice(candidates: Sequence[RunningReplica]) -> list[list[RunningRep
     return [random.sample(list(candidates), min(2, len(candidates)))] if candidates else []
 
 
-class SafeRouter(RequestRouter):
+class SafeRouter(ChosenReplicaRouter):
     """A RequestRouter whose subclasses only rank replicas (``rank``); see the module docstring."""
 
     def __init__(self, *args, **kwargs):
@@ -72,19 +76,10 @@ class SafeRouter(RequestRouter):
             self._failed(e)
             return default_choice(candidate_replicas)
 
-    def _fulfill_next_pending_request(self, replica: RunningReplica, request_metadata=None) -> None:
-        """Hand ``replica`` to the request this routing task chose it for (cause 1 above)."""
+    def chosen_request(self, request_metadata) -> PendingRequest | None:
+        """The request this routing task chose a replica for (cause 1 above)."""
         task = asyncio.current_task()
-        pending = self._routing.get(task) if task is not None else None
-        if pending is None or pending.metadata is not request_metadata:
-            super()._fulfill_next_pending_request(replica, request_metadata)
-            return
-        if pending.future.done():  # cancelled meanwhile: the routing loop moves on
-            return
-        self._record_queue_wait_time(pending)
-        pending.future.set_result(replica)
-        if self._pending_requests_by_id.get(request_metadata.internal_request_id) is pending:
-            self._remove_pending_request_from_indices(pending)
+        return self._routing.get(task) if task is not None else None
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id, result) -> None:
         try:
@@ -94,14 +89,14 @@ class SafeRouter(RequestRouter):
 
     def _failed(self, e: Exception) -> None:
         log.warning("%s: request router failed (%s: %s); Serve's default choice instead",
-                    self._deployment_id.name, type(e).__name__, e, exc_info=True)
+                    self.deployment_name, type(e).__name__, e, exc_info=True)
         self.report_failover(type(e).__name__)
 
     def report_failover(self, error: str) -> None:
         handle = self.metrics_handle()
         try:
             if handle is not None:
-                handle.router_failover.remote(self._deployment_id.name, error)
+                handle.router_failover.remote(self.deployment_name, error)
         except Exception as e:  # noqa: BLE001 - metrics are best effort
             log.debug("could not count a router failover: %s", e)
 

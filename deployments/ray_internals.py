@@ -1,0 +1,55 @@
+"""The private Ray Serve APIs the project uses, and why; nothing else in the project names them.
+
+``ray[serve]`` is pinned (pyproject.toml) because of what is here. tests/test_ray_internals.py
+checks each name against the installed Ray without a cluster and fails on an upgrade that
+moves or reshapes one; after an upgrade, fix this module and that test, nothing else.
+
+- ``DeploymentResponse._to_object_ref()``: resolves once a replica has taken the call. A
+  prefill fan-out bounds that wait (``limits.prefill_wait_s``): when a prefill module's node is
+  gone, Serve holds the call with no replica to give it to, and the decoders should prefill
+  privately instead of waiting. The public ``await response`` bounds the whole call, not the
+  wait for a replica.
+- ``RequestRouter._fulfill_next_pending_request`` with ``_pending_requests_by_id``,
+  ``_record_queue_wait_time`` and ``_remove_pending_request_from_indices``: the base router hands
+  a chosen replica to the request indexed under the routing request's internal id, which several
+  calls made while serving one request share; a locality router's replica must go to the request
+  it was chosen for (deployments/safe_router.py, cause 1). :class:`ChosenReplicaRouter` overrides
+  it and asks its subclass which request that is.
+- ``RequestRouter._deployment_id``: the deployment's name, for log lines and metrics labels.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
+
+__all__ = ["ChosenReplicaRouter", "replica_assigned"]
+
+
+async def replica_assigned(response) -> Any:
+    """The ObjectRef of a ``DeploymentResponse``, available once a replica has accepted the call."""
+    return await response._to_object_ref()
+
+
+class ChosenReplicaRouter(RequestRouter):
+    """A RequestRouter that gives a chosen replica to the request :meth:`chosen_request` names."""
+
+    def chosen_request(self, request_metadata) -> PendingRequest | None:
+        """The pending request the current routing task chose a replica for; None: Serve's own pick."""
+        return None
+
+    @property
+    def deployment_name(self) -> str:
+        return self._deployment_id.name
+
+    def _fulfill_next_pending_request(self, replica: RunningReplica, request_metadata=None) -> None:
+        pending = self.chosen_request(request_metadata)
+        if pending is None or pending.metadata is not request_metadata:
+            super()._fulfill_next_pending_request(replica, request_metadata)
+            return
+        if pending.future.done():  # cancelled meanwhile: the routing loop moves on
+            return
+        self._record_queue_wait_time(pending)
+        pending.future.set_result(replica)
+        if self._pending_requests_by_id.get(request_metadata.internal_request_id) is pending:
+            self._remove_pending_request_from_indices(pending)

@@ -1,0 +1,97 @@
+"""The private Ray Serve APIs of deployments/ray_internals.py, checked against the installed Ray
+(no cluster): a Ray upgrade that renames or reshapes one fails here, not in a running app. And
+no other project module names a private Ray Serve API."""
+from __future__ import annotations
+
+import ast
+import inspect
+import re
+from pathlib import Path
+
+from ray.serve.handle import DeploymentHandle, DeploymentResponse, DeploymentResponseGenerator
+from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
+
+from deployments import ray_internals
+from deployments.safe_router import SafeRouter
+
+ROOT = Path(__file__).resolve().parent.parent
+SOURCES = [p for d in ("app", "deployments", "agents", "scripts") for p in sorted((ROOT / d).rglob("*.py"))]
+
+
+def test_to_object_ref_is_a_coroutine_without_arguments():
+    fn = DeploymentResponse._to_object_ref
+    assert inspect.iscoroutinefunction(fn)
+    assert list(inspect.signature(fn).parameters) == ["self"]
+
+
+def test_fulfill_next_pending_request_keeps_its_signature():
+    params = list(inspect.signature(RequestRouter._fulfill_next_pending_request).parameters)
+    assert params == ["self", "replica", "request_metadata"]
+    # the override must be the one Serve's routing loop calls
+    src = inspect.getsource(RequestRouter)
+    assert "self._fulfill_next_pending_request(" in src
+
+
+def test_pending_request_indices_and_wait_time_exist():
+    init = inspect.getsource(RequestRouter.__init__)
+    assert re.search(r"self\._pending_requests_by_id\b.*=", init)
+    assert re.search(r"self\._deployment_id\s*=", init)
+    assert list(inspect.signature(RequestRouter._remove_pending_request_from_indices).parameters) == [
+        "self", "pending_request"]
+    assert list(inspect.signature(RequestRouter._record_queue_wait_time).parameters) == ["self", "pending_request"]
+    remove = inspect.getsource(RequestRouter._remove_pending_request_from_indices)
+    assert "internal_request_id" in remove and "_pending_requests_by_id" in remove
+
+
+def test_pending_request_carries_what_the_routers_read():
+    fields = set(getattr(PendingRequest, "__dataclass_fields__", {}))
+    assert {"args", "metadata", "future", "routing_context"} <= fields
+    from ray.serve._private.common import RequestMetadata
+
+    assert "internal_request_id" in RequestMetadata.__dataclass_fields__
+
+
+def test_safe_router_overrides_through_the_compat_module():
+    assert issubclass(SafeRouter, ray_internals.ChosenReplicaRouter)
+    assert "_fulfill_next_pending_request" not in vars(SafeRouter)
+
+
+def _ray_private_names() -> set[str]:
+    """Single-underscore attribute names of the Ray Serve classes the project touches."""
+    names: set[str] = set()
+    for cls in (RequestRouter, DeploymentResponse, DeploymentResponseGenerator, DeploymentHandle, PendingRequest,
+                RunningReplica):
+        for klass in cls.__mro__:
+            if klass.__module__.startswith("ray."):
+                names |= {n for n in vars(klass) if n.startswith("_") and not n.startswith("__")}
+                try:
+                    src = inspect.getsource(klass)
+                except (OSError, TypeError):
+                    continue
+                names |= set(re.findall(r"self\.(_[a-z]\w*)\s*[:=]", src))
+    return names
+
+
+def test_private_ray_serve_names_appear_only_in_the_compat_module():
+    private = _ray_private_names()
+    assert "_to_object_ref" in private and "_pending_requests_by_id" in private  # the scan sees Ray's names
+    offenders = []
+    for path in SOURCES:
+        if path.name == "ray_internals.py":
+            continue
+        tree = ast.parse(path.read_text(), str(path))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith(("ray.serve._private", "ray._private")):
+                offenders.append(f"{path.relative_to(ROOT)}:{node.lineno} imports {node.module}")
+            elif isinstance(node, ast.Import) and any(a.name.startswith(("ray.serve._private", "ray._private"))
+                                                       for a in node.names):
+                offenders.append(f"{path.relative_to(ROOT)}:{node.lineno} imports a private Ray module")
+            elif isinstance(node, ast.Attribute) and node.attr in private and not (
+                    isinstance(node.value, ast.Name) and node.value.id == "self" and _own_attr(path, node.attr)):
+                offenders.append(f"{path.relative_to(ROOT)}:{node.lineno} uses .{node.attr}")
+    assert not offenders, offenders
+
+
+def _own_attr(path: Path, attr: str) -> bool:
+    """``self.<attr>`` assigned in the same file: the project's own attribute that shares a name."""
+    return re.search(rf"self\.{attr}\s*(:[^=]+)?=[^=]", path.read_text()) is not None
