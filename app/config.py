@@ -208,26 +208,9 @@ class PoolConfig(_Strict):
         "off", description="crc32: checksum every KV slot when saved and loaded (tests, debugging); off: "
         "slot generations alone detect reused or half-written slots")
 
-    def specs(self):
-        """(producer pool, consumer pool) as the connector takes them (app.engine.kv_pool.PoolSpec):
-        producers write their node's shared-memory pool; with transport 'nixl' consumers fill their
-        own node's pool from the block servers."""
-        from app.engine.kv_pool import PoolSpec
-
-        common = dict(capacity_bytes=int(self.capacity_gib * (1 << 30)), lease_timeout_s=self.fan_out_ttl_s,
-                      check=self.check)
-        producer = PoolSpec(path=self.path, transport="shm", **common)
-        if self.transport == "shm":
-            return producer, producer
-        if not self.nixl_peers:
-            raise ConfigError("pool.nixl_peers: transport 'nixl' needs the host:port of at least one KV block "
-                              "server (deployments/kv_server.py) for the decoders to pull from")
-        return producer, PoolSpec(path=self.decode_path or self.path, transport="nixl",
-                                  nixl_peers=tuple(self.nixl_peers), nixl_timeout_s=self.nixl_timeout_s, **common)
-
     @model_validator(mode="after")
     def _nixl(self) -> PoolConfig:
-        # An empty nixl_peers is refused when the app is built (app/serve_app.py:pool_specs), not
+        # An empty nixl_peers is refused when the app is built (app/engine_args.py:pool_specs), not
         # here: manifests are validated offline before their cluster's addresses are known.
         if self.transport == "nixl":
             for i, a in enumerate([*self.nixl_peers, self.nixl_listen]):
@@ -419,3 +402,12 @@ def load_config(source: dict[str, Any] | str | Path) -> AppConfig:
         return AppConfig.model_validate(data)
     except ValidationError as e:
         raise ConfigError(_format(e)) from None
+
+
+def config_from_args(args: dict[str, Any]) -> AppConfig:
+    """A Serve application's args: ``{"config": {...}}`` (inline) or ``{"config_path": "file.yaml"}``."""
+    if "config_path" in args:
+        return load_config(args["config_path"])
+    if "config" in args:
+        return load_config(args["config"])
+    raise ConfigError("application args: give 'config' (inline) or 'config_path'")

@@ -14,7 +14,7 @@ from typing import Any
 
 from ray import serve
 
-from app.config import AppConfig, ConfigError
+from app.config import AppConfig, ConfigError, config_from_args
 
 
 @serve.deployment(name="KVBlockServer", num_replicas=1, max_ongoing_requests=8)
@@ -57,6 +57,4 @@ def build_kv_server(cfg: AppConfig):
 
 def build_kv_app(args: dict[str, Any]):
     """Serve app builder (import path ``deployments.kv_server:build_kv_app``), same args as the main app."""
-    from app.serve_app import config_from_args
-
     return build_kv_server(config_from_args(args))

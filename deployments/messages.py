@@ -127,51 +127,6 @@ class AgentEvent:
 
 
 @dataclass(frozen=True)
-class ModulePlan:
-    """A prefill module as the app resolved it at build time."""
-
-    name: str
-    module_id: str
-    block_size: int
-
-
-@dataclass(frozen=True)
-class DecoderPlan:
-    """A decoder as resolved at build time: which prefill module feeds it, or why none does."""
-
-    name: str
-    prefill_module: str | None
-    private_reason: str | None  # short code for metrics, e.g. "incompatible"
-    private_detail: str | None  # readable reason
-    kv_bytes_per_token: int
-    max_model_len: int
-    group: str | None = None  # decode group (config decoder name) whose engine serves this LoRA decoder
-    adapter: str | None = None  # LoRA adapter name in that engine (None: a full-weight decoder)
-    prefill_adapter: str | None = None  # the prefill module computes this decoder's KV with this adapter
-    tool_call_format: str | None = None  # from the decoder's manifest: how it calls tools (deployments/tools.py)
-
-
-@dataclass(frozen=True)
-class AppPlan:
-    tokenizer: str
-    modules: tuple[ModulePlan, ...]
-    decoders: tuple[DecoderPlan, ...]
-    max_tokens_default: int
-    max_tokens_cap: int
-    max_agents: int
-    max_rounds: int
-    request_timeout_s: float
-    prefill_wait_s: float = 5.0  # limits.prefill_wait_s
-    renderers: dict[str, Any] | None = None  # decoder name -> its Renderer (deployments/prompts.py decoder_renderers)
-
-    def decoder(self, name: str) -> DecoderPlan | None:
-        return next((d for d in self.decoders if d.name == name), None)
-
-    def module(self, name: str) -> ModulePlan | None:
-        return next((m for m in self.modules if m.name == name), None)
-
-
-@dataclass(frozen=True)
 class CompletionJob:
     """One OpenAI completion, already tokenized and validated by the ingress."""
 

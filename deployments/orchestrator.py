@@ -6,7 +6,7 @@ each agent's prompt but its last token, then stream every decoder concurrently. 
 completion has one decoder: ``prepare`` does its prefill and returns the ready decoder
 request, which the Router streams itself (no relay of every token through this deployment). Decoders
 without a compatible module prefill privately; a prefill failure, or no prefill replica taking
-the call within ``plan.prefill_wait_s``, degrades to private prefill; decode calls prefer a
+the call within ``limits.prefill_wait_s``, degrades to private prefill; decode calls prefer a
 replica on the prefill's node (deployments/node_router.py);
 a failing agent is reported for that agent while the others finish. In multi-round runs each
 round's outputs join the context of the next round. When an engine deployment's queue is full
@@ -26,6 +26,7 @@ from ray import serve
 from ray.serve.exceptions import BackPressureError
 
 from app.handover import shared_length, split_prompt
+from app.plan import AppPlan
 from app.sampling import Sampling, TokenLogprob
 from deployments.decode_call import DecoderCall
 from deployments.errors import ErrorCode, Failure
@@ -33,7 +34,6 @@ from deployments.messages import (
     AgentEvent,
     AgentRunRequest,
     AgentSpec,
-    AppPlan,
     CompletionJob,
     DecodeChunk,
     DecodePlan,
@@ -154,7 +154,7 @@ class Orchestrator:
         resp = self.prefill_handles[module].prefill.remote(req)
         try:
             # Serve holds a call while the deployment has no replica (its node is gone): bound that wait
-            ref = await asyncio.wait_for(replica_assigned(resp), self.plan.prefill_wait_s)
+            ref = await asyncio.wait_for(replica_assigned(resp), self.plan.limits.prefill_wait_s)
             ticket: PrefillTicket = await ref
         except BackPressureError as e:
             for a in agents:

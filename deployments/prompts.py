@@ -2,7 +2,7 @@
 
 Every decoder's manifest records its prompt format (``prompt`` block: the suite's
 ``context\\ninstruction``, plain text, or a chat template by sha256). :meth:`Prompter.from_config`
-rebuilds each decoder's :class:`app.training.rendering.Renderer` at deploy time, and refuses a
+rebuilds each decoder's :class:`app.rendering.Renderer` at deploy time, and refuses a
 decoder whose rendering it cannot reproduce (template file missing or with another hash,
 template that does not render). ``agent_prompt``/``chat_prompt`` with ``model=`` then produce
 exactly the token ids training produced for the same request. The shared part of a fan-out is
@@ -14,42 +14,9 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from app.engine.kv_keys import block_keys
-from app.training.rendering import Renderer, RenderError
+from app.rendering import Renderer, RenderError
 
-__all__ = ["Prompter", "RenderError", "common_prefix", "decoder_renderers", "locality_keys"]
-
-
-def decoder_renderers(cfg) -> dict[str, Renderer]:
-    """{served decoder name: its Renderer} for an AppConfig, checked against the app's tokenizer.
-
-    A decoder (or a decode group's adapter) without a manifest renders the suite way; a manifest
-    whose rendering cannot be reproduced raises :class:`RenderError` naming the config field.
-    """
-    from app.models.manifest import ManifestError, read_manifest
-    from app.training.tokenizer import load_tokenizer
-
-    tok = load_tokenizer(cfg.path(cfg.tokenizer))
-    out: dict[str, Renderer] = {}
-    entries = []
-    for i, d in enumerate(cfg.decoders):
-        adapters = getattr(d, "adapters", None) or []
-        if adapters:
-            entries += [(a.name, cfg.path(a.path), f"decoders[{i}].adapters[{j}]") for j, a in enumerate(adapters)]
-        else:
-            entries.append((d.name, cfg.path(d.model), f"decoders[{i}]"))
-    for name, path, where in entries:
-        try:
-            manifest = read_manifest(path)
-        except ManifestError:
-            out[name] = Renderer()  # no manifest: not trained here; the suite rendering, as always
-            continue
-        try:
-            renderer = Renderer.for_decoder(path, manifest)
-        except RenderError as e:
-            raise RenderError(f"{where} ({name}): {e}") from None
-        renderer.check(tok, f"{where} ({name}): {path}")
-        out[name] = renderer
-    return out
+__all__ = ["Prompter", "RenderError", "common_prefix", "locality_keys"]
 
 
 class Prompter:
@@ -62,14 +29,14 @@ class Prompter:
         self.tok = AutoTokenizer.from_pretrained(tokenizer_path)
         self.eos_token_id = self.tok.eos_token_id
         self.vocab_size = len(self.tok)  # token-id prompts must stay below this
-        self.renderers: dict[str, Renderer] = dict(renderers or {})
-        for name, r in self.renderers.items():
-            r.check(self.tok, f"decoder {name!r}")
+        self.renderers: dict[str, Renderer] = dict(renderers or {})  # checked when the plan was built
 
     @classmethod
     def from_config(cls, cfg) -> Prompter:
         """Built from an AppConfig: the app tokenizer plus every decoder's recorded rendering.
         Raises RenderError (deploy time) for a rendering it cannot reproduce."""
+        from app.plan import decoder_renderers
+
         return cls(str(cfg.path(cfg.tokenizer)), decoder_renderers(cfg))
 
     def renderer(self, model: str | None) -> Renderer:

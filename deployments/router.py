@@ -28,12 +28,13 @@ from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from app.auth import KeyRing, Tenant, load_keyring
-from app.config import AuthConfig, LimitsConfig
+from app.config import AuthConfig
+from app.plan import AppPlan
 from app.sampling import Sampling
 from deployments.admission import Admission, Outcome, Slot
 from deployments.decode_call import DecoderCall
 from deployments.errors import ApiError, Failure, error_body
-from deployments.messages import AgentRunRequest, AgentSpec, AppPlan, CompletionJob, DecodeChunk
+from deployments.messages import AgentRunRequest, AgentSpec, CompletionJob, DecodeChunk
 from deployments.openai_format import Answer, ToolCallOut
 from deployments.prompts import Prompter, RenderError
 from deployments.request_options import check_unsupported, sampling_from
@@ -120,7 +121,7 @@ async def _internal_error(_: Request, exc: Exception):
 @serve.ingress(api)
 class Router:
     def __init__(self, plan: AppPlan, orchestrator, prefill: dict, decoders: dict, metrics,
-                 limits: LimitsConfig | None = None, auth: AuthConfig | None = None):
+                 auth: AuthConfig | None = None):
         self.plan = plan
         self.orch = orchestrator
         self.prefill = prefill
@@ -129,7 +130,7 @@ class Router:
         self.metrics = metrics
         self.prompter = Prompter(plan.tokenizer, plan.renderers)  # each decoder's own rendering
         self.created = int(time.time())
-        self.limits = limits or LimitsConfig()
+        self.limits = plan.limits
         self.admission = Admission(self.limits.max_inflight_requests)
         auth = auth or AuthConfig()
         self.keys: KeyRing | None = load_keyring(auth.keys_file, auth.keys_env, auth.required)
@@ -406,17 +407,17 @@ class Router:
             if not body.agents:
                 raise ApiError.invalid("agents", "agents: give at least one agent")
             n = 1 if body.rounds is None else body.rounds
-            if not 1 <= n <= self.plan.max_rounds:
-                raise ApiError.invalid("rounds", f"rounds must be in [1, {self.plan.max_rounds}]")
+            if not 1 <= n <= self.limits.max_rounds:
+                raise ApiError.invalid("rounds", f"rounds must be in [1, {self.limits.max_rounds}]")
             raw_rounds, prefix = [body.agents] * n, None
-        if len(raw_rounds) > self.plan.max_rounds:
-            raise ApiError.invalid("rounds", f"rounds: at most {self.plan.max_rounds}")
+        if len(raw_rounds) > self.limits.max_rounds:
+            raise ApiError.invalid("rounds", f"rounds: at most {self.limits.max_rounds}")
         rounds = []
         for r, agents in enumerate(raw_rounds):
             if not agents:
                 raise ApiError.invalid(f"rounds[{r}]", f"rounds[{r}]: give at least one agent")
-            if len(agents) > self.plan.max_agents:
-                raise ApiError.invalid("agents", f"at most {self.plan.max_agents} agents per round")
+            if len(agents) > self.limits.max_agents:
+                raise ApiError.invalid("agents", f"at most {self.limits.max_agents} agents per round")
             specs, names = [], set()
             for i, a in enumerate(agents):
                 p = f"rounds[{r}][{i}]." if prefix else f"agents[{i}]."

@@ -35,7 +35,7 @@ def serve_app(cfg, name: str, ray_tmp: str, pool_dir: str) -> Iterator[str]:
     from ray import serve
 
     from agents import Client
-    from app.serve_app import build
+    from deployments.application import build
 
     os.environ["RAY_TMPDIR"] = ray_tmp
     for attempt in range(5):  # the raylet has a fixed 30 s to register; a saturated 2-core box can miss it

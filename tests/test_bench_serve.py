@@ -154,14 +154,15 @@ def test_every_system_is_a_valid_app_config(tmp_path):
     from app.bench.models import SMALL, random_models
     from app.bench.systems import SYSTEMS, Topology, app_config
     from app.config import load_config
-    from app.serve_app import build, plan_app
+    from app.plan import plan_app
+    from deployments.application import build
 
     mset = random_models(tmp_path / "m", 2, SMALL, TOKENIZER, "float32", lora_rank=8)
     topo = Topology(kv_cache_gib=0.125, prefill_replicas=1, lora_rank=8, colocated_replicas=1)
     plans = {}
     for system in SYSTEMS:
         cfg = load_config(app_config(system, mset, 2, topo, TOKENIZER, "/dev/shm/unused"))
-        plans[system], _ = plan_app(cfg)
+        plans[system] = plan_app(cfg)
         assert [d.name for d in plans[system].decoders] == ["agent0", "agent1"]
         build(cfg)  # binds the deployments; nothing starts without serve.run
     assert all(d.prefill_module == "base" and d.adapter == d.name and d.prefill_adapter is None

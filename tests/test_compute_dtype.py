@@ -3,7 +3,7 @@ import pytest
 
 from app.engine import compute_dtype
 from app.engine.async_engine import EngineConfig
-from app.serve_app import kv_bytes_per_token
+from app.plan import kv_bytes_per_token
 
 AVX2 = "processor\t: 0\nflags\t\t: fpu sse2 avx avx2 fma\n"
 SAPPHIRE = "processor\t: 0\nflags\t\t: fpu avx2 avx512f avx512_bf16 amx_tile amx_bf16\n"

@@ -54,27 +54,27 @@ def test_bad_config_names_the_field(mutate, field):
 
 
 def test_nixl_pool_settings_reach_the_decoders_pool_spec():
-    from app.serve_app import pool_specs
+    from app.engine_args import pool_specs
 
     cfg = load_config(minimal(pool={"transport": "nixl", "nixl_peers": ["10.0.0.5:7701"], "nixl_timeout_s": 2.5,
                                     "decode_path": "/dev/shm/decode", "capacity_gib": 0.25}))
-    producer, consumer = pool_specs(cfg)
+    producer, consumer = pool_specs(cfg.pool)
     assert (producer.transport, consumer.transport) == ("shm", "nixl")
     assert consumer.nixl_peers == ("10.0.0.5:7701",) and consumer.nixl_timeout_s == 2.5
     assert consumer.path == "/dev/shm/decode" and consumer.capacity_bytes == 1 << 28
 
 
 def test_prefill_wait_reaches_the_plan_and_must_be_positive():
-    from app.serve_app import plan_app
+    from app.plan import plan_app
 
-    plan, _ = plan_app(load_config(minimal(limits={"prefill_wait_s": 1.5})))
-    assert plan.prefill_wait_s == 1.5
+    plan = plan_app(load_config(minimal(limits={"prefill_wait_s": 1.5})))
+    assert plan.limits.prefill_wait_s == 1.5
     with pytest.raises(ConfigError, match="limits.prefill_wait_s"):
         load_config(minimal(limits={"prefill_wait_s": 0}))
 
 
 def test_engine_settings_reach_the_engine_config_gpu_fraction_included():
-    from app.serve_app import engine_config
+    from app.engine_args import engine_config
 
     cfg = load_config(minimal(decoders=[{"name": "lookup", "model": "checkpoints/decoders/lookup",
                                          "engine": {"gpu_memory_utilization": 0.2, "kv_cache_gib": 0.5}}]))
@@ -97,7 +97,7 @@ def test_serve_config_yaml_is_valid_for_serve_and_for_the_app():
     ServeDeploySchema.model_validate(raw)
     assert raw["http_options"]["host"] == "127.0.0.1"
     app = raw["applications"][0]
-    assert app["import_path"] == "app.serve_app:build_app"
+    assert app["import_path"] == "deployments.application:build_app"
     cfg = load_config(ROOT / "serve_config.yaml")
     assert isinstance(cfg, AppConfig)
     assert cfg.prefill_modules[0].placement.num_replicas == 1
@@ -116,7 +116,7 @@ def test_serve_config_yaml_is_valid_for_serve_and_for_the_app():
 def test_the_commented_lora_group_in_serve_config_yaml_plans_as_written():
     """The chat-format decode group that serve_config.yaml documents (commented out) is valid as
     written: uncommented, the app plans it with the shipped adapters (manifests, ranks, base), no engine."""
-    from app.serve_app import plan_app
+    from app.plan import plan_app
 
     lines = (ROOT / "serve_config.yaml").read_text().splitlines()
     start = next(i for i, x in enumerate(lines) if x.strip() == "# - name: chat-group")
@@ -128,7 +128,7 @@ def test_the_commented_lora_group_in_serve_config_yaml_plans_as_written():
         out[i] = lines[i][:indent] + lines[i][indent + 2:]
     raw = yaml.safe_load("\n".join(out))
     cfg = load_config(raw["applications"][0]["args"]["config"])
-    plan, _ = plan_app(cfg)
+    plan = plan_app(cfg)
     group = [d for d in plan.decoders if d.group == "chat-group"]
     assert [d.name for d in group] == ["chat-lookup", "chat-tool_call", "chat-reschedule", "chat-route"]
     assert all(d.adapter == d.name and d.prefill_module == "base" for d in group)
@@ -136,7 +136,7 @@ def test_the_commented_lora_group_in_serve_config_yaml_plans_as_written():
 
 def test_cpu_engines_run_their_worker_inside_enginecore_unless_threads_are_pinned_or_on_gpu():
     from app.config import EngineSettings, Placement
-    from app.serve_app import engine_env
+    from app.engine_args import engine_env
 
     cfg = load_config(minimal())
     flag = "VLLM_ENABLE_V1_MULTIPROCESSING"

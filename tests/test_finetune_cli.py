@@ -10,9 +10,9 @@ from app.cli import main as cli
 from app.models.compat import check
 from app.models.manifest import read_manifest
 from app.models.shapes import save_random_model
+from app.rendering import Renderer
 from app.training import tasks
 from app.training.data import read_records, render_records, truncate
-from app.training.rendering import Renderer
 from app.training.tokenizer import load_tokenizer
 from deployments.prompts import Prompter
 

@@ -64,10 +64,11 @@ def app_config(paths, group: dict | None = None, pool: str = "/dev/shm/unused") 
 # --- bad input: fails the build, names the field, starts nothing -------------------------------
 def test_group_plan_serves_each_adapter_by_name_on_the_base_kv(models):
     from app.config import load_config
-    from app.serve_app import engine_config, plan_app
+    from app.engine_args import engine_config
+    from app.plan import plan_app
 
     cfg = load_config(app_config(models))
-    plan, _ = plan_app(cfg)
+    plan = plan_app(cfg)
     by = {d.name: d for d in plan.decoders}
     assert set(by) == {"lookup", "ad0", "prüf-ágent-1"}
     assert by["lookup"].adapter is None and by["lookup"].prefill_module == "base"
@@ -90,7 +91,7 @@ def test_group_plan_serves_each_adapter_by_name_on_the_base_kv(models):
 ])
 def test_a_bad_adapter_fails_the_build_naming_the_field(models, tmp_path, case, field):
     from app.config import ConfigError, load_config
-    from app.serve_app import build
+    from deployments.application import build
 
     ad0 = {"name": "ad0", "path": str(models["ad0"]), "rank": 8}
     group: dict = {}

@@ -139,7 +139,7 @@ def app(tmp_path_factory):
     from ray import serve
 
     from app.config import load_config
-    from app.serve_app import build
+    from deployments.application import build
     from deployments.kv_server import build_kv_server
 
     tag = os.getpid()
@@ -221,8 +221,8 @@ def test_prefill_group_and_decoders_land_on_their_nodes(app):
 def test_fan_out_across_nodes_matches_reference_and_moves_kv_over_nixl(app, reference):
     """Three agents over one context, sent at once: alpha twice on the decode node (KV pulled
     over NIXL), beta on the prefill node (its replica there is preferred)."""
+    from app.plan import kv_bytes_per_token
     from app.reference import shared_greedy
-    from app.serve_app import kv_bytes_per_token
     from app.training.tasks import render_prompt
 
     tok, models = reference

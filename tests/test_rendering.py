@@ -8,7 +8,7 @@ import pytest
 
 from app.config import load_config
 from app.models.manifest import DecodeManifest, write_manifest
-from app.training.rendering import Renderer, RenderError, template_sha256
+from app.rendering import Renderer, RenderError, template_sha256
 from app.training.tasks import render_prompt
 from deployments.prompts import Prompter, common_prefix
 

@@ -105,7 +105,7 @@ def app(tmp_path_factory):
     from ray import serve
 
     from app.config import load_config
-    from app.serve_app import build
+    from deployments.application import build
 
     paths = _make_models(tmp_path_factory.mktemp("models"))
     pool_dir = f"/dev/shm/ps-test-{os.getpid()}"

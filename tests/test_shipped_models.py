@@ -26,7 +26,7 @@ def test_shipped_layout_manifests_and_size():
 
 def test_shipped_chat_adapters_render_their_template_and_share_the_base():
     """checkpoints/chat: the chat-format suite's LoRA adapters (decoders and Full-FT baselines)."""
-    from app.training.rendering import Renderer
+    from app.rendering import Renderer
     from app.training.tokenizer import load_tokenizer
 
     tok = load_tokenizer(CKPT / "base")

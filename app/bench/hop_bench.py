@@ -232,7 +232,7 @@ def run(spec: HopSpec) -> dict:
     from ray import serve
 
     from app.config import load_config
-    from app.serve_app import build
+    from deployments.application import build
 
     pool = f"/dev/shm/ps-hops-{os.getpid()}"
     cfg = load_config(app_config(spec, pool))

@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from app.engine import compute_dtype
-from app.serve_app import kv_bytes_per_token
+from app.plan import kv_bytes_per_token
 
 TAG_KEY = "prefillshare_bench_model"
 

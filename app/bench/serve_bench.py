@@ -306,7 +306,7 @@ def run(cfg: ServeBenchConfig, log=print) -> dict:
     from app.bench.systems import app_config
     from app.bench.workload import ContextMaker, make_sessions
     from app.config import load_config
-    from app.serve_app import build
+    from deployments.application import build
 
     tokenizer = str((PROJECT / cfg.tokenizer).resolve()) if not os.path.isabs(cfg.tokenizer) else cfg.tokenizer
     n_max = max(cfg.fanouts)

@@ -59,7 +59,7 @@ def _config_demands(app_name: str, app_cfg: dict) -> list[Demand]:
 
     cfg = load_config(app_cfg)
     out = []
-    # Names as app/serve_app.py gives the deployments (docs/DESIGN.md).
+    # Names as deployments/application.py gives the deployments (docs/DESIGN.md).
     for kind, items in (("Prefill", cfg.prefill_modules), ("Decode", cfg.decoders)):
         for item in items:
             pl = item.placement

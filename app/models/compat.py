@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from app.models.identity import CheckpointError, load_config_dict, prefill_module_id, tokenizer_hash
-from app.models.manifest import read_manifest
+from app.models.manifest import DecodeManifest, read_manifest
 
 
 @dataclass(frozen=True)
@@ -88,13 +88,15 @@ def check_adapter_files(decoder_dir: str | Path, adapter) -> None:
                               f"adapter.target_modules={sorted(adapter.target_modules)}")
 
 
-def check(base_dir: str | Path, decoder_dir: str | Path, base_id: str | None = None) -> Compatibility:
+def check(base_dir: str | Path, decoder_dir: str | Path, base_id: str | None = None,
+          manifest: DecodeManifest | None = None) -> Compatibility:
     """Compare a decoder checkpoint (with its manifest) against a prefill module checkpoint.
 
     Raises ManifestError/CheckpointError for a decoder without manifest or a broken checkpoint;
     returns ``Compatibility(False, reasons)`` for a well-formed decoder that cannot share.
+    ``manifest``: the decoder's, when the caller has read it already.
     """
-    manifest = read_manifest(decoder_dir)
+    manifest = manifest or read_manifest(decoder_dir)
     reasons = []
     base_tok = tokenizer_hash(base_dir)
     dec_tok = tokenizer_hash(decoder_dir) if (Path(decoder_dir) / "tokenizer.json").is_file() or \

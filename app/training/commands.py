@@ -108,8 +108,8 @@ def configure_train(p: argparse.ArgumentParser) -> None:
 
 
 def run_train(args) -> int:
+    from app.rendering import RenderError
     from app.training.recipe import run_recipe
-    from app.training.rendering import RenderError
 
     set_threads(args)
     try:
@@ -187,8 +187,8 @@ def configure_eval(p: argparse.ArgumentParser) -> None:
 
 
 def run_eval(args) -> int:
+    from app.rendering import RenderError
     from app.training.evaluate import ModelSet, evaluate, evaluate_paths, to_markdown, write_results
-    from app.training.rendering import RenderError
 
     set_threads(args)
     try:

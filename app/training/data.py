@@ -15,8 +15,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from app.rendering import Renderer, RenderError
 from app.training.batches import Encoded
-from app.training.rendering import Renderer, RenderError
 from app.training.tasks import DataError, jsonl_objects
 
 ROLES = ("system", "user", "assistant")

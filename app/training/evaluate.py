@@ -168,8 +168,8 @@ def evaluate_paths(data_path: str | Path, base_dir: str | Path, decoder: str | P
     checkpoint is validated (manifest, built on this base; the decoder must be able to consume
     the base's KV) before a model loads.
     """
+    from app.rendering import Renderer
     from app.training.data import read_records, render_records
-    from app.training.rendering import Renderer
 
     base_dir = Path(base_dir)
     if not (base_dir / "config.json").is_file():

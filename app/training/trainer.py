@@ -31,8 +31,8 @@ from transformers import Trainer, TrainerCallback, TrainingArguments
 from app.models import checkpoint
 from app.models.identity import prefill_module_id, tokenizer_hash
 from app.models.manifest import METHODS, AdapterSpec, DecodeManifest
+from app.rendering import Renderer
 from app.training import batches
-from app.training.rendering import Renderer
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # defaults for the user's own (pretrained) models; the shipped recipe passes its own

@@ -1,0 +1,230 @@
+"""The app's plan: an AppConfig resolved once, before any engine starts.
+
+:func:`plan_app` reads each served decoder's manifest once and gives one :class:`DecoderPlan`
+per served name: the prefill module that feeds it (or the code and readable reason it prefills
+privately), its checked Renderer, its tool-call format and its LoRA adapter. A full-weight
+decoder that cannot share prefills privately; a decode group's adapter that cannot run on the
+group's engine fails the build with the config field named (:class:`ConfigError`).
+
+The plan holds plain data and crosses to every Router and Orchestrator replica as it is: they
+neither read a manifest nor check a rendering again.
+"""
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from app.config import AdapterConfig, AppConfig, ConfigError, DecoderConfig, LimitsConfig, PrefillModuleConfig
+from app.engine import compute_dtype
+from app.rendering import Renderer, RenderError
+
+log = logging.getLogger("ray.serve")
+
+
+@dataclass(frozen=True)
+class ModulePlan:
+    """A prefill module as resolved at build time."""
+
+    name: str
+    module_id: str
+    block_size: int
+
+
+@dataclass(frozen=True)
+class DecoderPlan:
+    """A served decoder as resolved at build time: which prefill module feeds it, or why none does."""
+
+    name: str
+    prefill_module: str | None
+    private_reason: str | None  # short code for metrics, e.g. "incompatible"
+    private_detail: str | None  # readable reason
+    kv_bytes_per_token: int
+    max_model_len: int
+    group: str | None = None  # decode group (config decoder name) whose engine serves this LoRA decoder
+    adapter: str | None = None  # LoRA adapter name in that engine (None: a full-weight decoder)
+    prefill_adapter: str | None = None  # the prefill module computes this decoder's KV with this adapter
+    tool_call_format: str | None = None  # from the decoder's manifest: how it calls tools (deployments/tools.py)
+    renderer: Renderer = field(default_factory=Renderer)  # checked against the app's tokenizer at build time
+
+
+@dataclass(frozen=True)
+class AppPlan:
+    tokenizer: str
+    modules: tuple[ModulePlan, ...]
+    decoders: tuple[DecoderPlan, ...]
+    limits: LimitsConfig = field(default_factory=LimitsConfig)
+
+    def decoder(self, name: str) -> DecoderPlan | None:
+        return next((d for d in self.decoders if d.name == name), None)
+
+    def module(self, name: str) -> ModulePlan | None:
+        return next((m for m in self.modules if m.name == name), None)
+
+    @property
+    def renderers(self) -> dict[str, Renderer]:
+        """{served decoder name: its checked Renderer}."""
+        return {d.name: d.renderer for d in self.decoders}
+
+
+def kv_bytes_per_token(model_dir: Path, dtype: str) -> int:
+    """Bytes of K and V over all layers for one token (what a decoder loads per shared token)."""
+    cfg = json.loads((model_dir / "config.json").read_text())
+    heads = cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    return 2 * int(cfg["num_hidden_layers"]) * int(heads) * int(head_dim) * compute_dtype.BYTES[compute_dtype.resolve(dtype)]
+
+
+@dataclass(frozen=True)
+class _Served:
+    """One name a decoder entry serves: the decoder itself, or one adapter of a decode group."""
+
+    where: str  # the config field: decoders[i] or decoders[i].adapters[j]
+    decoder: DecoderConfig
+    adapter: AdapterConfig | None
+    name: str
+    path: Path
+    manifest: object  # DecodeManifest, or the ManifestError reading it raised
+
+
+def _served(cfg: AppConfig) -> list[_Served]:
+    """Every served name with its manifest, each manifest read once."""
+    from app.models.manifest import ManifestError, read_manifest
+
+    out = []
+    for i, d in enumerate(cfg.decoders):
+        entries = ([(f"decoders[{i}].adapters[{j}]", a, a.name, cfg.path(a.path)) for j, a in enumerate(d.adapters)]
+                   if d.adapters else [(f"decoders[{i}]", None, d.name, cfg.path(d.model))])
+        for where, a, name, path in entries:
+            try:
+                manifest = read_manifest(path)
+            except ManifestError as e:
+                manifest = e
+            out.append(_Served(where, d, a, name, path, manifest))
+    return out
+
+
+def _renderer(s: _Served, tok) -> Renderer:
+    """The served name's recorded rendering, checked against the app's tokenizer; the suite
+    rendering without a manifest (not trained here)."""
+    if isinstance(s.manifest, Exception):
+        return Renderer()
+    try:
+        renderer = Renderer.for_decoder(s.path, s.manifest)
+    except RenderError as e:
+        raise RenderError(f"{s.where} ({s.name}): {e}") from None
+    renderer.check(tok, f"{s.where} ({s.name}): {s.path}")
+    return renderer
+
+
+def decoder_renderers(cfg: AppConfig) -> dict[str, Renderer]:
+    """{served decoder name: its checked Renderer}, without resolving the rest of the plan (a config
+    whose checkpoints are manifests only); raises :class:`RenderError` naming the config field."""
+    from app.training.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(cfg.path(cfg.tokenizer))
+    return {s.name: _renderer(s, tok) for s in _served(cfg)}
+
+
+def _check_adapter(s: _Served, group_id: str) -> None:
+    """A decode group's adapter must run on the group's engine; ConfigError naming the field otherwise."""
+    from app.models import compat
+    from app.models.identity import CheckpointError
+
+    a, d, m = s.adapter, s.decoder, s.manifest
+    if isinstance(m, Exception):
+        raise ConfigError(f"{s.where}.path: {m}")
+    if m.adapter is None:
+        raise ConfigError(f"{s.where}.path: {s.path} is not an adapter-only decoder (its manifest has no 'adapter' "
+                          "block); serve a full checkpoint as its own decoder instead")
+    if m.adapter.rank != a.rank:
+        raise ConfigError(f"{s.where}.rank: {a.rank} in the config, the adapter's manifest says {m.adapter.rank}")
+    try:
+        compat.check_adapter_files(s.path, m.adapter)
+    except CheckpointError as e:
+        raise ConfigError(f"{s.where}.path: {e}") from None
+    if m.adapter.base_prefill_module_id != group_id:
+        raise ConfigError(f"{s.where}.path: adapter {a.name!r} belongs to base {m.adapter.base_prefill_module_id},"
+                          f" the group's model {d.model} is {group_id} (an adapter only runs on the weights it "
+                          "was trained on)")
+
+
+def _engine_mismatch(base: PrefillModuleConfig, d: DecoderConfig) -> list[str]:
+    reasons = []
+    if base.engine.block_size != d.engine.block_size:
+        reasons.append(f"block_size differs: prefill module {base.engine.block_size}, decoder {d.engine.block_size}")
+    if base.engine.dtype != d.engine.dtype:
+        reasons.append(f"engine dtype differs: prefill module {base.engine.dtype}, decoder {d.engine.dtype}")
+    return reasons
+
+
+def _sharing(cfg: AppConfig, s: _Served, module_ids: dict[str, str]) -> tuple[str | None, str | None, str | None]:
+    """(prefill module, prefill adapter, None) when ``s`` reads a module's KV, else (None, code, reason)."""
+    from app.models import compat
+    from app.models.identity import CheckpointError
+    from app.models.manifest import ManifestError
+
+    d, m = s.decoder, s.manifest
+    if d.prefill_module is None:
+        return None, "disabled", "prefill_module is null in the config"
+    if isinstance(m, Exception):
+        return None, "no_manifest", str(m)
+    name = (d.prefill_module if d.prefill_module != "auto"
+            else next((n for n, i in module_ids.items() if i == m.prefill_module_id), None))
+    if name is None:
+        return None, "no_prefill_module", (f"manifest names prefill module {m.prefill_module_id}; "
+                                           f"configured: {module_ids}")
+    base = cfg.prefill_module(name)
+    try:
+        reasons = list(compat.check(cfg.path(base.model), s.path, base_id=module_ids[name], manifest=m).reasons)
+    except (ManifestError, CheckpointError) as e:
+        reasons = [str(e)]
+    reasons += _engine_mismatch(base, d)
+    own = None
+    if s.adapter is not None and base.adapters:  # a per-adapter prefill: the adapter's own KV, computed there
+        own = next((b.name for b in base.adapters if b.name == s.adapter.name), None)
+        if own is None:
+            reasons.append(f"prefill module {name} computes per-adapter KV and holds no adapter named {s.name!r}")
+    if reasons:
+        return None, "incompatible", "; ".join(reasons)
+    return name, own, None
+
+
+def _resolve(cfg: AppConfig, s: _Served, module_ids: dict[str, str], group_ids: dict[str, str], bpt: int,
+             tok) -> DecoderPlan:
+    """One served name's plan."""
+    d = s.decoder
+    lora = {}
+    if s.adapter is not None:
+        _check_adapter(s, group_ids[d.name])
+        lora = {"group": d.name, "adapter": s.name}
+    renderer = _renderer(s, tok)
+    module, own_or_code, reason = _sharing(cfg, s, module_ids)
+    tools = None if isinstance(s.manifest, Exception) else s.manifest.tool_call_format
+    common = dict(kv_bytes_per_token=bpt, max_model_len=d.engine.max_model_len, tool_call_format=tools,
+                  renderer=renderer, **lora)
+    if module is None:
+        log.warning("decoder %s: private prefill (%s)", s.name, reason)
+        return DecoderPlan(s.name, None, own_or_code, reason, **common)
+    return DecoderPlan(s.name, module, None, None, prefill_adapter=own_or_code, **common)
+
+
+def plan_app(cfg: AppConfig) -> AppPlan:
+    """The resolved plan; raises ConfigError (or RenderError) naming the field before any engine starts."""
+    from app.models.identity import prefill_module_id
+    from app.training.tokenizer import load_tokenizer
+
+    cfg.check_paths()
+    module_ids = {p.name: prefill_module_id(cfg.path(p.model)) for p in cfg.prefill_modules}
+    group_ids = {d.name: prefill_module_id(cfg.path(d.model)) for d in cfg.decoders if d.adapters}
+    bpt = {d.name: kv_bytes_per_token(cfg.path(d.model), d.engine.dtype) for d in cfg.decoders}
+    tok = load_tokenizer(cfg.path(cfg.tokenizer))
+    decoders = tuple(_resolve(cfg, s, module_ids, group_ids, bpt[s.decoder.name], tok) for s in _served(cfg))
+    for i, d in enumerate(cfg.decoders):
+        modules = sorted({p.prefill_module for p in decoders if p.group == d.name and p.prefill_module})
+        if len(modules) > 1:
+            raise ConfigError(f"decoders[{i}].adapters: one decode group reads one prefill module's KV; its adapters "
+                              f"name {modules} (split them into groups or set decoders[{i}].prefill_module)")
+    modules = tuple(ModulePlan(p.name, module_ids[p.name], p.engine.block_size) for p in cfg.prefill_modules)
+    return AppPlan(str(cfg.path(cfg.tokenizer)), modules, decoders, cfg.limits)

@@ -1,0 +1,126 @@
+"""Builds the Ray Serve application from an AppConfig (serve_config.yaml's import_path).
+
+The plan (app/plan.py) is resolved first, before any engine starts. Then: one PrefillServer
+deployment per prefill module (prefix-locality router), one DecodeServer deployment per decoder
+or decode group (its own placement-group bundles, node-affinity router), the Orchestrator, the
+Metrics holder and the Router ingress.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+from app.config import AppConfig, EngineSettings, Placement, config_from_args
+from app.engine_args import engine_config, engine_env, pool_specs
+from app.plan import AppPlan, plan_app
+
+
+def engine_options(cfg: AppConfig, name: str, p: Placement, eng: EngineSettings, **extra) -> dict[str, Any]:
+    """Serve options of an engine deployment (prefill or decode alike)."""
+    from ray.serve.config import BackpressureConfig
+
+    actor: dict[str, Any] = {"num_cpus": p.num_cpus, "runtime_env": {"env_vars": engine_env(cfg, p, eng)}}
+    if p.num_gpus:
+        actor["num_gpus"] = p.num_gpus
+    opts: dict[str, Any] = dict(
+        name=name, num_replicas=p.num_replicas, max_ongoing_requests=p.max_ongoing_requests,
+        max_queued_requests=p.max_queued_requests, ray_actor_options=actor,
+        # Serve's own shedding (max_queued_requests) answers 429 + Retry-After like the Router does.
+        backpressure_config=BackpressureConfig(status_code=429, retry_after_s=cfg.limits.retry_after_s),
+        health_check_period_s=10, health_check_timeout_s=60, graceful_shutdown_timeout_s=20, **extra)
+    if p.placement_group_bundles:
+        opts.update(placement_group_bundles=p.placement_group_bundles, placement_group_strategy=p.placement_group_strategy)
+    return opts
+
+
+def _small(cfg: AppConfig, d) -> dict[str, Any]:
+    """Serve options of a deployment without an engine (Router, Orchestrator)."""
+    from ray.serve.config import BackpressureConfig
+
+    return dict(num_replicas=d.num_replicas, ray_actor_options={"num_cpus": d.num_cpus},
+                max_ongoing_requests=d.max_ongoing_requests, max_queued_requests=d.max_queued_requests,
+                backpressure_config=BackpressureConfig(status_code=429, retry_after_s=cfg.limits.retry_after_s))
+
+
+def _router_config(cls, cfg: AppConfig, **kwargs):
+    from ray.serve.config import RequestRouterConfig
+
+    return RequestRouterConfig(request_router_class=cls, request_router_kwargs={
+        "imbalance_threshold": cfg.routing.imbalance_threshold, "metrics_deployment": "Metrics", **kwargs})
+
+
+def _prefill_deployments(cfg: AppConfig, plan: AppPlan, pool, metrics) -> dict:
+    from app.engine.async_engine import connector_config
+    from deployments.prefill import PrefillServer
+    from deployments.prefix_router import PrefixLocalityRouter
+
+    prefill = {}
+    for p in cfg.prefill_modules:
+        kv = connector_config("producer", plan.module(p.name).module_id, pool, scope=p.name,
+                              adapter_keys=bool(p.adapters))
+        router = _router_config(PrefixLocalityRouter, cfg, max_tracked_prefixes=cfg.routing.max_tracked_prefixes)
+        prefill[p.name] = PrefillServer.options(
+            **engine_options(cfg, f"Prefill-{p.name}", p.placement, p.engine, request_router_config=router)
+        ).bind(p.name, engine_config(cfg, p.model, p.engine, p.placement, kv, p), metrics)
+    return prefill
+
+
+def _decode_deployments(cfg: AppConfig, plan: AppPlan, pool, consumer_pool, metrics) -> dict:
+    """{served name: its decode deployment}; a decode group serves each adapter's name through its one engine."""
+    from app.engine.async_engine import connector_config
+    from deployments.decode import DecodeServer, PrefillNodeEngine
+    from deployments.node_router import NodeAffinityRouter
+
+    decoders = {}
+    for d in cfg.decoders:
+        pl = d.placement
+        served = [plan.decoder(n) for n in d.served_names]
+        module = next((dp.prefill_module for dp in served if dp.prefill_module is not None), None)
+        kv = on_prefill_node = None
+        if module is not None:  # the plan checked compatibility: the connector is told nothing more
+            adapter_keys = bool(cfg.prefill_module(module).adapters)
+
+            def consumer(pool_spec, module=module, adapter_keys=adapter_keys, d=d):
+                return connector_config("consumer", plan.module(module).module_id, pool_spec, scope=d.name,
+                                        adapter_keys=adapter_keys)
+            kv = consumer(consumer_pool)
+            if consumer_pool.path != pool.path and cfg.pool.server_resources:
+                on_prefill_node = PrefillNodeEngine(
+                    dict(cfg.pool.server_resources),
+                    engine_config(cfg, d.model, d.engine, pl, consumer(replace(consumer_pool, path=pool.path)), d))
+        # a replica on the prefill's node reads the KV from that node's pool instead of pulling it
+        # across nodes; on one node every replica is on it, and the router ranks by load alone
+        extra = {"request_router_config": _router_config(NodeAffinityRouter, cfg)}
+        handle = DecodeServer.options(**engine_options(cfg, f"Decode-{d.name}", pl, d.engine, **extra)).bind(
+            d.name, engine_config(cfg, d.model, d.engine, pl, kv, d), metrics, on_prefill_node)
+        for dp in served:
+            decoders[dp.name] = handle
+    return decoders
+
+
+def build(cfg: AppConfig):
+    """The Serve application (the Router ingress with everything bound beneath it)."""
+    from deployments.metrics import MetricsServer
+    from deployments.orchestrator import Orchestrator
+    from deployments.router import Router
+
+    plan = plan_app(cfg)
+    pool, consumer_pool = pool_specs(cfg.pool)
+    metrics = MetricsServer.options(
+        num_replicas=1, ray_actor_options={"num_cpus": cfg.metrics.num_cpus},
+        max_ongoing_requests=cfg.metrics.max_ongoing_requests,
+    ).bind(cfg.pool.path if cfg.pool.transport == "shm" else None)
+    prefill = _prefill_deployments(cfg, plan, pool, metrics)
+    decoders = _decode_deployments(cfg, plan, pool, consumer_pool, metrics)
+    # one set of decode handles for both callers: the Router streams completions from them, the
+    # Orchestrator streams agent runs' decoders
+    orch = Orchestrator.options(**_small(cfg, cfg.orchestrator)).bind(plan, prefill, decoders, metrics)
+    auth = cfg.auth
+    if auth.keys_file:  # the Router replica reads the file itself: keys never travel in Serve's config
+        auth = auth.model_copy(update={"keys_file": str(cfg.path(auth.keys_file))})
+    return Router.options(**_small(cfg, cfg.router)).bind(plan, orch, prefill, decoders, metrics, auth)
+
+
+def build_app(args: dict[str, Any]):
+    """Serve app builder (serve_config.yaml's import_path)."""
+    return build(config_from_args(args))
