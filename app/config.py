@@ -9,10 +9,19 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 import yaml
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 # letters of any script (agent names such as "prüf-ágent"), digits, "_", ".", "-"
@@ -31,19 +40,48 @@ Name = Annotated[str, AfterValidator(_valid_name)]
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
+    # settings renamed to the name of what they become (vLLM's or PoolSpec's): old name -> the new one
+    # with an example; a config still using the old name fails naming the new one.
+    renamed: ClassVar[dict[str, str]] = {}
+
+    @model_validator(mode="before")
+    @classmethod
+    def _renamed(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for old, new in cls.renamed.items():
+                if old in data:
+                    raise ValueError(f"{old}: renamed to {new}")
+        return data
+
+
+_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*(B|KiB|MiB|GiB|TiB)?\s*$")
+_UNITS = {None: 1, "B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "TiB": 1 << 40}
+
+
+def _bytes(v: Any) -> Any:
+    """A byte count given as a number or with a binary unit ('256MiB', '0.25GiB')."""
+    if isinstance(v, str):
+        m = _SIZE.match(v)
+        if not m:
+            raise ValueError(f"{v!r} is not a size (a byte count, or a number with B, KiB, MiB, GiB or TiB)")
+        return int(float(m[1]) * _UNITS[m[2]])
+    return v
 
 
 class EngineSettings(_Strict):
-    """vLLM knobs shared by every engine of one deployment."""
+    """vLLM knobs shared by every engine of one deployment, under vLLM's engine-argument names
+    (``AsyncEngineArgs``); any other engine argument goes in ``engine_kwargs``. app/engine_args.py
+    is the one place they are translated (table: docs/serving.md, "Settings and where they go")."""
 
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
         "auto", description="auto: bfloat16 on GPUs and CPUs with native bf16, else float32 (app.engine.compute_dtype)")
     max_model_len: int = Field(1024, ge=16)
-    kv_cache_gib: float = Field(0.25, gt=0, description="KV cache per engine (vLLM kv_cache_memory_bytes), CPU or GPU")
+    kv_cache_memory_bytes: Annotated[int, BeforeValidator(_bytes)] = Field(
+        1 << 28, gt=0, description="KV cache per engine, CPU or GPU: bytes, or a size such as '256MiB'")
     gpu_memory_utilization: float = Field(
         0.85, gt=0, le=1,
         description="GPUs only: vLLM starts only if this fraction of the GPU is free (the KV size is "
-        "kv_cache_gib); lower it to put several engines on one GPU")
+        "kv_cache_memory_bytes); lower it to put several engines on one GPU")
     block_size: int = Field(32, ge=16, multiple_of=16, description="CPU attention needs a multiple of 32")
     max_num_seqs: int = Field(16, ge=1)
     enforce_eager: bool = True
@@ -53,6 +91,11 @@ class EngineSettings(_Strict):
         "'0' / '1' pins to a core; 'auto' reserves every core per engine (slow with several engines)",
     )
     seed: int = 0
+    engine_kwargs: dict[str, Any] = Field(
+        default_factory=dict, description="any other vLLM engine argument (AsyncEngineArgs field), passed "
+        "through as given; checked against vLLM's fields when the app is built")
+
+    renamed: ClassVar[dict[str, str]] = {"kv_cache_gib": "kv_cache_memory_bytes (vLLM's name), e.g. '256MiB'"}
 
     @field_validator("threads_bind")
     @classmethod
@@ -146,10 +189,6 @@ class LoRAGroup(_Strict):
                              f"{self.max_loras}")
         return self
 
-    @property
-    def lora_slots(self) -> int:
-        return self.max_loras or max(1, len(self.adapters))
-
 
 class PrefillModuleConfig(LoRAGroup):
     """A shared frozen base: one PrefillServer deployment, N replicas. With ``adapters`` it is
@@ -188,10 +227,14 @@ class DecoderConfig(LoRAGroup):
 class PoolConfig(_Strict):
     """The KV pool behind the connector (shared memory on one node, NIXL across nodes)."""
 
+    renamed: ClassVar[dict[str, str]] = {"capacity_gib": "capacity_bytes (PoolSpec's name), e.g. '512MiB'",
+                                         "fan_out_ttl_s": "lease_timeout_s (PoolSpec's name)"}
+
     path: str = Field("/dev/shm/prefillshare", description="pool directory (shared memory on this node)")
-    capacity_gib: float = Field(0.5, gt=0)
+    capacity_bytes: Annotated[int, BeforeValidator(_bytes)] = Field(
+        1 << 29, gt=0, description="size of the pool's slots: bytes, or a size such as '512MiB'")
     transport: Literal["shm", "nixl"] = "shm"
-    fan_out_ttl_s: float = Field(30.0, gt=0, description="blocks stay readable this long for late decoders")
+    lease_timeout_s: float = Field(30.0, gt=0, description="blocks stay readable this long for late decoders")
     nixl_peers: list[str] = Field(
         default_factory=list, description="transport 'nixl': host:port of the KV block servers on prefill nodes "
         "that decoders pull from (deployments/kv_server.py)")

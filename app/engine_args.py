@@ -22,20 +22,59 @@ def engine_env(cfg: AppConfig, p: Placement, eng: EngineSettings) -> dict[str, s
             "HF_HUB_OFFLINE": "1", **cfg.engine_env, **p.env}
 
 
+# AsyncEngineArgs fields the app sets itself: from the project's own settings, or per deployment.
+APP_ENGINE_ARGS = frozenset({
+    "model", "tokenizer", "skip_tokenizer_init", "load_format", "kv_transfer_config", "enable_prefix_caching",
+    "structured_outputs_config", "disable_log_stats", "enable_lora", "max_lora_rank", "max_loras", "max_cpu_loras",
+})
+
+
+def lora_args(lora: LoRAGroup | None) -> dict:
+    """A LoRA group's engine arguments: its adapters, ``max_lora_rank`` and ``max_loras`` (default: as
+    many as declared; vLLM's max_cpu_loras is the same number, so every adapter stays loaded)."""
+    if lora is None or not lora.adapters:
+        return {}
+    return {"max_lora_rank": lora.max_lora_rank, "max_loras": lora.max_loras or len(lora.adapters)}
+
+
+def check_engine_kwargs(cfg: AppConfig) -> None:
+    """Every ``engine.engine_kwargs`` key must be an AsyncEngineArgs field the app does not set itself;
+    ConfigError naming the field otherwise (before any engine starts)."""
+    import dataclasses
+
+    deployments = [(f"prefill_modules[{i}]", p) for i, p in enumerate(cfg.prefill_modules)]
+    deployments += [(f"decoders[{i}]", d) for i, d in enumerate(cfg.decoders)]
+    if not any(dep.engine.engine_kwargs for _, dep in deployments):
+        return  # nothing to check: vLLM is not imported
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    known = {f.name for f in dataclasses.fields(AsyncEngineArgs)}
+    own = set(EngineSettings.model_fields) - {"engine_kwargs", "threads_bind"}
+    for where, dep in deployments:
+        for key in dep.engine.engine_kwargs:
+            field = f"{where}.engine.engine_kwargs.{key}"
+            if key in own:
+                raise ConfigError(f"{field}: set it as {where}.engine.{key}")
+            if key in APP_ENGINE_ARGS:
+                raise ConfigError(f"{field}: set by the app (LoRA settings go on the deployment: max_loras, "
+                                  "max_lora_rank, adapters)")
+            if key not in known:
+                raise ConfigError(f"{field}: not a vLLM engine argument (AsyncEngineArgs)")
+
+
 def engine_config(cfg: AppConfig, model: str, eng: EngineSettings, placement: Placement,
                   kv_transfer_config: dict | None, lora: LoRAGroup | None = None):
+    """The EngineConfig of one engine deployment: ``eng``'s settings under their vLLM names, its LoRA group's."""
     from app.engine.async_engine import EngineConfig
 
     adapters = tuple((a.name, str(cfg.path(a.path))) for a in lora.adapters) if lora is not None else ()
     return EngineConfig(
         model=str(cfg.path(model)), tokenizer=str(cfg.path(cfg.tokenizer)), dtype=eng.dtype,
-        kv_space_gib=eng.kv_cache_gib, max_model_len=eng.max_model_len, block_size=eng.block_size,
-        max_num_seqs=eng.max_num_seqs, omp_threads_bind=eng.threads_bind, enforce_eager=eng.enforce_eager,
-        gpu_memory_utilization=eng.gpu_memory_utilization,
-        kv_transfer_config=kv_transfer_config, seed=eng.seed, request_timeout_s=cfg.limits.request_timeout_s,
-        extra_env=engine_env(cfg, placement, eng), lora_adapters=adapters,
-        max_lora_rank=lora.max_lora_rank if lora is not None else 16,
-        max_loras=lora.lora_slots if lora is not None else 1,
+        kv_cache_memory_bytes=eng.kv_cache_memory_bytes, max_model_len=eng.max_model_len, block_size=eng.block_size,
+        max_num_seqs=eng.max_num_seqs, enforce_eager=eng.enforce_eager, seed=eng.seed,
+        gpu_memory_utilization=eng.gpu_memory_utilization, engine_kwargs=dict(eng.engine_kwargs),
+        kv_transfer_config=kv_transfer_config, request_timeout_s=cfg.limits.request_timeout_s,
+        extra_env=engine_env(cfg, placement, eng), lora_adapters=adapters, **lora_args(lora),
     )
 
 
@@ -45,8 +84,7 @@ def pool_specs(pool: PoolConfig):
     own node's pool from the block servers."""
     from app.engine.kv_pool import PoolSpec
 
-    common = dict(capacity_bytes=int(pool.capacity_gib * (1 << 30)), lease_timeout_s=pool.fan_out_ttl_s,
-                  check=pool.check)
+    common = dict(capacity_bytes=pool.capacity_bytes, lease_timeout_s=pool.lease_timeout_s, check=pool.check)
     producer = PoolSpec(path=pool.path, transport="shm", **common)
     if pool.transport == "shm":
         return producer, producer

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from app.config import AdapterConfig, AppConfig, ConfigError, DecoderConfig, LimitsConfig, PrefillModuleConfig
 from app.engine import compute_dtype
+from app.engine_args import check_engine_kwargs
 from app.rendering import Renderer, RenderError
 
 log = logging.getLogger("ray.serve")
@@ -216,6 +217,7 @@ def plan_app(cfg: AppConfig) -> AppPlan:
     from app.training.tokenizer import load_tokenizer
 
     cfg.check_paths()
+    check_engine_kwargs(cfg)
     module_ids = {p.name: prefill_module_id(cfg.path(p.model)) for p in cfg.prefill_modules}
     group_ids = {d.name: prefill_module_id(cfg.path(d.model)) for d in cfg.decoders if d.adapters}
     bpt = {d.name: kv_bytes_per_token(cfg.path(d.model), d.engine.dtype) for d in cfg.decoders}

@@ -268,7 +268,7 @@ class Engines:
         self.small_llama(a, 1)
         self.small_llama(b, 2)
         spec = PoolSpec(path=self.pool_root + "-eq", capacity_bytes=1 << 30)
-        common = dict(dtype="float32", kv_space_gib=1, max_model_len=1024, block_size=32,
+        common = dict(dtype="float32", kv_cache_memory_bytes=1 << 30, max_model_len=1024, block_size=32,
                       max_num_batched_tokens=128)
         prod = await Engine.start(self.engine_cfg(model=a, kv_transfer_config=connector_config("producer", "A", spec),
                                                   **common))
@@ -314,7 +314,7 @@ class Engines:
         lengths = [int(x) for x in self.args.lengths.split(",")] if not toy else [256]
         mml = max(lengths) + 64
         spec = PoolSpec(path=self.pool_root + "-sp", capacity_bytes=4 << 30)
-        common = dict(model=m, dtype="auto", kv_space_gib=2, max_model_len=mml, block_size=32,
+        common = dict(model=m, dtype="auto", kv_cache_memory_bytes=2 << 30, max_model_len=mml, block_size=32,
                       max_num_batched_tokens=max(lengths), load_format="dummy")
         prod = await Engine.start(self.engine_cfg(**common, kv_transfer_config=connector_config(
             "producer", "M", spec, scope="gpu-producer")))

@@ -37,7 +37,7 @@ def test_minimal_config_gets_defaults():
     (lambda c: c["decoders"][0].update(name="bad name!"), "decoders[0].name"),
     (lambda c: c["prefill_modules"][0].update(placement={"num_replicas": 0}), "prefill_modules[0].placement.num_replicas"),
     (lambda c: c["decoders"][0].update(engine={"threads_bind": "all"}), "decoders[0].engine.threads_bind"),
-    (lambda c: c["decoders"][0].update(engine={"kv_cache_gib": -1}), "decoders[0].engine.kv_cache_gib"),
+    (lambda c: c["decoders"][0].update(engine={"kv_cache_memory_bytes": -1}), "decoders[0].engine.kv_cache_memory_bytes"),
     (lambda c: c["decoders"][0].update(placement={"num_cpus": 1, "placement_group_bundles": [{"CPU": 0.5}]}),
      "placement_group_bundles[0]"),
     (lambda c: c.update(decoders=[]), "decoders"),
@@ -57,7 +57,7 @@ def test_nixl_pool_settings_reach_the_decoders_pool_spec():
     from app.engine_args import pool_specs
 
     cfg = load_config(minimal(pool={"transport": "nixl", "nixl_peers": ["10.0.0.5:7701"], "nixl_timeout_s": 2.5,
-                                    "decode_path": "/dev/shm/decode", "capacity_gib": 0.25}))
+                                    "decode_path": "/dev/shm/decode", "capacity_bytes": "256MiB"}))
     producer, consumer = pool_specs(cfg.pool)
     assert (producer.transport, consumer.transport) == ("shm", "nixl")
     assert consumer.nixl_peers == ("10.0.0.5:7701",) and consumer.nixl_timeout_s == 2.5
@@ -77,10 +77,10 @@ def test_engine_settings_reach_the_engine_config_gpu_fraction_included():
     from app.engine_args import engine_config
 
     cfg = load_config(minimal(decoders=[{"name": "lookup", "model": "checkpoints/decoders/lookup",
-                                         "engine": {"gpu_memory_utilization": 0.2, "kv_cache_gib": 0.5}}]))
+                                         "engine": {"gpu_memory_utilization": 0.2, "kv_cache_memory_bytes": "0.5GiB"}}]))
     d = cfg.decoders[0]
     ec = engine_config(cfg, d.model, d.engine, d.placement, None)
-    assert ec.gpu_memory_utilization == 0.2 and ec.kv_space_gib == 0.5
+    assert ec.gpu_memory_utilization == 0.2 and ec.kv_cache_memory_bytes == 1 << 29
     assert ec.engine_args().gpu_memory_utilization == 0.2
 
 
@@ -105,8 +105,8 @@ def test_serve_config_yaml_is_valid_for_serve_and_for_the_app():
     engines = sum(p.placement.num_replicas for p in cfg.prefill_modules) + sum(
         d.placement.num_replicas for d in cfg.decoders)
     # ~1.2 GiB per engine beyond its KV space (docs/platform.md), 1.35 with a margin: keep the default app small.
-    gib = sum((1.35 + p.engine.kv_cache_gib) * p.placement.num_replicas for p in cfg.prefill_modules) + sum(
-        (1.35 + d.engine.kv_cache_gib) * d.placement.num_replicas for d in cfg.decoders)
+    gib = sum((1.35 + p.engine.kv_cache_memory_bytes / (1 << 30)) * p.placement.num_replicas for p in cfg.prefill_modules) + sum(
+        (1.35 + d.engine.kv_cache_memory_bytes / (1 << 30)) * d.placement.num_replicas for d in cfg.decoders)
     assert engines >= 4 and gib < 10
     logical_cpus = sum(p.placement.num_cpus * p.placement.num_replicas for p in cfg.prefill_modules) + sum(
         d.placement.num_cpus * d.placement.num_replicas for d in cfg.decoders)

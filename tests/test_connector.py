@@ -112,8 +112,8 @@ def stack(model_dirs, pool_dir, nixl_server):
     # The producer writes a crc32 per slot and decoder D checks it (the opt-in check mode);
     # B and C load on the default path (generations only).
     checked = PoolSpec(path=pool_dir, capacity_bytes=256 << 20, lease_timeout_s=120, check="crc32")
-    common = dict(dtype="float32", kv_space_gib=0.25, max_model_len=512, block_size=BS,
-                  max_num_batched_tokens=64, skip_tokenizer_init=True, omp_threads_bind="nobind",
+    common = dict(dtype="float32", kv_cache_memory_bytes=256 << 20, max_model_len=512, block_size=BS,
+                  max_num_batched_tokens=64, skip_tokenizer_init=True, extra_env={"VLLM_CPU_OMP_THREADS_BIND": "nobind"},
                   request_timeout_s=240)
     cfgs = {"A": EngineConfig(model=model_dirs["A"], **common,
                               kv_transfer_config=connector_config("producer", "base-A", checked))}

@@ -27,7 +27,7 @@ MAX_NEW = 6
 # the openai client and the SDK like any other.
 ADAPTERS = ("ad0", "prüf-ágent-1")
 AGENTS = [("lookup", "what is the city?"), ("ad0", "what is the city?"), ("prüf-ágent-1", "call the shipping tool.")]
-ENGINE = {"dtype": "float32", "max_model_len": 256, "kv_cache_gib": 0.125, "block_size": 32, "max_num_seqs": 8,
+ENGINE = {"dtype": "float32", "max_model_len": 256, "kv_cache_memory_bytes": "128MiB", "block_size": 32, "max_num_seqs": 8,
           "threads_bind": "nobind"}
 
 
@@ -50,7 +50,7 @@ def app_config(paths, group: dict | None = None, pool: str = "/dev/shm/unused") 
     place = {"num_cpus": 0.25, "placement_group_bundles": [{"CPU": 0.25}]}
     return {
         "tokenizer": str(TOKENIZER),
-        "pool": {"path": pool, "capacity_gib": 0.125},
+        "pool": {"path": pool, "capacity_bytes": "128MiB"},
         "limits": {"max_tokens_default": MAX_NEW, "max_tokens_cap": 64},
         "engine_env": {"VLLM_HOST_IP": "127.0.0.1"},
         "prefill_modules": [{"name": "base", "model": str(paths["base"]), "engine": ENGINE,
@@ -134,8 +134,8 @@ def test_per_adapter_kv_is_loaded_only_by_its_own_adapter(models):
 
     pool = PoolSpec(path=f"/dev/shm/ps-lora-kv-{os.getpid()}", capacity_bytes=64 << 20)
     mid = prefill_module_id(models["base"])
-    common = dict(dtype="float32", max_model_len=256, block_size=32, kv_space_gib=0.125, max_num_seqs=8,
-                  omp_threads_bind="nobind", extra_env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}, max_loras=2,
+    common = dict(dtype="float32", max_model_len=256, block_size=32, kv_cache_memory_bytes=128 << 20, max_num_seqs=8,
+                  extra_env={"VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}, max_loras=2,
                   lora_adapters=tuple((a, str(models[a])) for a in ("ad0", "prüf-ágent-1")))
     rng = random.Random(0)
     prompt, other = ([rng.randrange(3, 600) for _ in range(77)] for _ in range(2))

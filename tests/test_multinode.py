@@ -44,7 +44,7 @@ def _make_models(root: Path) -> dict[str, Path]:
 
 
 def _app_config(paths: dict[str, Path], pools: dict[str, str], kv_port: int) -> dict:
-    engine = {"dtype": "float32", "max_model_len": 256, "kv_cache_gib": 0.125, "block_size": 32,
+    engine = {"dtype": "float32", "max_model_len": 256, "kv_cache_memory_bytes": "128MiB", "block_size": 32,
               "max_num_seqs": 4, "threads_bind": "nobind"}
     # prefill and decode nodes offer Ray no CPU: only engines go there, the ingress stays on the head
     alpha = {"name": "alpha", "model": str(paths["alpha"]), "engine": engine,
@@ -54,7 +54,7 @@ def _app_config(paths: dict[str, Path], pools: dict[str, str], kv_port: int) -> 
             "placement": {"num_replicas": 2, "num_cpus": 0, "placement_group_bundles": [{"beta_slot": 1}]}}
     return {
         "tokenizer": str(paths["tokenizer"]),
-        "pool": {"path": pools["prefill"], "decode_path": pools["decode"], "capacity_gib": 0.125,
+        "pool": {"path": pools["prefill"], "decode_path": pools["decode"], "capacity_bytes": "128MiB",
                  "transport": "nixl", "nixl_listen": f"127.0.0.1:{kv_port}",
                  "nixl_peers": [f"127.0.0.1:{kv_port}"], "server_resources": {"prefill_node": 0.01}},
         "limits": {"max_tokens_default": MAX_NEW, "max_tokens_cap": 192},

@@ -53,13 +53,13 @@ def app_url(tmp_path_factory):
 
     paths = _make_models(tmp_path_factory.mktemp("models"))
     pool_dir = f"/dev/shm/ps-sdk-{os.getpid()}"
-    engine = {"dtype": "float32", "max_model_len": 256, "kv_cache_gib": 0.125, "block_size": 32,
+    engine = {"dtype": "float32", "max_model_len": 256, "kv_cache_memory_bytes": "128MiB", "block_size": 32,
               "max_num_seqs": 8, "threads_bind": "nobind"}
     dec = lambda name: {"name": name, "model": str(paths[name]), "engine": engine,  # noqa: E731
                         "placement": {"num_cpus": 0.25, "placement_group_bundles": [{"CPU": 0.25}]}}
     cfg = load_config({
         "tokenizer": str(TOKENIZER),
-        "pool": {"path": pool_dir, "capacity_gib": 0.125},
+        "pool": {"path": pool_dir, "capacity_bytes": "128MiB"},
         "limits": {"max_tokens_default": MAX_NEW, "max_tokens_cap": 64, "max_rounds": 3},
         "engine_env": {"VLLM_HOST_IP": "127.0.0.1"},
         "prefill_modules": [{"name": "base", "model": str(paths["base"]), "engine": engine,

@@ -51,13 +51,13 @@ def _make_models(root: Path) -> dict[str, Path]:
 
 
 def _app_config(paths: dict[str, Path], pool_dir: str, keys_file: Path) -> dict:
-    engine = {"dtype": "float32", "max_model_len": 256, "kv_cache_gib": 0.125, "block_size": 32,
+    engine = {"dtype": "float32", "max_model_len": 256, "kv_cache_memory_bytes": "128MiB", "block_size": 32,
               "max_num_seqs": 8, "threads_bind": "nobind"}
     dec = lambda name: {"name": name, "model": str(paths[name]), "engine": engine,  # noqa: E731
                         "placement": {"num_cpus": 0.25, "placement_group_bundles": [{"CPU": 0.25}]}}
     return {
         "tokenizer": str(paths["tokenizer"]),
-        "pool": {"path": pool_dir, "capacity_gib": 0.125},
+        "pool": {"path": pool_dir, "capacity_bytes": "128MiB"},
         "limits": {"max_tokens_default": MAX_NEW, "max_tokens_cap": 64, "max_agents": 4, "max_n": MAX_N,
                    "max_logprobs": MAX_LOGPROBS,
                    "max_inflight_requests": MAX_INFLIGHT, "max_body_bytes": MAX_BODY, "retry_after_s": 2},

@@ -177,24 +177,24 @@ async def _run(cfg: BenchConfig, on_case=None) -> list[CaseResult]:
     model = os.path.join(work, "model")
     _write_model_config(model, cfg)
     spec = PoolSpec(path=pool_dir, capacity_bytes=1 << 30, lease_timeout_s=600)
-    common = dict(model=model, dtype=cfg.dtype, kv_space_gib=cfg.kv_space_gib, max_model_len=cfg.max_model_len,
+    common = dict(model=model, dtype=cfg.dtype, kv_cache_memory_bytes=int(cfg.kv_space_gib * (1 << 30)), max_model_len=cfg.max_model_len,
                   block_size=cfg.block_size, max_num_batched_tokens=cfg.max_num_batched_tokens,
                   load_format="dummy", skip_tokenizer_init=True, enforce_eager=True, max_num_seqs=8)
     engines = []
     results: list[CaseResult] = []
     try:
         t0 = time.perf_counter()
-        prod = Engine(EngineConfig(**common, omp_threads_bind=cfg.binds[0],
+        prod = Engine(EngineConfig(**common, extra_env={"VLLM_CPU_OMP_THREADS_BIND": cfg.binds[0]},
                                    kv_transfer_config=connector_config("producer", "bench-base", spec,
                                                                        scope="bench-producer")))
         engines.append(prod)
-        cons = Engine(EngineConfig(**common, omp_threads_bind=cfg.binds[1],
+        cons = Engine(EngineConfig(**common, extra_env={"VLLM_CPU_OMP_THREADS_BIND": cfg.binds[1]},
                                    kv_transfer_config=connector_config("consumer", "bench-base", spec,
                                                                        scope="bench-decoder")))
         engines.append(cons)
         priv = None
         if cfg.private:
-            priv = Engine(EngineConfig(**common, omp_threads_bind=cfg.binds[2], enable_prefix_caching=False))
+            priv = Engine(EngineConfig(**common, extra_env={"VLLM_CPU_OMP_THREADS_BIND": cfg.binds[2]}, enable_prefix_caching=False))
             engines.append(priv)
         print(f"engines up in {time.perf_counter() - t0:.0f}s (model ~{cfg.params / 1e6:.0f}M params, "
               f"{compute_dtype.resolve(cfg.dtype)}, block {cfg.block_size})", flush=True)

@@ -55,8 +55,8 @@ async def _child(args) -> dict:
     pool_dir = f"/dev/shm/ps-footprint-{os.getpid()}"
     pool = PoolSpec(path=pool_dir, capacity_bytes=256 << 20)
     mid = prefill_module_id(base)
-    common = dict(max_model_len=1024, block_size=32, kv_space_gib=0.25, max_num_seqs=16,
-                  omp_threads_bind="nobind", extra_env=dict(MODES[args.child]))
+    common = dict(max_model_len=1024, block_size=32, kv_cache_memory_bytes=256 << 20, max_num_seqs=16,
+                  extra_env={"VLLM_CPU_OMP_THREADS_BIND": "nobind", **MODES[args.child]})
     mem0 = _memory()
     t0 = time.perf_counter()
     prod = await Engine.start(EngineConfig(model=base, kv_transfer_config=connector_config("producer", mid, pool),

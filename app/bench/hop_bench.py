@@ -77,11 +77,11 @@ def _checkpoints(spec: HopSpec) -> Path:
 
 def app_config(spec: HopSpec, pool: str) -> dict:
     ck = _checkpoints(spec)
-    engine = {"dtype": "auto", "max_model_len": 1024, "kv_cache_gib": 0.25, "block_size": 32,
+    engine = {"dtype": "auto", "max_model_len": 1024, "kv_cache_memory_bytes": "256MiB", "block_size": 32,
               "max_num_seqs": 16, "enforce_eager": True, "threads_bind": "nobind"}
     return {
         "tokenizer": str(ck / "tokenizer"),
-        "pool": {"path": pool, "capacity_gib": 0.25},
+        "pool": {"path": pool, "capacity_bytes": "256MiB"},
         "limits": {"max_tokens_default": spec.output_tokens, "max_tokens_cap": max(256, spec.output_tokens)},
         "engine_env": {"VLLM_HOST_IP": "127.0.0.1"},
         "prefill_modules": [{"name": "base", "model": str(ck / "base"), "engine": engine,

@@ -62,6 +62,11 @@ class Topology:
         return self.lora_kv_cache_gib or self.kv_cache_gib * n
 
 
+def _bytes(gib: float) -> int:
+    """A Topology size in GiB as the app's engine.kv_cache_memory_bytes."""
+    return int(gib * (1 << 30))
+
+
 def decoder_names(n: int) -> list[str]:
     return [f"agent{i}" for i in range(n)]
 
@@ -73,7 +78,7 @@ def app_config(system: str, models: ModelSet, n: int, topo: Topology, tokenizer:
     have = len(models.adapters) if system.endswith("-lora") else len(models.shared)
     if n > have:
         raise ValueError(f"--fanouts: {n} decoders asked, {have} model directories prepared")
-    engine = {"dtype": topo.dtype, "max_model_len": topo.max_model_len, "kv_cache_gib": topo.kv_cache_gib,
+    engine = {"dtype": topo.dtype, "max_model_len": topo.max_model_len, "kv_cache_memory_bytes": _bytes(topo.kv_cache_gib),
               "block_size": topo.block_size, "max_num_seqs": topo.max_num_seqs, "threads_bind": topo.threads_bind}
     dec_place = {"num_cpus": 0.1, "placement_group_bundles": [{"CPU": 0.1}], "max_ongoing_requests": 64}
     pf_place = {"num_cpus": 0.1, "max_ongoing_requests": 64}
@@ -98,7 +103,7 @@ def app_config(system: str, models: ModelSet, n: int, topo: Topology, tokenizer:
         "tokenizer": tokenizer,
         "prefill_modules": prefill,
         "decoders": decoders,
-        "pool": {"path": pool_path, "capacity_gib": topo.pool_gib},
+        "pool": {"path": pool_path, "capacity_bytes": _bytes(topo.pool_gib)},
         "limits": {"max_tokens_default": 16, "max_tokens_cap": topo.max_tokens_cap, "max_agents": topo.max_agents,
                    "max_rounds": topo.max_rounds, "request_timeout_s": topo.request_timeout_s},
         "router": {"num_cpus": 0.05, "max_ongoing_requests": 1024},
@@ -113,7 +118,7 @@ def _lora_system(system: str, models: ModelSet, n: int, topo: Topology, engine: 
     adapters = [{"name": nm, "path": models.adapters[i], "rank": topo.lora_rank}
                 for i, nm in enumerate(decoder_names(n))]
     lora = {"adapters": adapters, "max_lora_rank": topo.lora_rank, "max_loras": n}
-    group_engine = {**engine, "kv_cache_gib": topo.group_kv_gib(n), "max_num_seqs": topo.max_num_seqs * n}
+    group_engine = {**engine, "kv_cache_memory_bytes": _bytes(topo.group_kv_gib(n)), "max_num_seqs": topo.max_num_seqs * n}
     group = {"name": "lora-group", "model": models.base, "engine": group_engine, "placement": dec_place, **lora}
     pf = {**pf_place, "num_replicas": topo.prefill_replicas}
     if system == "a-lora":

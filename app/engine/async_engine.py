@@ -2,9 +2,9 @@
 
 API (everything a server needs; nothing here knows about Ray):
 
-    cfg = EngineConfig(model="checkpoints/base", dtype="float32", kv_space_gib=1,
+    cfg = EngineConfig(model="checkpoints/base", dtype="float32", kv_cache_memory_bytes=1 << 30,
                        max_model_len=1024, block_size=32, max_num_batched_tokens=256,
-                       omp_threads_bind="0", enforce_eager=True,
+                       extra_env={"VLLM_CPU_OMP_THREADS_BIND": "0"}, enforce_eager=True,
                        kv_transfer_config=connector_config("producer", base_id, pool=PoolSpec(...)))
     engine = await Engine.start(cfg)              # or Engine(cfg) from sync code (blocks ~20-50 s)
     async for out in engine.generate(ids, Sampling(max_tokens=16), "req-1", cache_salt="tenant-a"):
@@ -66,19 +66,22 @@ class EngineRequestError(EngineError, ValueError):
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """Everything needed to start one engine. Validated on construction."""
+    """Everything needed to start one engine. Validated on construction.
+
+    Fields named as vLLM's ``AsyncEngineArgs`` are passed to it under that name (:meth:`engine_args`);
+    ``engine_kwargs`` carries any other engine argument through verbatim. The app fills this from
+    serve_config.yaml in one place (app/engine_args.py)."""
 
     model: str
     dtype: str = "auto"  # app.engine.compute_dtype: bfloat16 where computed natively, else float32
-    kv_space_gib: float = 1.0
+    kv_cache_memory_bytes: int = 1 << 30
     # GPUs only: vLLM refuses to start unless this fraction of the device is free; the KV size is
-    # kv_space_gib regardless. Lower it to put several engines on one GPU. None: vLLM's default.
+    # kv_cache_memory_bytes regardless. Lower it to put several engines on one GPU. None: vLLM's default.
     gpu_memory_utilization: float | None = None
     max_model_len: int = 1024
     block_size: int = 32
     max_num_batched_tokens: int | None = None
     max_num_seqs: int = 32
-    omp_threads_bind: str | None = None  # VLLM_CPU_OMP_THREADS_BIND for this engine: "0", "1", "0-1", "nobind", "auto"
     enforce_eager: bool = True
     # None: on, except for PrefillShare consumers (their local cache could hold KV they computed
     # themselves after a fallback, breaking the hand-over convention on a later request).
@@ -89,6 +92,7 @@ class EngineConfig:
     tokenizer: str | None = None
     seed: int = 0
     request_timeout_s: float = 600.0
+    # env of the engine core, e.g. VLLM_CPU_OMP_THREADS_BIND ("0", "0-1", "nobind", "auto")
     extra_env: dict[str, str] = field(default_factory=dict)
     # Structured outputs run on xgrammar (the backend the Router validates schemas with); compact:
     # JSON without free whitespace, which a weak decoder could otherwise repeat until max_tokens.
@@ -97,7 +101,9 @@ class EngineConfig:
     # (``lora=``) or none (the base). vLLM salts prefix-cache blocks per adapter.
     lora_adapters: tuple[tuple[str, str], ...] = ()
     max_lora_rank: int = 16
-    max_loras: int = 1
+    max_loras: int = 1  # also vLLM's max_cpu_loras: every adapter stays loaded
+    # any other AsyncEngineArgs field, passed through as given (serve_config.yaml's engine.engine_kwargs)
+    engine_kwargs: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -106,8 +112,8 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.model: {self.model!r} is not a directory")
         if self.dtype not in compute_dtype.DTYPES:
             raise ValueError(f"EngineConfig.dtype: unsupported {self.dtype!r}")
-        if self.kv_space_gib <= 0:
-            raise ValueError("EngineConfig.kv_space_gib must be > 0")
+        if self.kv_cache_memory_bytes <= 0:
+            raise ValueError("EngineConfig.kv_cache_memory_bytes must be > 0")
         if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError("EngineConfig.gpu_memory_utilization must be in (0, 1]")
         if self.block_size <= 0 or self.block_size % 16:
@@ -156,7 +162,7 @@ class EngineConfig:
             skip_tokenizer_init=self.skip_tokenizer_init,
             seed=self.seed,
             max_num_seqs=self.max_num_seqs,
-            kv_cache_memory_bytes=int(self.kv_space_gib * (1 << 30)),
+            kv_cache_memory_bytes=int(self.kv_cache_memory_bytes),
             disable_log_stats=False,
         )
         if self.gpu_memory_utilization is not None:
@@ -175,7 +181,10 @@ class EngineConfig:
             from vllm.config import KVTransferConfig
 
             kw["kv_transfer_config"] = KVTransferConfig(**self.kv_transfer_config)
-        return AsyncEngineArgs(**kw)
+        clash = sorted(set(self.engine_kwargs) & set(kw))
+        if clash:
+            raise ValueError(f"EngineConfig.engine_kwargs: {clash} are set from EngineConfig's own fields")
+        return AsyncEngineArgs(**kw, **self.engine_kwargs)
 
 
 @dataclass
@@ -277,8 +286,6 @@ def _engine_env(cfg: EngineConfig):
     so it is removed while the engine is built.
     """
     want = dict(cfg.extra_env)
-    if cfg.omp_threads_bind is not None:
-        want["VLLM_CPU_OMP_THREADS_BIND"] = cfg.omp_threads_bind
     if "VLLM_CPU_KVCACHE_SPACE" not in os.environ and all(os.environ.get(k) == v for k, v in want.items()):
         yield  # nothing to change: engines can start concurrently
         return

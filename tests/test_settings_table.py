@@ -1,0 +1,197 @@
+"""docs/serving.md's settings table against the code: every engine, LoRA, placement and pool
+setting has a row, and each row names where the setting's value arrives (a vLLM engine argument,
+an env var, a Serve option, a PoolSpec field or the KV block server). A setting added without a
+row, or a row that names the wrong target, fails here."""
+from __future__ import annotations
+
+import inspect
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from app.config import EngineSettings, LoRAGroup, Placement, PoolConfig, load_config
+
+ROOT = Path(__file__).resolve().parent.parent
+BASE = {"prefill_modules": [{"name": "base", "model": "checkpoints/base"}],
+        "decoders": [{"name": "lookup", "model": "checkpoints/decoders/lookup"}]}
+NIXL = {"transport": "nixl", "nixl_peers": ["10.0.0.5:7701"]}
+
+# setting -> (what the config says beside the defaults, the value its target must then hold)
+PROBES: dict[str, tuple[dict[str, Any], Any]] = {
+    "engine.dtype": ({"dtype": "bfloat16"}, "bfloat16"),
+    "engine.max_model_len": ({"max_model_len": 512}, 512),
+    "engine.kv_cache_memory_bytes": ({"kv_cache_memory_bytes": "64MiB"}, 64 << 20),
+    "engine.gpu_memory_utilization": ({"gpu_memory_utilization": 0.5}, 0.5),
+    "engine.block_size": ({"block_size": 64}, 64),
+    "engine.max_num_seqs": ({"max_num_seqs": 3}, 3),
+    "engine.enforce_eager": ({"enforce_eager": False}, False),
+    "engine.seed": ({"seed": 7}, 7),
+    "engine.threads_bind": ({"threads_bind": "0-1"}, "0-1"),
+    "engine.engine_kwargs": ({"engine_kwargs": {"max_num_batched_tokens": 96, "max_logprobs": 5}},
+                             {"max_num_batched_tokens": 96, "max_logprobs": 5}),
+    "max_lora_rank": ({"max_lora_rank": 32}, 32),
+    "max_loras": ({"max_loras": 3}, 3),
+    "adapters": ({}, True),
+    "placement.num_replicas": ({"num_replicas": 3}, 3),
+    "placement.num_cpus": ({"num_cpus": 0.125}, 0.125),
+    "placement.num_gpus": ({"num_gpus": 1}, 1),
+    "placement.max_ongoing_requests": ({"max_ongoing_requests": 7}, 7),
+    "placement.max_queued_requests": ({"max_queued_requests": 5}, 5),
+    "placement.placement_group_bundles": ({"placement_group_bundles": [{"CPU": 1.0}]}, [{"CPU": 1.0}]),
+    "placement.placement_group_strategy": ({"placement_group_bundles": [{"CPU": 1.0}],
+                                            "placement_group_strategy": "SPREAD"}, "SPREAD"),
+    "placement.env": ({"env": {"PROBE_VAR": "on"}}, {"PROBE_VAR": "on"}),
+    "pool.path": ({"path": "/dev/shm/probe"}, "/dev/shm/probe"),
+    "pool.capacity_bytes": ({"capacity_bytes": "96MiB"}, 96 << 20),
+    "pool.transport": (NIXL, "nixl"),
+    "pool.lease_timeout_s": ({"lease_timeout_s": 4.5}, 4.5),
+    "pool.nixl_peers": ({**NIXL, "nixl_peers": ["10.0.0.9:7702"]}, ("10.0.0.9:7702",)),
+    "pool.nixl_timeout_s": ({**NIXL, "nixl_timeout_s": 2.5}, 2.5),
+    "pool.decode_path": ({**NIXL, "decode_path": "/dev/shm/probe-decode"}, "/dev/shm/probe-decode"),
+    "pool.check": ({"check": "crc32"}, "crc32"),
+    "pool.nixl_listen": ({**NIXL, "nixl_listen": "0.0.0.0:7799"}, "0.0.0.0:7799"),
+    "pool.server_resources": ({**NIXL, "server_resources": {"prefill_node": 0.01}}, {"prefill_node": 0.01}),
+}
+
+
+def table() -> dict[str, list[str]]:
+    """{setting: the targets its row names (the backticked names of the 'becomes' cell)}."""
+    text = (ROOT / "docs" / "serving.md").read_text()
+    body = text.split("<!-- settings-table -->", 1)[1].split("<!-- /settings-table -->", 1)[0]
+    rows = {}
+    for line in body.strip().splitlines()[2:]:
+        setting, becomes = [c.strip() for c in line.strip().strip("|").split("|")]
+        rows[setting.strip("`")] = re.findall(r"`([^`]+)`", becomes)
+    return rows
+
+
+def settings_in_code() -> set[str]:
+    return ({f"engine.{f}" for f in EngineSettings.model_fields} | {f"placement.{f}" for f in Placement.model_fields}
+            | set(LoRAGroup.model_fields) | {f"pool.{f}" for f in PoolConfig.model_fields})
+
+
+def test_every_setting_has_one_row_and_a_probe():
+    rows = table()
+    assert set(rows) == settings_in_code()
+    assert set(PROBES) == set(rows)
+    assert all(rows.values()), [s for s, t in rows.items() if not t]
+
+
+def _deployment(setting: str, over: dict) -> dict:
+    dec = {"name": "lookup", "model": "checkpoints/decoders/lookup"}
+    if setting.startswith("engine."):
+        dec["engine"] = over
+    elif setting.startswith("placement."):
+        dec["placement"] = over
+    else:  # a LoRA group setting: a decode group on the base
+        dec = {"name": "group", "model": "checkpoints/base", "max_lora_rank": 16, **over,
+               "adapters": [{"name": "ad", "path": "checkpoints/chat/adapters/lookup", "rank": 8}]}
+    return dec
+
+
+def _lookup(obj: Any, path: str) -> Any:
+    for part in path.split("."):
+        obj = obj[part] if isinstance(obj, dict) else getattr(obj, part)
+    return obj
+
+
+def _arrived(setting: str, target: str, monkeypatch) -> list[Any]:
+    """The values found at ``target`` once ``setting`` is probed (one per place that target names)."""
+    from app.engine_args import engine_config, engine_env, pool_specs
+    from deployments.application import engine_options
+
+    over, _ = PROBES[setting]
+    if setting.startswith("pool."):
+        cfg = load_config({**BASE, "pool": over})
+        if target.startswith("PoolSpec."):
+            return [getattr(spec, target.removeprefix("PoolSpec.")) for spec in pool_specs(cfg.pool)]
+        return [_kv_server(cfg, target.removeprefix("KVBlockServer"), monkeypatch)]
+    cfg = load_config({**BASE, "decoders": [_deployment(setting, over)]})
+    d = cfg.decoders[0]
+    if target.startswith("AsyncEngineArgs."):
+        args = engine_config(cfg, d.model, d.engine, d.placement, None, d).engine_args()
+        name = target.removeprefix("AsyncEngineArgs.")
+        if name == "*":
+            return [{k: getattr(args, k) for k in over["engine_kwargs"]}]
+        return [getattr(args, name)]
+    if target.startswith("env"):
+        env = engine_env(cfg, d.placement, d.engine)
+        var = target.removeprefix("env").strip()
+        return [{k: env.get(k) for k in over["env"]}] if var == "*" else [env.get(var)]
+    if target.startswith("Serve "):
+        return [_lookup(engine_options(cfg, "x", d.placement, d.engine), target.removeprefix("Serve "))]
+    raise AssertionError(f"{setting}: the table names {target!r}, a target this test does not know")
+
+
+def _kv_server(cfg, where: str, monkeypatch) -> Any:
+    """What deployments/kv_server.py hands the KVBlockServer deployment (its options or a constructor argument)."""
+    from deployments import kv_server
+
+    seen: dict[str, Any] = {}
+
+    class Recorder:
+        def options(self, **kw):
+            seen["options"] = kw
+            return self
+
+        def bind(self, *args):
+            seen["args"] = args
+            return self
+
+    params = list(inspect.signature(kv_server.KVBlockServer.func_or_class.__init__).parameters)[1:]
+    monkeypatch.setattr(kv_server, "KVBlockServer", Recorder())
+    kv_server.build_kv_server(cfg)
+    m = re.fullmatch(r"\((\w+)\)", where.strip())
+    if m:
+        return seen["args"][params.index(m[1])]
+    return _lookup(seen["options"], where.strip())
+
+
+@pytest.mark.parametrize("setting", sorted(PROBES))
+def test_each_row_names_where_the_setting_arrives(setting, monkeypatch):
+    targets = table()[setting]
+    _, want = PROBES[setting]
+    for target in targets:
+        found = _arrived(setting, target, monkeypatch)
+        assert want in found, f"{setting} -> {target}: expected {want!r}, found {found!r}"
+
+
+def test_a_row_naming_the_wrong_target_fails(monkeypatch):
+    """The check above can fail: seed's value is not what max_num_seqs gets."""
+    assert PROBES["engine.seed"][1] not in _arrived("engine.seed", "AsyncEngineArgs.max_num_seqs", monkeypatch)
+
+
+@pytest.mark.parametrize("engine_kwargs, field", [
+    ({"max_model_len": 64}, "decoders[0].engine.engine_kwargs.max_model_len: set it as decoders[0].engine.max_model_len"),
+    ({"max_loras": 2}, "decoders[0].engine.engine_kwargs.max_loras: set by the app"),
+    ({"no_such_argument": 1}, "decoders[0].engine.engine_kwargs.no_such_argument: not a vLLM engine argument"),
+])
+def test_engine_kwargs_are_checked_against_vllm_when_the_app_is_planned(engine_kwargs, field):
+    from app.config import ConfigError
+    from app.engine_args import check_engine_kwargs
+
+    cfg = load_config({**BASE, "decoders": [{"name": "lookup", "model": "checkpoints/decoders/lookup",
+                                             "engine": {"engine_kwargs": engine_kwargs}}]})
+    with pytest.raises(ConfigError, match=re.escape(field)):
+        check_engine_kwargs(cfg)
+
+
+@pytest.mark.parametrize("section, old, new", [
+    ("engine", "kv_cache_gib", "kv_cache_memory_bytes"),
+    ("pool", "capacity_gib", "capacity_bytes"),
+    ("pool", "fan_out_ttl_s", "lease_timeout_s"),
+])
+def test_a_renamed_setting_fails_naming_the_new_name(section, old, new):
+    from app.config import ConfigError
+
+    cfg = dict(BASE)
+    if section == "engine":
+        cfg["decoders"] = [{"name": "lookup", "model": "checkpoints/decoders/lookup", "engine": {old: 0.5}}]
+        where = f"decoders[0].engine.{old}"
+    else:
+        cfg["pool"] = {old: 0.5}
+        where = f"pool.{old}"
+    with pytest.raises(ConfigError, match=re.escape(f"{where}: renamed to {new}")):
+        load_config(cfg)
