@@ -30,11 +30,11 @@ APP_ENGINE_ARGS = frozenset({
 
 
 def lora_args(lora: LoRAGroup | None) -> dict:
-    """A LoRA group's engine arguments: its adapters, ``max_lora_rank`` and ``max_loras`` (default: as
-    many as declared; vLLM's max_cpu_loras is the same number, so every adapter stays loaded)."""
+    """A LoRA group's engine settings: ``max_lora_rank`` and ``max_loras`` (None: as many as its
+    adapters; EngineConfig also gives vLLM's max_cpu_loras that number, so every adapter stays loaded)."""
     if lora is None or not lora.adapters:
         return {}
-    return {"max_lora_rank": lora.max_lora_rank, "max_loras": lora.max_loras or len(lora.adapters)}
+    return {"max_lora_rank": lora.max_lora_rank, "max_loras": lora.max_loras}
 
 
 def check_engine_kwargs(cfg: AppConfig) -> None:

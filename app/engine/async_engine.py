@@ -100,8 +100,8 @@ class EngineConfig:
     # LoRA: (name, adapter directory) pairs the engine serves over ``model``; a request names one
     # (``lora=``) or none (the base). vLLM salts prefix-cache blocks per adapter.
     lora_adapters: tuple[tuple[str, str], ...] = ()
-    max_lora_rank: int = 16
-    max_loras: int = 1  # also vLLM's max_cpu_loras: every adapter stays loaded
+    max_lora_rank: int | None = None  # None: vLLM's default
+    max_loras: int | None = None  # None: as many as lora_adapters; also vLLM's max_cpu_loras (all stay loaded)
     # any other AsyncEngineArgs field, passed through as given (serve_config.yaml's engine.engine_kwargs)
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
 
@@ -126,6 +126,8 @@ class EngineConfig:
             raise ValueError("EngineConfig.request_timeout_s must be > 0")
         if self.kv_transfer_config is not None and not isinstance(self.kv_transfer_config, dict):
             raise ValueError("EngineConfig.kv_transfer_config must be a dict")
+        if self.max_loras is None:
+            object.__setattr__(self, "max_loras", max(1, len(self.lora_adapters)))
         if len(self.lora_adapters) > self.max_loras:
             raise ValueError(f"EngineConfig.lora_adapters: {len(self.lora_adapters)} adapters, max_loras is "
                              f"{self.max_loras}")
@@ -172,8 +174,9 @@ class EngineConfig:
         kw["structured_outputs_config"] = StructuredOutputsConfig(backend="xgrammar",
                                                                   disable_any_whitespace=self.compact_json)
         if self.lora_adapters:
-            kw.update(enable_lora=True, max_lora_rank=self.max_lora_rank, max_loras=self.max_loras,
-                      max_cpu_loras=self.max_loras)
+            kw.update(enable_lora=True, max_loras=self.max_loras, max_cpu_loras=self.max_loras)
+            if self.max_lora_rank is not None:
+                kw["max_lora_rank"] = self.max_lora_rank
         if mnbt is not None:
             kw["max_num_batched_tokens"] = mnbt
             kw["enable_chunked_prefill"] = True
