@@ -166,10 +166,59 @@ async def _ttft(engine, ids, salt, params=None) -> tuple[float, int]:
     return time.perf_counter() - t0, 0
 
 
+def _start_engines(cfg: BenchConfig, model: str, spec) -> list:
+    """[producer, consumer, private decoder (or None)]: one engine per role, each on its own core list."""
+    from app.engine.async_engine import Engine, EngineConfig, connector_config
+
+    common = dict(model=model, dtype=cfg.dtype, kv_cache_memory_bytes=int(cfg.kv_space_gib * (1 << 30)),
+                  max_model_len=cfg.max_model_len, block_size=cfg.block_size,
+                  max_num_batched_tokens=cfg.max_num_batched_tokens, load_format="dummy", skip_tokenizer_init=True,
+                  enforce_eager=True, max_num_seqs=8)
+
+    def bind(i: int) -> dict:
+        return {"VLLM_CPU_OMP_THREADS_BIND": cfg.binds[i]}
+
+    t0 = time.perf_counter()
+    engines = [Engine(EngineConfig(**common, extra_env=bind(0), kv_transfer_config=connector_config(
+        "producer", "bench-base", spec, scope="bench-producer")))]
+    try:
+        engines.append(Engine(EngineConfig(**common, extra_env=bind(1), kv_transfer_config=connector_config(
+            "consumer", "bench-base", spec, scope="bench-decoder"))))
+        engines.append(Engine(EngineConfig(**common, extra_env=bind(2), enable_prefix_caching=False))
+                       if cfg.private else None)
+    except BaseException:
+        for e in engines:
+            e.shutdown()
+        raise
+    print(f"engines up in {time.perf_counter() - t0:.0f}s (model ~{cfg.params / 1e6:.0f}M params, "
+          f"{compute_dtype.resolve(cfg.dtype)}, block {cfg.block_size})", flush=True)
+    return engines
+
+
+async def _warm(engines: list, cfg: BenchConfig, rng: random.Random) -> None:
+    """One request per engine first: first-request costs are not what is measured."""
+    prod, cons, priv = engines
+    warm = [rng.randrange(3, cfg.vocab) for _ in range(64)]
+    await prod.prefill(warm, cache_salt="warm")
+    await _ttft(cons, warm, "warm")
+    if priv is not None:
+        await _ttft(priv, warm, "warm")
+
+
+def _print_case(r: CaseResult) -> None:
+    from tqdm import tqdm
+
+    tqdm.write(f"L={r.prompt_tokens} N={r.fanout}: decoder prompt {r.private_prompt_s * 1e3:.0f} ms private vs "
+               f"{r.shared_prompt_s * 1e3:.1f} ms shared ({r.ratio:.1f}x); KV load {r.kv_load_gb_s:.2f} GB/s "
+               f"({r.load_vs_copy:.0%} of a copy), save {r.kv_save_gb_s:.2f} GB/s ({r.save_vs_copy:.0%}), "
+               f"copy {r.copy_gb_s:.2f} GB/s; per CPU second: load {r.load_vs_copy_cpu:.0%}, "
+               f"save {r.save_vs_copy_cpu:.0%} of a copy")
+
+
 async def _run(cfg: BenchConfig, on_case=None) -> list[CaseResult]:
     from tqdm import tqdm
 
-    from app.engine.async_engine import Engine, EngineConfig, PoolSpec, connector_config
+    from app.engine.async_engine import PoolSpec
     from app.engine.kv_pool import KVPool
 
     work = tempfile.mkdtemp(prefix="ps-bench-")
@@ -177,35 +226,14 @@ async def _run(cfg: BenchConfig, on_case=None) -> list[CaseResult]:
     model = os.path.join(work, "model")
     _write_model_config(model, cfg)
     spec = PoolSpec(path=pool_dir, capacity_bytes=1 << 30, lease_timeout_s=600)
-    common = dict(model=model, dtype=cfg.dtype, kv_cache_memory_bytes=int(cfg.kv_space_gib * (1 << 30)), max_model_len=cfg.max_model_len,
-                  block_size=cfg.block_size, max_num_batched_tokens=cfg.max_num_batched_tokens,
-                  load_format="dummy", skip_tokenizer_init=True, enforce_eager=True, max_num_seqs=8)
     engines = []
     results: list[CaseResult] = []
     try:
-        t0 = time.perf_counter()
-        prod = Engine(EngineConfig(**common, extra_env={"VLLM_CPU_OMP_THREADS_BIND": cfg.binds[0]},
-                                   kv_transfer_config=connector_config("producer", "bench-base", spec,
-                                                                       scope="bench-producer")))
-        engines.append(prod)
-        cons = Engine(EngineConfig(**common, extra_env={"VLLM_CPU_OMP_THREADS_BIND": cfg.binds[1]},
-                                   kv_transfer_config=connector_config("consumer", "bench-base", spec,
-                                                                       scope="bench-decoder")))
-        engines.append(cons)
-        priv = None
-        if cfg.private:
-            priv = Engine(EngineConfig(**common, extra_env={"VLLM_CPU_OMP_THREADS_BIND": cfg.binds[2]}, enable_prefix_caching=False))
-            engines.append(priv)
-        print(f"engines up in {time.perf_counter() - t0:.0f}s (model ~{cfg.params / 1e6:.0f}M params, "
-              f"{compute_dtype.resolve(cfg.dtype)}, block {cfg.block_size})", flush=True)
+        engines = _start_engines(cfg, model, spec)
+        prod, cons, priv = engines
         pool = KVPool(pool_dir)
         rng = random.Random(cfg.seed)
-        # warm each engine once (first-request costs are not what we measure)
-        warm = [rng.randrange(3, cfg.vocab) for _ in range(64)]
-        await prod.prefill(warm, cache_salt="warm")
-        await _ttft(cons, warm, "warm")
-        if priv is not None:
-            await _ttft(priv, warm, "warm")
+        await _warm(engines, cfg, rng)
         sp_prev = await _saved(pool, 0)  # the warm-up's save counters are written (off the hot path)
         cases = [(L, n) for L in cfg.lengths for n in cfg.fanouts]
         for i, (L, n) in enumerate(tqdm(cases, desc="bench engine", disable=not cfg.progress)):
@@ -252,17 +280,13 @@ async def _run(cfg: BenchConfig, on_case=None) -> list[CaseResult]:
                 cpu_s_private=cpu1 - cpu0, cpu_s_shared=cpu2 - cpu1,
                 cached_tokens_ok=all(c == L - 1 for _, c in shared),
                 extra={"fallbacks": pool.stats(scope="bench-decoder").fallbacks}))
-            r = results[-1]
             if on_case:
                 on_case(results)
-            tqdm.write(f"L={L} N={n}: decoder prompt {r.private_prompt_s * 1e3:.0f} ms private vs "
-                       f"{r.shared_prompt_s * 1e3:.1f} ms shared ({r.ratio:.1f}x); KV load {r.kv_load_gb_s:.2f} GB/s "
-                       f"({r.load_vs_copy:.0%} of a copy), save {r.kv_save_gb_s:.2f} GB/s ({r.save_vs_copy:.0%}), "
-                       f"copy {r.copy_gb_s:.2f} GB/s; per CPU second: load {r.load_vs_copy_cpu:.0%}, "
-                       f"save {r.save_vs_copy_cpu:.0%} of a copy")
+            _print_case(results[-1])
     finally:
         for e in engines:
-            e.shutdown()
+            if e is not None:
+                e.shutdown()
         shutil.rmtree(pool_dir, ignore_errors=True)
         shutil.rmtree(work, ignore_errors=True)
     return results

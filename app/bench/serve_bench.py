@@ -296,27 +296,45 @@ def _deployable_n(cfg: ServeBenchConfig, system: str) -> int:
     return max(fits, default=0)
 
 
+def _model_set(cfg: ServeBenchConfig, tokenizer: str):
+    """(the models to serve, their max_position_embeddings)."""
+    from app.bench import models as bm
+
+    model_root = Path(cfg.model_dir) if os.path.isabs(cfg.model_dir) else PROJECT / cfg.model_dir
+    n_max = max(cfg.fanouts)
+    if cfg.models == "random":
+        mset = bm.random_models(model_root, n_max, cfg.shape, tokenizer, cfg.topology.dtype, cfg.topology.lora_rank)
+        return mset, cfg.shape.max_position
+    mset = bm.shipped_models(model_root / "shipped", PROJECT / cfg.checkpoints, n_max, cfg.topology.dtype)
+    return mset, json.loads((Path(mset.base) / "config.json").read_text())["max_position_embeddings"]
+
+
+def _warm_up(url: str, cfg: ServeBenchConfig, system: str, n: int, maker, log) -> None:
+    """Several fresh contexts at once, so that every prefill replica gets some before the measurement."""
+    from app.bench.client import open_loop
+    from app.bench.workload import make_sessions
+
+    spec = WorkloadSpec(min(cfg.lengths), n, cfg.output_tokens, 1)
+    sessions = make_sessions(spec, cfg.warmup, 90_000, maker)
+    res, _, _ = asyncio.run(open_loop(url, sessions, spec, [0.0] * len(sessions), cfg.session_timeout_s))
+    for r in res:
+        if not r.ok:
+            log(f"[{system}] warm-up session failed: {r.error or [a.error for a in r.agents]}")
+
+
 def run(cfg: ServeBenchConfig, log=print) -> dict:
     """Measure every system; returns (and writes) the result document."""
     import ray
     from ray import serve
 
-    from app.bench import models as bm
-    from app.bench.client import open_loop
     from app.bench.systems import app_config
-    from app.bench.workload import ContextMaker, make_sessions
+    from app.bench.workload import ContextMaker
     from app.config import load_config
     from deployments.application import build
 
     tokenizer = str((PROJECT / cfg.tokenizer).resolve()) if not os.path.isabs(cfg.tokenizer) else cfg.tokenizer
     n_max = max(cfg.fanouts)
-    model_root = Path(cfg.model_dir) if os.path.isabs(cfg.model_dir) else PROJECT / cfg.model_dir
-    if cfg.models == "random":
-        mset = bm.random_models(model_root, n_max, cfg.shape, tokenizer, cfg.topology.dtype, cfg.topology.lora_rank)
-        limit = cfg.shape.max_position
-    else:
-        mset = bm.shipped_models(model_root / "shipped", PROJECT / cfg.checkpoints, n_max, cfg.topology.dtype)
-        limit = json.loads((Path(mset.base) / "config.json").read_text())["max_position_embeddings"]
+    mset, limit = _model_set(cfg, tokenizer)
     topo = replace(cfg.topology, max_model_len=_max_model_len(cfg, limit),
                    max_tokens_cap=max(cfg.topology.max_tokens_cap, cfg.output_tokens),
                    max_agents=max(cfg.topology.max_agents, n_max), max_rounds=max(cfg.topology.max_rounds, max(cfg.rounds)))
@@ -352,13 +370,7 @@ def run(cfg: ServeBenchConfig, log=print) -> dict:
                 deploy_s[system] = time.perf_counter() - t0
                 log(f"[{system}] ready in {deploy_s[system]:.0f}s")
                 if cfg.warmup:
-                    # several fresh contexts at once, so that every prefill replica gets some
-                    spec = WorkloadSpec(min(cfg.lengths), n, cfg.output_tokens, 1)
-                    s = make_sessions(spec, cfg.warmup, 90_000, maker)
-                    res, _, _ = asyncio.run(open_loop(url, s, spec, [0.0] * len(s), cfg.session_timeout_s))
-                    for r in res:
-                        if not r.ok:
-                            log(f"[{system}] warm-up session failed: {r.error or [a.error for a in r.agents]}")
+                    _warm_up(url, cfg, system, n, maker, log)
                 for L in cfg.lengths:
                     c = _probe_costs(url, cfg, maker, L, n, si)
                     if c is not None:
