@@ -231,8 +231,6 @@ def connector_config(
     pool: PoolSpec,
     *,
     incompatible_reason: str | None = None,
-    base_dir: str | None = None,
-    decoder_dir: str | None = None,
     scope: str | None = None,
     adapter_keys: bool = False,
 ) -> dict[str, Any]:
@@ -242,8 +240,6 @@ def connector_config(
     ``prefill_module_id``: the base's id (a decoder takes it from its manifest, never from
     its own model name). ``incompatible_reason``: set when the decoder must not load the base's
     KV; the connector then always prefills privately and counts the reason.
-    ``base_dir``/``decoder_dir``: checkpoints; for a consumer given both, the compatibility
-    check of :mod:`app.models.compat` runs here and its reasons become ``incompatible_reason``.
     ``scope``: label under which the pool keeps this engine's counters (e.g. the agent name).
     ``adapter_keys``: KV is per LoRA adapter (a prefill engine holding the decoders' own adapters):
     pool keys carry the request's adapter name, on the producer and its consumers alike.
@@ -259,12 +255,6 @@ def connector_config(
         "prefill_module_id": prefill_module_id,
         "pool": asdict(pool),
     }
-    if role == "consumer" and base_dir and decoder_dir and not incompatible_reason:
-        from app.models import compat
-
-        verdict = compat.check(base_dir, decoder_dir, prefill_module_id)
-        if not verdict.shared:
-            incompatible_reason = "; ".join(verdict.reasons) or "incompatible"
     if incompatible_reason:
         extra["incompatible_reason"] = incompatible_reason
     if scope:
