@@ -67,3 +67,12 @@ def test_the_plan_carries_the_limits_once(shipped_with_group):
     plan = plan_app(shipped_with_group)
     assert plan.limits is shipped_with_group.limits
     assert not {"max_tokens_default", "max_tokens_cap", "request_timeout_s", "max_agents"} & set(AppPlan.__dataclass_fields__)
+
+
+def test_the_shipped_app_binds_without_a_cluster():
+    """serve_config.yaml's app goes through the plan and binds every deployment (no engine starts)."""
+    from ray.serve import Application
+
+    from deployments.application import build
+
+    assert isinstance(build(load_config(ROOT / "serve_config.yaml")), Application)
