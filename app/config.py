@@ -395,12 +395,6 @@ class AppConfig(_Strict):
                 return p
         raise KeyError(name)
 
-    def decoder(self, name: str) -> DecoderConfig:
-        for d in self.decoders:
-            if d.name == name:
-                return d
-        raise KeyError(name)
-
 
 class ConfigError(ValueError):
     """A config that cannot run; the message names the field."""
