@@ -93,6 +93,31 @@ def _summary(result: dict) -> dict:
     return {k: result.get(k) for k in keep}
 
 
+def _breakdown(url: str) -> dict:
+    """The app's own view from /metrics over the run (warm-up requests included): the mean
+    first-token wait the Router saw (prefill included, HTTP and proxy not), the prefill
+    replica's engine time, and the fallbacks by reason."""
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+        text = r.read().decode()
+    sums: dict[str, float] = {}
+    fallbacks: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("#") or " " not in line:
+            continue
+        name, value = line.rsplit(" ", 1)
+        base = name.split("{", 1)[0]
+        sums[base] = sums.get(base, 0.0) + float(value)
+        if base == "prefillshare_fallbacks_total":
+            fallbacks[name.split('reason="', 1)[1].split('"', 1)[0]] = float(value)
+
+    def mean_ms(metric: str) -> float | None:
+        n = sums.get(metric + "_count", 0.0)
+        return sums.get(metric + "_sum", 0.0) / n * 1e3 if n else None
+
+    return {"router_ttft_mean_ms": mean_ms("prefillshare_ttft_seconds"),
+            "prefill_engine_mean_ms": mean_ms("prefillshare_prefill_seconds"), "fallbacks": fallbacks}
+
+
 def run_app(args) -> dict:
     sys.path.insert(0, str(ROOT / "tests"))
     from random_models import serve_app  # starts a private cluster, waits for /ready
@@ -104,7 +129,8 @@ def run_app(args) -> dict:
     cfg = load_config(app_config(pool))
     try:
         with serve_app(cfg, "ttft", ray_tmp, pool) as url:  # stops the app and its cluster, removes the pool
-            return client(int(url.rsplit(":", 1)[1]), args, "prefillshare")
+            result = client(int(url.rsplit(":", 1)[1]), args, "prefillshare")
+            return {**_summary(result), **_breakdown(url)}
     finally:
         shutil.rmtree(ray_tmp, ignore_errors=True)
 
@@ -162,7 +188,7 @@ def main(argv: list[str] | None = None) -> dict:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     report: dict = {"args": vars(args)}
     if args.only in (None, "app"):
-        report["app"] = _summary(run_app(args))
+        report["app"] = run_app(args)
     if args.only in (None, "vllm"):
         report["vllm"] = _summary(run_vllm(args))
     if "app" in report and "vllm" in report:
