@@ -4,9 +4,10 @@ It validates and tokenizes. A completion (one decoder) then runs its path here, 
 request-path library (deployments/fanout.py: the shared prefill or the private fallback, then the
 decoder's stream straight to this replica); an agent run goes to the Orchestrator as a typed
 job and streams back through it, merged over its decoders. Every bad request gets a 4xx JSON
-error in OpenAI's shape whose `param` names the field, and never reaches an engine. In front of that: the API key (401; its tenant salts the
-request's KV, app/auth.py), the body size (413), and admission (429 + Retry-After when this
-replica already runs `limits.max_inflight_requests`, or when Serve sheds load downstream).
+error in OpenAI's shape whose `param` names the field, and never reaches an engine. In front of
+that: the API key (401; its tenant salts the request's KV, app/auth.py), the body size (413),
+and admission (429 + Retry-After when this replica already runs `limits.max_inflight_requests`,
+or when Serve sheds load downstream).
 Request bodies: deployments/schemas.py; sampling options and the fields the server refuses:
 deployments/request_options.py; tools and content parts: deployments/tools.py; response
 shapes: deployments/openai_format.py; error statuses: deployments/errors.py.
