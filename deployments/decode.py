@@ -76,6 +76,6 @@ class DecodeServer(EngineHost):
                 request_id=req.request_id, model=req.adapter or self.model, delta_text=out.new_text,
                 delta_token_ids=list(out.new_token_ids), finished=out.finished,
                 finish_reason=out.finish_reason, num_prompt_tokens=out.num_prompt_tokens,
-                num_cached_tokens=out.num_cached_tokens, num_generated_tokens=len(out.token_ids),
+                num_cached_tokens=out.num_cached_tokens, num_generated_tokens=out.num_generated_tokens,
                 ttft_s=ttft, index=out.index, logprobs=out.new_logprobs, stop_reason=out.stop_reason,
             )

@@ -3,8 +3,11 @@
 A decoder, the orchestrator or the prefill path reports a failure as a :class:`Failure`
 (an :class:`ErrorCode` and a readable message) inside the stream it was answering; the Router
 turns it into an HTTP answer (or an in-band SSE error once a stream has started) through
-:data:`HTTP`, the only place that knows statuses, OpenAI error types and Retry-After.
-Client errors the Router finds itself are :class:`ApiError` with the field named.
+:data:`HTTP` and :meth:`ApiError.from_failure`, the only place that knows statuses, OpenAI error
+types, Retry-After and which field of the route a failure names (:data:`INPUT_FIELD`); an agent
+run's result carries the code itself (:func:`failure_fields`). Client errors the Router finds
+itself are :class:`ApiError` with the field named. :class:`Shed` and :class:`Unreachable` are
+what the engine adapter (deployments/serve_engines.py) raises to the request path.
 """
 from __future__ import annotations
 
@@ -32,22 +35,40 @@ class Failure:
         return f"{self.code.value}: {self.message}"
 
 
+class Shed(Exception):
+    """A deployment refused a call because its queue is full (Serve's back-pressure)."""
+
+
+class Unreachable(Exception):
+    """No replica of a deployment took a call in time (its node is gone, or none is up)."""
+
+
 @dataclass(frozen=True)
 class HttpShape:
     status: int
     type: str  # OpenAI's error type
     code: str  # the `code` field of the error object
     retry_after: bool  # send Retry-After (the client may retry the same request)
-    param: str | None = None
+    about_input: bool = False  # the failure is the request's input: `param` names the route's input field
 
 
 HTTP: dict[ErrorCode, HttpShape] = {
-    ErrorCode.INVALID_REQUEST: HttpShape(400, "invalid_request_error", "invalid_value", False, "prompt"),
-    ErrorCode.CONTEXT_LENGTH: HttpShape(400, "invalid_request_error", "context_length_exceeded", False, "messages"),
+    ErrorCode.INVALID_REQUEST: HttpShape(400, "invalid_request_error", "invalid_value", False, about_input=True),
+    ErrorCode.CONTEXT_LENGTH: HttpShape(400, "invalid_request_error", "context_length_exceeded", False,
+                                        about_input=True),
     ErrorCode.OVERLOADED: HttpShape(429, "rate_limit_error", "overloaded", True),
     ErrorCode.DECODER_UNAVAILABLE: HttpShape(503, "server_error", "engine_error", True),
     ErrorCode.ENGINE_ERROR: HttpShape(503, "server_error", "engine_error", True),
 }
+
+# The body field each generation route's prompt comes from: the `param` of a failure about the input.
+INPUT_FIELD: dict[str, str] = {"completions": "prompt", "chat": "messages", "agents": "context"}
+
+
+def failure_fields(failure: Failure | None) -> dict[str, str | None]:
+    """An agent result's error fields: the readable failure and its typed code (None when it ran)."""
+    return {"error": None if failure is None else str(failure),
+            "error_code": None if failure is None else failure.code.value}
 
 
 def error_body(message: str, type_: str, param: str | None, code: str) -> dict[str, Any]:
@@ -68,10 +89,12 @@ class ApiError(Exception):
         return cls(400, message, param, code)
 
     @classmethod
-    def from_failure(cls, failure: Failure, retry_after_s: int) -> ApiError:
+    def from_failure(cls, failure: Failure, route: str, retry_after_s: int) -> ApiError:
+        """The HTTP answer to ``failure`` on ``route`` ("completions" | "chat" | "agents")."""
         shape = HTTP[failure.code]
         headers = {"Retry-After": str(retry_after_s)} if shape.retry_after else None
-        return cls(shape.status, str(failure), shape.param, shape.code, shape.type, headers)
+        param = INPUT_FIELD[route] if shape.about_input else None
+        return cls(shape.status, str(failure), param, shape.code, shape.type, headers)
 
     def body(self) -> dict[str, Any]:
         return error_body(self.message, self.type, self.param, self.code)

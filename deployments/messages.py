@@ -49,26 +49,6 @@ class DecodeRequest:
     adapter: str | None = None  # the LoRA adapter of a decode group this request runs with
 
 
-@dataclass(frozen=True)
-class DecodePlan:
-    """One decoder request made ready by the Orchestrator (routing, shared prefill or the
-    private fallback done), and what the caller of the decoder needs besides: the chunks'
-    prefill fields and the request's metrics record. Whoever streams the decoder (the Router
-    for a completion, the Orchestrator for an agent) runs it through deployments/decode_call.py.
-    ``error`` is set, and nothing is to be decoded, when the request failed before its decoder
-    (a prefill module that sheds load)."""
-
-    request: DecodeRequest
-    model: str  # the served decoder name: the key of the decode deployment handles
-    agent: str  # "" for an OpenAI completion
-    route: str  # "completions" | "chat" | "agents"
-    shared_tokens_expected: int = 0  # prompt tokens whose KV the prefill module published
-    kv_bytes_per_token: int = 0
-    prefill_module: str | None = None
-    prefill_replica: str | None = None
-    error: Failure | None = None
-
-
 @dataclass
 class DecodeChunk:
     """One streamed step of one of a request's ``n`` sequences (``index``): the text, tokens
@@ -89,7 +69,7 @@ class DecodeChunk:
     index: int = 0
     logprobs: list[TokenLogprob] | None = None
     stop_reason: str | int | None = None  # the stop string (or token id) that ended the sequence
-    prefill_module: str | None = None  # set by the orchestrator: who computed the shared KV
+    prefill_module: str | None = None  # set by the caller (decode_call.py): who computed the shared KV
     prefill_replica: str | None = None
 
 
@@ -123,7 +103,6 @@ class AgentEvent:
     model: str = ""
     delta_text: str = ""
     result: dict[str, Any] = field(default_factory=dict)
-    error: Failure | None = None  # agent_done of a failed agent
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,8 @@
 """OpenAI response shapes: choices, stream chunks, usage and log-probabilities.
 
 One set of builders for the whole and the streamed answer of both routes, so a field added
-to one appears in the other. ``Answer`` accumulates a request's decoder chunks per sequence
-(``n`` of them); the builders read from it.
+to one appears in the other. ``Answer`` reads a request's output as its decoder call
+accumulated it (deployments/decode_call.py ``Output``: ``n`` sequences).
 """
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from app.sampling import TokenLogprob
+from deployments.decode_call import Output
 from deployments.messages import CompletionJob, DecodeChunk
 
 
@@ -53,55 +54,31 @@ class ToolCallOut:
 
 
 @dataclass
-class Sequence:
-    text: str = ""
-    num_tokens: int = 0
-    finish_reason: str | None = None
-    stop_reason: str | int | None = None
-    logprobs: list[TokenLogprob] = field(default_factory=list)
-
-
-@dataclass
 class Answer:
-    """A completion's chunks so far, per sequence; the response builders read it."""
+    """A completion's response builders, reading the decoder call's accumulated ``output``."""
 
     job: CompletionJob
     chat: bool
+    output: Output
     echo: str | None = None  # completions with echo: the prompt text, before the generated text
     logprobs: bool = False
-    seqs: dict[int, Sequence] = field(default_factory=dict)
-    last: DecodeChunk | None = None
     created: int = field(default_factory=lambda: int(time.time()))
-
-    def add(self, chunk: DecodeChunk) -> Sequence:
-        q = self.seqs.setdefault(chunk.index, Sequence())
-        q.text += chunk.delta_text
-        q.num_tokens = max(q.num_tokens, chunk.num_generated_tokens)
-        if chunk.logprobs:
-            q.logprobs.extend(chunk.logprobs)
-        if chunk.finish_reason is not None:
-            q.finish_reason, q.stop_reason = chunk.finish_reason, chunk.stop_reason
-        self.last = chunk
-        return q
 
     @property
     def object(self) -> str:
         return "chat.completion" if self.chat else "text_completion"
 
     def usage(self) -> dict[str, Any]:
-        prompt = len(self.job.prompt_token_ids)
-        completion = sum(q.num_tokens for q in self.seqs.values())
-        cached = self.last.num_cached_tokens if self.last is not None else 0
+        prompt, completion = len(self.job.prompt_token_ids), self.output.num_generated
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-                "prompt_tokens_details": {"cached_tokens": cached}}
+                "prompt_tokens_details": {"cached_tokens": self.output.num_cached_tokens}}
 
     def prefillshare(self) -> dict[str, Any]:
-        return {"prefill_module": getattr(self.last, "prefill_module", None),
-                "prefill_replica": getattr(self.last, "prefill_replica", None)}
+        return {"prefill_module": self.output.prefill_module, "prefill_replica": self.output.prefill_replica}
 
     # --- whole answers ---
     def choice(self, index: int, tool_calls: list[ToolCallOut] | None = None) -> dict[str, Any]:
-        q = self.seqs.get(index) or Sequence()
+        q = self.output.seq(index)
         if self.chat:
             message: dict[str, Any] = {"role": "assistant", "content": q.text}
             finish = q.finish_reason
@@ -134,8 +111,8 @@ class Answer:
             if self.chat:
                 lp = chat_logprobs(chunk.logprobs)
             else:
-                q = self.seqs[chunk.index]
-                start = len(self.echo or "") + len(q.text) - len(chunk.delta_text)
+                q = self.output.seq(chunk.index)
+                start = len(self.echo or "") + q.num_chars - len(chunk.delta_text)
                 lp = completion_logprobs(chunk.logprobs, start)
         if self.chat:
             delta: dict[str, Any] = {"content": chunk.delta_text}

@@ -1,17 +1,17 @@
-"""Orchestrator: prefill for completions, prefill -> decode for multi-agent workflows.
+"""Orchestrator: multi-agent workflows, prefill -> decode for every agent of every round.
 
-A request's path: group the agents by the prefill module their decoder consumes, ask one
-replica of that module (chosen by the prefix router) to compute the shared context once and
-each agent's prompt but its last token, then stream every decoder concurrently. An OpenAI
-completion has one decoder: ``prepare`` does its prefill and returns the ready decoder
-request, which the Router streams itself (no relay of every token through this deployment). Decoders
-without a compatible module prefill privately; a prefill failure, or no prefill replica taking
-the call within ``limits.prefill_wait_s``, degrades to private prefill; decode calls prefer a
-replica on the prefill's node (deployments/node_router.py);
-a failing agent is reported for that agent while the others finish. In multi-round runs each
-round's outputs join the context of the next round. When an engine deployment's queue is full
-(Serve's BackPressureError) the agent fails with an ``overloaded`` error instead of waiting, so
-the ingress can answer 429. Every prefill and decode call carries the tenant's cache salt.
+A run's path: each round's agents go through deployments/fanout.py (the same library the
+Router runs for a completion): grouped by the prefill module their decoder consumes, one
+replica of that module (chosen by the prefix router) computes the shared context once and each
+agent's prompt but its last token; then every decoder streams concurrently and this deployment
+merges their streams into the run's events. Decoders without a compatible module prefill
+privately; a prefill failure, or no prefill replica taking the call within
+``limits.prefill_wait_s``, degrades to private prefill; decode calls prefer a replica on the
+prefill's node (deployments/node_router.py); a failing agent is reported for that agent (its
+typed code in the result) while the others finish. In multi-round runs each round's outputs
+join the context of the next round. When an engine deployment's queue is full (Serve's
+back-pressure) the agent fails as ``overloaded`` instead of waiting. Every prefill and decode
+call carries the tenant's cache salt.
 """
 from __future__ import annotations
 
@@ -23,74 +23,36 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from ray import serve
-from ray.serve.exceptions import BackPressureError
 
-from app.handover import shared_length, split_prompt
 from app.plan import AppPlan
-from app.sampling import Sampling, TokenLogprob
-from deployments.decode_call import DecoderCall
-from deployments.errors import ErrorCode, Failure
-from deployments.messages import (
-    AgentEvent,
-    AgentRunRequest,
-    AgentSpec,
-    CompletionJob,
-    DecodeChunk,
-    DecodePlan,
-    DecodeRequest,
-    PrefillRequest,
-    PrefillTicket,
-)
+from app.sampling import Sampling
+from deployments.decode_call import DecodePlan, Output
+from deployments.errors import ErrorCode, Failure, failure_fields
+from deployments.fanout import FanOut, Leg
+from deployments.messages import AgentEvent, AgentRunRequest, AgentSpec
 from deployments.openai_format import chat_logprobs
-from deployments.prompts import Prompter, common_prefix, locality_keys
-from deployments.ray_internals import replica_assigned
-
-
-@dataclass
-class _Sequence:
-    """One of an agent's ``n`` generated sequences."""
-
-    text: str = ""
-    token_ids: list[int] = field(default_factory=list)
-    finish_reason: str | None = None
-    logprobs: list[TokenLogprob] = field(default_factory=list)
-
-    def add(self, chunk: DecodeChunk) -> None:
-        self.text += chunk.delta_text
-        self.token_ids.extend(chunk.delta_token_ids)
-        self.logprobs.extend(chunk.logprobs or ())
-        if chunk.finish_reason is not None:
-            self.finish_reason = chunk.finish_reason
+from deployments.prompts import Prompter, common_prefix
+from deployments.serve_engines import ServeEngines
 
 
 @dataclass
 class _Agent:
-    """Per-agent state of one round."""
+    """Per-agent state of one round: its prompt, its prepared decoder request, its output."""
 
     index: int
     name: str
     model: str
     prompt: list[int]
     sampling: Sampling
-    ticket: PrefillTicket | None = None
-    seqs: dict[int, _Sequence] = field(default_factory=dict)
-    num_cached_tokens: int = 0
-    error: Failure | None = None
+    plan: DecodePlan | None = None
+    output: Output = field(default_factory=Output)
 
     @property
-    def first(self) -> _Sequence:
-        return self.seqs.get(0) or _Sequence()
-
-    @property
-    def text(self) -> str:
-        return self.first.text
-
-    @property
-    def num_generated(self) -> int:
-        return sum(len(q.token_ids) for q in self.seqs.values())
+    def error(self) -> Failure | None:
+        return self.output.error
 
     def result(self, round_: int) -> dict:
-        first = self.first
+        first, ticket = self.output.seq(0), self.plan.ticket if self.plan is not None else None
         out = {
             "round": round_,
             "name": self.name,
@@ -98,23 +60,19 @@ class _Agent:
             "text": first.text,
             "token_ids": first.token_ids,
             "finish_reason": first.finish_reason,
-            "error": None if self.error is None else str(self.error),
-            "error_code": None if self.error is None else self.error.code.value,
+            **failure_fields(self.error),
             "usage": {
                 "prompt_tokens": len(self.prompt),
-                "completion_tokens": self.num_generated,
-                "cached_tokens": self.num_cached_tokens,
+                "completion_tokens": self.output.num_generated,
+                "cached_tokens": self.output.num_cached_tokens,
             },
-            "prefill": None if self.ticket is None else {
-                "module": self.ticket.prefill_module,
-                "replica": self.ticket.replica_id,
-            },
+            "prefill": None if ticket is None else {"module": ticket.prefill_module, "replica": ticket.replica_id},
         }
         if self.sampling.n > 1 or self.sampling.logprobs is not None:  # every sequence, OpenAI's chat shape
             out["choices"] = [
                 {"index": i, "text": q.text, "token_ids": q.token_ids, "finish_reason": q.finish_reason,
                  "logprobs": chat_logprobs(q.logprobs) if self.sampling.logprobs is not None else None}
-                for i, q in sorted(self.seqs.items())]
+                for i, q in sorted(self.output.seqs.items())]
         return out
 
 
@@ -122,88 +80,10 @@ class _Agent:
 class Orchestrator:
     def __init__(self, plan: AppPlan, prefill: dict, decoders: dict, metrics=None):
         self.plan = plan
-        self.prefill_handles = prefill
-        self.decode_handles = {k: h.options(stream=True) for k, h in decoders.items()}
-        self.metrics = metrics
+        self.fanout = FanOut(plan, ServeEngines(prefill, decoders, metrics))
         self.prompter = Prompter(plan.tokenizer, plan.renderers)  # each decoder's own rendering
-        self.prepared = 0  # completions prepared for the Router to stream
+        self.runs = 0  # agent runs started on this replica
         self.relayed_chunks: Counter[str] = Counter()  # decoder chunks streamed through here, by route
-
-    # --- building blocks -------------------------------------------------------------
-    def _fallback(self, reason: str) -> None:
-        if self.metrics is not None:
-            self.metrics.fallback.remote(reason, 1)
-
-    async def _prefill_group(self, module: str, agents: list[_Agent], request_id: str,
-                             salt: str | None) -> None:
-        """One prefill call for all agents on ``module``; on failure they prefill privately,
-        except when the prefill deployment sheds load: then they fail as overloaded."""
-        mp = self.plan.module(module)
-        prompts = [a.prompt for a in agents]
-        shared = common_prefix(prompts) if len(prompts) > 1 else []
-        # Route on the shared context (or the prompt's handed-over part for a single prompt).
-        route_on = shared if shared else split_prompt(prompts[0])[0]
-        req = PrefillRequest(
-            request_id=request_id,
-            prompts=tuple(tuple(p) for p in prompts),
-            shared_prefix=tuple(shared),
-            locality_keys=locality_keys(mp.module_id, route_on, mp.block_size, salt),
-            cache_salt=salt,
-            adapters=tuple(self.plan.decoder(a.model).prefill_adapter for a in agents),
-        )
-        resp = self.prefill_handles[module].prefill.remote(req)
-        try:
-            # Serve holds a call while the deployment has no replica (its node is gone): bound that wait
-            ref = await asyncio.wait_for(replica_assigned(resp), self.plan.limits.prefill_wait_s)
-            ticket: PrefillTicket = await ref
-        except BackPressureError as e:
-            for a in agents:
-                a.error = Failure(ErrorCode.OVERLOADED, f"prefill module {module}: {e}")
-            return
-        except TimeoutError:
-            resp.cancel()
-            self._fallback("prefill_unavailable")
-            return
-        except Exception:  # noqa: BLE001 - the decoders prefill privately instead
-            self._fallback("prefill_error")
-            return
-        for a in agents:
-            a.ticket = ticket
-
-    async def _prefill_all(self, agents: list[_Agent], request_id: str, salt: str | None) -> None:
-        groups: dict[str, list[_Agent]] = {}
-        for a in agents:
-            dp = self.plan.decoder(a.model)
-            if dp.prefill_module is None:
-                self._fallback(dp.private_reason or "private")
-            elif len(a.prompt) > 1:
-                groups.setdefault(dp.prefill_module, []).append(a)
-        await asyncio.gather(*[self._prefill_group(m, g, f"{request_id}-{m}", salt) for m, g in groups.items()])
-
-    def _decode_plan(self, a: _Agent, request_id: str, route: str, salt: str | None) -> DecodePlan:
-        """The decoder request of agent ``a`` after its prefill (or without one: private)."""
-        dp, t = self.plan.decoder(a.model), a.ticket
-        req = DecodeRequest(request_id=request_id, prompt_token_ids=tuple(a.prompt), sampling=a.sampling,
-                            cache_salt=salt, prefer_node=t.node_id if t is not None else None, adapter=dp.adapter)
-        return DecodePlan(req, a.model, a.name, route,
-                          shared_tokens_expected=shared_length(len(a.prompt)) if t is not None else 0,
-                          kv_bytes_per_token=dp.kv_bytes_per_token,
-                          prefill_module=t.prefill_module if t is not None else None,
-                          prefill_replica=t.replica_id if t is not None else None, error=a.error)
-
-    async def _decode(self, a: _Agent, request_id: str, route: str, t0: float,
-                      salt: str | None) -> AsyncIterator[DecodeChunk]:
-        """Stream one agent's decoder into ``a``; always ends with a finished chunk."""
-        call = DecoderCall(self.decode_handles[a.model], self._decode_plan(a, request_id, route, salt), t0,
-                           self.metrics)
-        async for chunk in call.chunks():
-            self.relayed_chunks[route] += 1
-            if chunk.error:
-                a.error = chunk.error
-            else:
-                a.seqs.setdefault(chunk.index, _Sequence()).add(chunk)
-                a.num_cached_tokens = chunk.num_cached_tokens
-            yield chunk
 
     def _prompt(self, spec: AgentSpec, context: str, round_: int) -> list[int]:
         """The agent's prompt ids: the Router's own for the first round (tokenized once there),
@@ -212,19 +92,10 @@ class Orchestrator:
             return list(spec.prompt_token_ids)
         return self.prompter.agent_prompt(context, spec.instruction, model=spec.model)
 
-    # --- OpenAI completions ----------------------------------------------------------
-    async def prepare(self, job: CompletionJob) -> DecodePlan:
-        """One decoder over one prompt: the prefill on the shared base (or the private
-        fallback); the caller streams the returned request from the decoder itself. A failure
-        before decoding (the prefill module shed the call) comes back as ``error``."""
-        self.prepared += 1
-        a = _Agent(0, "", job.model, list(job.prompt_token_ids), job.sampling)
-        await self._prefill_all([a], job.request_id, job.cache_salt)
-        return self._decode_plan(a, job.request_id, job.route, job.cache_salt)
-
     # --- agent workflows -------------------------------------------------------------
     async def run(self, req: AgentRunRequest) -> AsyncIterator[AgentEvent]:
         """Rounds of concurrent agents over one context; events stream as they happen."""
+        self.runs += 1
         context = req.context
         all_results: list[dict] = []
         usage = {"prompt_tokens": 0, "completion_tokens": 0, "cached_tokens": 0,
@@ -233,59 +104,74 @@ class Orchestrator:
             t0 = time.perf_counter()
             agents = [_Agent(i, s.name, s.model, self._prompt(s, context, r), s.sampling)
                       for i, s in enumerate(specs)]
-            ready: list[_Agent] = []
-            for a in agents:
-                limit = self.plan.decoder(a.model).max_model_len
-                if len(a.prompt) + a.sampling.max_tokens > limit:
-                    a.error = Failure(ErrorCode.CONTEXT_LENGTH, f"round {r} prompt has {len(a.prompt)} tokens, "
-                                      f"+{a.sampling.max_tokens} new exceeds {limit}")
-                else:
-                    ready.append(a)
-            rid = f"{req.request_id}-r{r}"
-            await self._prefill_all(ready, rid, req.cache_salt)
-            ready = [a for a in ready if a.error is None]  # the rest were shed by an overloaded prefill
+            ready = await self._prepare_round(agents, r, f"{req.request_id}-r{r}", req.cache_salt)
             usage["shared_prefix_tokens"] += len(common_prefix([a.prompt for a in ready])) if len(ready) > 1 else 0
-            usage["prefill_tokens_computed"] += sum(
-                t.num_computed_tokens for t in {id(a.ticket): a.ticket for a in ready if a.ticket}.values())
-            queue: asyncio.Queue = asyncio.Queue()
-
-            async def pump(a: _Agent) -> None:
-                async for chunk in self._decode(a, f"{rid}-{a.index}-{uuid.uuid4().hex[:6]}", "agents", t0,
-                                                req.cache_salt):
-                    if chunk.delta_text and chunk.index == 0:
-                        await queue.put(AgentEvent("delta", r, a.name, a.model, chunk.delta_text))
-                await queue.put(AgentEvent("agent_done", r, a.name, a.model, result=a.result(r), error=a.error))
-
-            for a in agents:
-                if a.error is not None:
-                    await queue.put(AgentEvent("agent_done", r, a.name, a.model, result=a.result(r), error=a.error))
-            tasks = [asyncio.create_task(pump(a)) for a in ready]
-            pending = len(agents)
-            try:
-                while pending:
-                    ev = await queue.get()
-                    if ev.kind == "agent_done":
-                        pending -= 1
-                    yield ev
-            finally:
-                for t in tasks:
-                    t.cancel()
+            tickets = {id(a.plan.ticket): a.plan.ticket for a in ready if a.plan.ticket is not None}
+            usage["prefill_tokens_computed"] += sum(t.num_computed_tokens for t in tickets.values())
+            async for ev in self._stream_round(agents, ready, r, t0):
+                yield ev
             results = [a.result(r) for a in agents]
             all_results.extend(results)
             for a in agents:
                 usage["prompt_tokens"] += len(a.prompt)
-                usage["completion_tokens"] += a.num_generated
-                usage["cached_tokens"] += a.num_cached_tokens
+                usage["completion_tokens"] += a.output.num_generated
+                usage["cached_tokens"] += a.output.num_cached_tokens
             yield AgentEvent("round_done", r, result={"round": r, "agents": results})
             if req.join_outputs and r + 1 < len(req.rounds):
-                joined = "\n".join(f"{a.name}:{a.text.strip()}" for a in agents if a.error is None)
+                joined = "\n".join(f"{a.name}:{a.output.seq(0).text.strip()}" for a in agents if a.error is None)
                 context = f"{context}\n{joined}" if joined else context
         yield AgentEvent("done", len(req.rounds) - 1, result={"results": all_results, "usage": usage,
                                                               "final_context": context})
+
+    async def _prepare_round(self, agents: list[_Agent], r: int, rid: str, salt: str | None) -> list[_Agent]:
+        """Prefill a round's agents (fanout.py); those left to decode. An agent whose prompt
+        outgrew its decoder's context, or whose prefill module shed the call, fails here."""
+        fits: list[_Agent] = []
+        for a in agents:
+            limit = self.plan.decoder(a.model).max_model_len
+            if len(a.prompt) + a.sampling.max_tokens > limit:
+                a.output.error = Failure(ErrorCode.CONTEXT_LENGTH, f"round {r} prompt has {len(a.prompt)} tokens, "
+                                         f"+{a.sampling.max_tokens} new exceeds {limit}")
+            else:
+                fits.append(a)
+        legs = [Leg(f"{rid}-{a.index}-{uuid.uuid4().hex[:6]}", a.model, tuple(a.prompt), a.sampling, a.name)
+                for a in fits]
+        for a, plan in zip(fits, await self.fanout.prepare(legs, rid, "agents", salt)):
+            a.plan, a.output.error = plan, plan.error
+        return [a for a in fits if a.error is None]
+
+    async def _stream_round(self, agents: list[_Agent], ready: list[_Agent], r: int,
+                            t0: float) -> AsyncIterator[AgentEvent]:
+        """Every ready agent's decoder at once, merged: text deltas, then one agent_done each
+        (the agents that failed before decoding first)."""
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(a: _Agent) -> None:
+            async for chunk in self.fanout.decode(a.plan, t0, a.output).chunks():
+                self.relayed_chunks["agents"] += 1
+                if chunk.delta_text and chunk.index == 0:
+                    await queue.put(AgentEvent("delta", r, a.name, a.model, chunk.delta_text))
+            await queue.put(AgentEvent("agent_done", r, a.name, a.model, result=a.result(r)))
+
+        for a in agents:
+            if a.error is not None:
+                await queue.put(AgentEvent("agent_done", r, a.name, a.model, result=a.result(r)))
+        tasks = [asyncio.create_task(pump(a)) for a in ready]
+        pending = len(agents)
+        try:
+            while pending:
+                ev = await queue.get()
+                if ev.kind == "agent_done":
+                    pending -= 1
+                yield ev
+        finally:
+            for t in tasks:
+                t.cancel()
 
     async def ready(self) -> dict:
         return {"deployment": "Orchestrator"}
 
     async def counters(self) -> dict:
-        """What went through this replica: completions prepared, decoder chunks relayed by route."""
-        return {"prepared": self.prepared, "relayed_chunks": dict(self.relayed_chunks)}
+        """What went through this replica: agent runs, decoder chunks relayed by route (completions
+        never come here: the Router runs their path itself)."""
+        return {"runs": self.runs, "relayed_chunks": dict(self.relayed_chunks)}

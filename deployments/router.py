@@ -1,12 +1,13 @@
 """Router: the HTTP ingress (OpenAI-compatible routes, agent runs, readiness, metrics).
 
-It validates and tokenizes, then hands typed jobs to the Orchestrator; it holds no serving
-logic. A completion (one decoder) is prepared by the Orchestrator (routing, shared prefill)
-and then streamed from its decode deployment to here directly; agent runs stream through the
-Orchestrator, which merges their decoders. Every bad request gets a 4xx JSON error in OpenAI's shape whose `param` names the
-field, and never reaches an engine. In front of that: the API key (401; its tenant salts the
-request's KV, app/auth.py), the body size (413), and admission (429 + Retry-After when this
-replica already runs `limits.max_inflight_requests`, or when Serve sheds load downstream).
+It validates and tokenizes. A completion (one decoder) then runs its path here, through the
+request-path library (deployments/fanout.py: the shared prefill or the private fallback, then the
+decoder's stream straight to this replica); an agent run goes to the Orchestrator as a typed
+job and streams back through it, merged over its decoders. Every bad request gets a 4xx JSON
+error in OpenAI's shape whose `param` names the field, and never reaches an engine. In front of
+that: the API key (401; its tenant salts the request's KV, app/auth.py), the body size (413),
+and admission (429 + Retry-After when this replica already runs `limits.max_inflight_requests`,
+or when Serve sheds load downstream).
 Request bodies: deployments/schemas.py; sampling options and the fields the server refuses:
 deployments/request_options.py; tools and content parts: deployments/tools.py; response
 shapes: deployments/openai_format.py; error statuses: deployments/errors.py.
@@ -32,13 +33,15 @@ from app.config import AuthConfig
 from app.plan import AppPlan
 from app.sampling import Sampling
 from deployments.admission import Admission, Outcome, Slot
-from deployments.decode_call import DecoderCall
+from deployments.decode_call import DecoderCall, Output
 from deployments.errors import ApiError, Failure, error_body
+from deployments.fanout import FanOut, Leg
 from deployments.messages import AgentRunRequest, AgentSpec, CompletionJob, DecodeChunk
 from deployments.openai_format import Answer, ToolCallOut
 from deployments.prompts import Prompter, RenderError
 from deployments.request_options import check_unsupported, sampling_from
 from deployments.schemas import AgentRunBody, ChatBody, CompletionBody, parse, read_body
+from deployments.serve_engines import ServeEngines
 from deployments.tools import ToolPlan, plan_tools, read_tool_output, turns
 
 
@@ -57,17 +60,15 @@ async def _chain(head, rest):
         yield item
 
 
-class _DirectCompletion:
-    """A completion's chunks, streamed from its decoder to the Router without a relay.
+class _Completion:
+    """A completion's chunks: its prefill (deployments/fanout.py, run here: no other deployment
+    in between), then its decoder's stream straight to this replica. Iterates like a Serve
+    stream; ``cancel()`` stops the decoder's request; ``output`` accumulates the chunks."""
 
-    The Orchestrator prepares the request (routing, the shared prefill or the private
-    fallback; a failure there is the first chunk), then the decoder streams here through
-    :class:`DecoderCall`. Iterates like a Serve stream; ``cancel()`` stops the step in flight.
-    """
-
-    def __init__(self, orch, decoders: dict, metrics, job: CompletionJob):
-        self._orch, self._decoders, self._metrics, self._job = orch, decoders, metrics, job
-        self._pending = None  # the prepare call, then the DecoderCall
+    def __init__(self, fanout: FanOut, job: CompletionJob):
+        self._fanout, self._job = fanout, job
+        self._call: DecoderCall | None = None
+        self.output = Output()
         self._chunks = self._run()
 
     def __aiter__(self):
@@ -77,15 +78,16 @@ class _DirectCompletion:
         return self._chunks.__anext__()
 
     def cancel(self) -> None:
-        if self._pending is not None:
-            self._pending.cancel()
+        if self._call is not None:
+            self._call.cancel()
 
     async def _run(self) -> AsyncIterator[DecodeChunk]:
         t0 = time.perf_counter()  # latencies count from here, the prefill included
-        self._pending = self._orch.prepare.remote(self._job)
-        plan = await self._pending
-        call = self._pending = DecoderCall(self._decoders[plan.model], plan, t0, self._metrics)
-        async for chunk in call.chunks():
+        job = self._job
+        leg = Leg(job.request_id, job.model, job.prompt_token_ids, job.sampling)
+        [plan] = await self._fanout.prepare([leg], job.request_id, job.route, job.cache_salt)
+        self._call = self._fanout.decode(plan, t0, self.output)
+        async for chunk in self._call.chunks():
             yield chunk
 
 
@@ -126,7 +128,7 @@ class Router:
         self.orch = orchestrator
         self.prefill = prefill
         self.decoders = decoders
-        self.decode_streams = {k: h.options(stream=True) for k, h in decoders.items()}
+        self.fanout = FanOut(plan, ServeEngines(prefill, decoders, metrics))  # completions' own path
         self.metrics = metrics
         self.prompter = Prompter(plan.tokenizer, plan.renderers)  # each decoder's own rendering
         self.created = int(time.time())
@@ -168,8 +170,8 @@ class Router:
             raise ApiError(503, f"service unavailable: {e}", None, "unavailable", "server_error",
                            {"Retry-After": str(self.limits.retry_after_s)}) from None
 
-    def _failure(self, failure: Failure) -> ApiError:
-        return ApiError.from_failure(failure, self.limits.retry_after_s)
+    def _failure(self, failure: Failure, route: str) -> ApiError:
+        return ApiError.from_failure(failure, route, self.limits.retry_after_s)
 
     async def _serve(self, route: str, gen, stream: bool,
                      events: Callable[[Any, Any], AsyncIterator[str]],
@@ -187,10 +189,11 @@ class Router:
         try:
             head = await self._first(call)
             if isinstance(head, DecodeChunk) and head.error:
-                raise self._failure(head.error)
+                raise self._failure(head.error, route)
             if stream:
                 streaming = True
-                return StreamingResponse(self._sse(events(head, call), call, slot), media_type="text/event-stream")
+                return StreamingResponse(self._sse(events(head, call), call, slot, route),
+                                         media_type="text/event-stream")
             result = await collect(head, call)
             outcome = "completed"
             return result
@@ -201,7 +204,7 @@ class Router:
             if not streaming:
                 slot.release(outcome)
 
-    async def _sse(self, events: AsyncIterator[str], call, slot: Slot):
+    async def _sse(self, events: AsyncIterator[str], call, slot: Slot, route: str):
         """Server-sent events of one answer; failures in-band in OpenAI's error shape, then [DONE]."""
         finished = False
         outcome: Outcome = "cancelled"  # unless the stream ends: the client went away
@@ -212,7 +215,7 @@ class Router:
             outcome = "completed"
         except _StreamFailed as e:
             outcome = "failed"
-            yield "data: " + json.dumps(self._failure(e.failure).body()) + "\n\n"
+            yield "data: " + json.dumps(self._failure(e.failure, route).body()) + "\n\n"
         except Exception as e:  # noqa: BLE001 - the stream is already open; report in-band
             outcome = "failed"
             yield "data: " + json.dumps(error_body(f"internal error: {e}", "server_error", None, "internal")) + "\n\n"
@@ -293,8 +296,7 @@ class Router:
         echo = None
         if body.echo:
             echo = body.prompt if isinstance(body.prompt, str) else self.prompter.decode(ids)
-        answer = Answer(job, chat=False, echo=echo, logprobs=body.logprobs is not None)
-        return await self._completion(answer, body, None)
+        return await self._completion(job, body, None, chat=False, echo=echo, logprobs=body.logprobs is not None)
 
     @api.post("/v1/chat/completions")
     async def chat(self, request: Request):
@@ -322,11 +324,12 @@ class Router:
         self._check_length(ids, sampling, dp.max_model_len, "messages", mt_param)
         job = CompletionJob(f"chatcmpl-{uuid.uuid4().hex}", body.model, tuple(ids), sampling, "chat",
                             cache_salt=self._salt(tenant))
-        answer = Answer(job, chat=True, logprobs=body.logprobs)
-        return await self._completion(answer, body, tools)
+        return await self._completion(job, body, tools, chat=True, logprobs=bool(body.logprobs))
 
-    async def _completion(self, answer: Answer, body, tools: ToolPlan | None):
-        job = answer.job
+    async def _completion(self, job: CompletionJob, body, tools: ToolPlan | None, chat: bool,
+                          echo: str | None = None, logprobs: bool = False):
+        call = _Completion(self.fanout, job)
+        answer = Answer(job, chat, call.output, echo, logprobs)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
         async def events(head, call) -> AsyncIterator[str]:
@@ -334,7 +337,7 @@ class Router:
             async for chunk in _chain(head, call):
                 if chunk.error:
                     raise _StreamFailed(chunk.error)
-                seq = answer.add(chunk)
+                seq = answer.output.seq(chunk.index)
                 if tools is None:
                     yield answer.delta_event(chunk, first=chunk.index not in started)
                     started.add(chunk.index)
@@ -352,19 +355,16 @@ class Router:
         async def collect(head, call) -> dict:
             async for chunk in _chain(head, call):
                 if chunk.error:
-                    raise self._failure(chunk.error)
-                answer.add(chunk)
+                    raise self._failure(chunk.error, job.route)
             calls: dict[int, list[ToolCallOut]] = {}
             if tools is not None:
-                for i, seq in answer.seqs.items():
+                for i, seq in answer.output.seqs.items():
                     found, seq.text = read_tool_output(seq.text)
                     if found is not None:
                         calls[i] = found
             return answer.response(job.sampling.n, calls)
 
-        return await self._serve(job.route,
-                                 lambda: _DirectCompletion(self.orch, self.decode_streams, self.metrics, job),
-                                 body.stream, events, collect)
+        return await self._serve(job.route, lambda: call, body.stream, events, collect)
 
     @api.post("/v1/agents/run")
     async def agents_run(self, request: Request):

@@ -3,6 +3,7 @@ admission, body parsing, config limits, and what the shipped configs expose.
 (The same behaviour end to end, on real engines: tests/test_serve_app.py.)"""
 from __future__ import annotations
 
+import itertools
 import re
 import subprocess
 from pathlib import Path
@@ -206,12 +207,13 @@ def test_openai_options_become_one_sampling_and_unimplemented_ones_are_refused()
 
 
 def test_every_error_code_has_one_http_shape_used_for_json_and_streams():
-    from deployments.errors import HTTP, ApiError, ErrorCode, Failure
+    from deployments.errors import HTTP, INPUT_FIELD, ApiError, ErrorCode, Failure
 
     assert set(HTTP) == set(ErrorCode)
-    for code, shape in HTTP.items():
-        err = ApiError.from_failure(Failure(code, "why"), retry_after_s=7)
+    for (code, shape), route in zip(HTTP.items(), itertools.cycle(INPUT_FIELD)):
+        err = ApiError.from_failure(Failure(code, "why"), route, retry_after_s=7)
         assert (err.status, err.type, err.code) == (shape.status, shape.type, shape.code)
+        assert err.param == (INPUT_FIELD[route] if shape.about_input else None)
         assert err.message == f"{code.value}: why" and set(err.body()["error"]) == {"message", "type", "param", "code"}
         assert (err.headers or {}).get("Retry-After") == ("7" if shape.retry_after else None)
     assert HTTP[ErrorCode.OVERLOADED].status == 429 and HTTP[ErrorCode.DECODER_UNAVAILABLE].status == 503

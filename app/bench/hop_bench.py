@@ -2,14 +2,14 @@
 
 An agent run's tokens travel Decode -> Orchestrator -> caller: two Ray streams, because the
 Orchestrator merges its agents' streams. A single-decoder completion streams from the decoder
-to the Router directly since the Orchestrator only prepares it. One app (one prefill module, one
+to the Router directly: the Router runs its prefill itself (deployments/fanout.py). One app (one prefill module, one
 decoder, the shipped checkpoints by default) is streamed three ways from the same driver,
 rotating the order each round so that machine load hits all alike, at each concurrency:
 
   decoder  Decode.generate                   (one stream, no shared prefill: the floor)
   relay    Orchestrator.run, one agent       (shared prefill, Decode -> Orchestrator -> caller)
-  direct   Orchestrator.prepare, then the    (shared prefill, Decode -> caller: the Router's
-           decoder's stream (DecoderCall)     completion path)
+  direct   FanOut.prepare, then the          (shared prefill, Decode -> caller: the Router's
+           decoder's stream (FanOut.decode)   completion path)
 
 Per token is the time between a session's first and last streamed token over the tokens in
 between, so the prefill (which differs between them) is left out; the relay's agent events carry
@@ -113,8 +113,8 @@ PATHS = ("decoder", "relay", "direct")
 
 async def _session(handles, path: str, spec: HopSpec, prompt: tuple[int, ...], sampling) -> tuple:
     """(tokens, chunks with tokens, first token time, last token time) of one streamed request."""
-    from deployments.decode_call import DecoderCall
-    from deployments.messages import AgentRunRequest, AgentSpec, CompletionJob, DecodeRequest
+    from deployments.fanout import Leg
+    from deployments.messages import AgentRunRequest, AgentSpec, DecodeRequest
 
     rid = f"hop-{uuid.uuid4().hex[:8]}"
     tokens = chunks = 0
@@ -122,8 +122,8 @@ async def _session(handles, path: str, spec: HopSpec, prompt: tuple[int, ...], s
     if path == "relay":
         run = AgentRunRequest(rid, "", ((AgentSpec("a", spec.decoder, "-", sampling, prompt),),))
         async for ev in handles["orch"].options(stream=True).run.remote(run):
-            if ev.error:
-                raise RuntimeError(f"relay failed: {ev.error}")
+            if ev.kind == "agent_done" and ev.result["error"]:
+                raise RuntimeError(f"relay failed: {ev.result['error']}")
             if ev.kind == "delta":
                 last = time.perf_counter()
                 first = first or last
@@ -132,8 +132,9 @@ async def _session(handles, path: str, spec: HopSpec, prompt: tuple[int, ...], s
                 tokens = ev.result["usage"]["completion_tokens"]
         return tokens, chunks, first, last
     if path == "direct":
-        plan = await handles["orch"].prepare.remote(CompletionJob(rid, spec.decoder, prompt, sampling))
-        stream = DecoderCall(handles["decode"], plan, time.perf_counter()).chunks()
+        t0 = time.perf_counter()
+        [plan] = await handles["fanout"].prepare([Leg(rid, spec.decoder, prompt, sampling)], rid, "completions", None)
+        stream = handles["fanout"].decode(plan, t0).chunks()
     else:
         stream = handles["decode"].generate.remote(DecodeRequest(rid, prompt, sampling))
     async for chunk in stream:
@@ -186,10 +187,17 @@ def _workload(spec: HopSpec, n: int) -> tuple[list[tuple[int, ...]], object]:
     return out, Sampling(max_tokens=spec.output_tokens, ignore_eos=True, logit_bias=ban)
 
 
-async def _measure(spec: HopSpec) -> list[dict]:
+async def _measure(spec: HopSpec, plan) -> list[dict]:
+    """``plan``: the app's AppPlan (the Router's FanOut runs on it)."""
     from ray import serve
 
+    from deployments.fanout import FanOut
+    from deployments.serve_engines import ServeEngines
+
+    engines = ServeEngines({"base": serve.get_deployment_handle("Prefill-base", APP)},
+                           {spec.decoder: serve.get_deployment_handle(f"Decode-{spec.decoder}", APP)})
     handles = {"decode": serve.get_deployment_handle(f"Decode-{spec.decoder}", APP).options(stream=True),
+               "fanout": FanOut(plan, engines),
                "orch": serve.get_deployment_handle("Orchestrator", APP),
                "orch_proc": _orchestrator_process()}
     prompts, sampling = _workload(spec, len(PATHS) * (1 + sum(spec.rounds * c for c in spec.concurrency)))
@@ -232,6 +240,7 @@ def run(spec: HopSpec) -> dict:
     from ray import serve
 
     from app.config import load_config
+    from app.plan import plan_app
     from deployments.application import build
 
     pool = f"/dev/shm/ps-hops-{os.getpid()}"
@@ -244,7 +253,7 @@ def run(spec: HopSpec) -> dict:
         serve.run(build(cfg), name=APP, route_prefix=None)
         ready_s = time.perf_counter() - t0
         print(f"app up in {ready_s:.0f} s", file=sys.stderr)
-        rows = asyncio.run(_measure(spec))
+        rows = asyncio.run(_measure(spec, plan_app(cfg)))
     finally:
         serve.shutdown()
         ray.shutdown()

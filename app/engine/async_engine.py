@@ -8,8 +8,9 @@ API (everything a server needs; nothing here knows about Ray):
                        kv_transfer_config=connector_config("producer", base_id, pool=PoolSpec(...)))
     engine = await Engine.start(cfg)              # or Engine(cfg) from sync code (blocks ~20-50 s)
     async for out in engine.generate(ids, Sampling(max_tokens=16), "req-1", cache_salt="tenant-a"):
-        out.new_token_ids, out.token_ids, out.text, out.finish_reason, out.finished,
-        out.num_prompt_tokens, out.num_cached_tokens, out.kv_transfer_params
+        out.new_token_ids, out.new_text, out.num_generated_tokens, out.finish_reason, out.finished,
+        out.num_prompt_tokens, out.num_cached_tokens, out.kv_transfer_params    # deltas, one per step
+    done = await engine.complete(ids, Sampling(max_tokens=16))   # done.token_ids, done.text: the whole output
     res = await engine.prefill(ids, "req-2", cache_salt="tenant-a", kv_transfer_params={"fanout": 3})
     res.num_prompt_tokens, res.num_cached_tokens, res.num_computed_tokens
     await engine.check_health()                   # raises EngineError if the core is dead / stuck
@@ -40,6 +41,7 @@ __all__ = [
     "EngineConfig",
     "Sampling",
     "EngineOutput",
+    "Completion",
     "PrefillResult",
     "Engine",
     "EngineError",
@@ -192,12 +194,13 @@ class EngineConfig:
 
 @dataclass
 class EngineOutput:
-    """One streamed step of one of a request's sequences (``index``, 0 unless ``n`` > 1)."""
+    """One streamed step of one of a request's sequences (``index``, 0 unless ``n`` > 1): what
+    this step added, never the whole output so far (callers accumulate what they keep)."""
 
     request_id: str
     new_token_ids: list[int]
-    token_ids: list[int]  # all generated so far by this sequence
-    text: str  # all generated text so far by this sequence ("" without a tokenizer)
+    new_text: str  # the text this step added ("" without a tokenizer)
+    num_generated_tokens: int  # generated so far by this sequence, this step's included
     finished: bool  # the request (every sequence) is done
     finish_reason: str | None  # set when this sequence is done
     num_prompt_tokens: int
@@ -206,7 +209,21 @@ class EngineOutput:
     index: int = 0
     new_logprobs: list[TokenLogprob] | None = None  # when the sampling asked for logprobs
     stop_reason: str | int | None = None
-    new_text: str = ""  # the text this step added
+
+
+@dataclass
+class Completion:
+    """A request run to its end (:meth:`Engine.complete`): the whole output of the sequence
+    that finished last (index 0 unless ``n`` > 1)."""
+
+    request_id: str
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    kv_transfer_params: dict[str, Any] | None = None
+    stop_reason: str | int | None = None
 
 
 @dataclass
@@ -376,8 +393,7 @@ class Engine:
         prompt: dict[str, Any] = {"prompt_token_ids": ids}
         if cache_salt is not None:
             prompt["cache_salt"] = cache_salt
-        token_ids: dict[int, list[int]] = {}  # per sequence (index): generated token ids
-        texts: dict[int, str] = {}  # per sequence: generated text
+        generated: dict[int, int] = {}  # per sequence (index): tokens generated so far
         agen = self._llm.generate(prompt, params, rid, lora_request=lora_request)
         deadline = asyncio.get_running_loop().time() + self.cfg.request_timeout_s
         try:
@@ -389,16 +405,14 @@ class Engine:
                     return
                 except TimeoutError as e:
                     raise EngineError(f"request {rid} timed out after {self.cfg.request_timeout_s}s") from e
-                for j, comp in enumerate(out.outputs):
+                for j, comp in enumerate(out.outputs):  # DELTA outputs: each step's new tokens and text
                     new = list(comp.token_ids)
-                    ids_so_far = token_ids.setdefault(comp.index, [])
-                    ids_so_far.extend(new)
-                    texts[comp.index] = texts.get(comp.index, "") + (comp.text or "")
+                    generated[comp.index] = generated.get(comp.index, 0) + len(new)
                     yield EngineOutput(
                         request_id=rid,
                         new_token_ids=new,
-                        token_ids=list(ids_so_far),
-                        text=texts[comp.index],
+                        new_text=comp.text or "",
+                        num_generated_tokens=generated[comp.index],
                         finished=out.finished and j == len(out.outputs) - 1,
                         finish_reason=comp.finish_reason,
                         num_prompt_tokens=len(out.prompt_token_ids or ids),
@@ -408,7 +422,6 @@ class Engine:
                         new_logprobs=(token_logprobs(new, comp.logprobs, params.logprobs)
                                       if params.logprobs is not None else None),
                         stop_reason=comp.stop_reason,
-                        new_text=comp.text or "",
                     )
                 if out.finished:
                     return
@@ -425,14 +438,17 @@ class Engine:
                 await agen.aclose()
 
     async def complete(self, prompt_token_ids, sampling, request_id=None, cache_salt=None,
-                       kv_transfer_params=None, lora=None) -> EngineOutput:
-        """Run a request to the end and return its last output (all tokens)."""
-        last = None
+                       kv_transfer_params=None, lora=None) -> Completion:
+        """Run a request to the end; the whole output of its last sequence to finish."""
+        last, ids, texts = None, {}, {}
         async for out in self.generate(prompt_token_ids, sampling, request_id, cache_salt, kv_transfer_params, lora):
+            ids.setdefault(out.index, []).extend(out.new_token_ids)
+            texts.setdefault(out.index, []).append(out.new_text)
             last = out
         if last is None:
             raise EngineError("engine returned no output")
-        return last
+        return Completion(last.request_id, ids[last.index], "".join(texts[last.index]), last.finish_reason,
+                          last.num_prompt_tokens, last.num_cached_tokens, last.kv_transfer_params, last.stop_reason)
 
     async def prefill(
         self,

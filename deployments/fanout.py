@@ -1,0 +1,139 @@
+"""Prefill fan-out and decode planning: a request's path below the ingress, without Ray.
+
+A request names the decoders it needs and their prompts (:class:`Leg`). :class:`FanOut`
+groups the legs by the prefill module their decoder consumes and asks that module once per
+group to compute the shared context and each prompt but its last token; the prefill
+deployment's prefix router picks the replica from ``PrefillRequest.locality_keys``, salted by
+the tenant. Each leg then becomes a :class:`DecodePlan`: the decoder request (cache salt, the
+prefill's node to prefer, the LoRA adapter of a decode group) or the failure that ended it
+before decoding. Decoders without a compatible module prefill privately (their reason is
+counted); a prefill that fails, or that no replica takes within ``limits.prefill_wait_s``,
+degrades to private prefill; a prefill deployment that sheds the call (:class:`Shed`) fails
+its legs as ``overloaded``. :meth:`FanOut.decode` streams a plan (deployments/decode_call.py).
+
+The Router runs it for a completion (one leg), the Orchestrator for each round of an agent
+run. The engines come in as :class:`Engines`: Ray Serve handles in the app
+(deployments/serve_engines.py), fakes in tests (tests/test_fanout.py).
+"""
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from app.handover import split_prompt
+from app.plan import AppPlan
+from app.sampling import Sampling
+from deployments.decode_call import DecodePlan, DecoderCall, Output
+from deployments.errors import ErrorCode, Failure, Shed, Unreachable
+from deployments.messages import DecodeChunk, DecodeRequest, PrefillRequest, PrefillTicket
+from deployments.metrics import RequestRecord
+from deployments.prompts import common_prefix, locality_keys
+
+
+class DecodeStream(Protocol):
+    """A decoder's answer to one request: its chunks, and a way to stop it."""
+
+    def __aiter__(self) -> AsyncIterator[DecodeChunk]: ...
+
+    def cancel(self) -> None: ...
+
+
+class Engines(Protocol):
+    """The engine deployments and the metrics sink, as the path calls them."""
+
+    async def prefill(self, module: str, req: PrefillRequest, wait_s: float) -> PrefillTicket:
+        """Raises :class:`Shed` when the module's queue is full, :class:`Unreachable` when no
+        replica took the call within ``wait_s``; any other exception is a failed prefill."""
+        ...
+
+    def decode(self, model: str, req: DecodeRequest) -> DecodeStream:
+        """The decoder's stream; iterating it raises :class:`Shed` when its queue is full."""
+        ...
+
+    def fallback(self, reason: str) -> None: ...
+
+    def record(self, record: RequestRecord) -> None: ...
+
+
+@dataclass(frozen=True)
+class Leg:
+    """One decoder's part of a request: which decoder runs which prompt, under which id."""
+
+    request_id: str  # the decoder request's id
+    model: str  # the served decoder name
+    prompt: tuple[int, ...]
+    sampling: Sampling
+    agent: str = ""  # "" for an OpenAI completion
+
+
+@dataclass
+class _Prefilled:
+    leg: Leg
+    ticket: PrefillTicket | None = None
+    error: Failure | None = None
+
+
+class FanOut:
+    def __init__(self, plan: AppPlan, engines: Engines):
+        self.plan, self.engines = plan, engines
+
+    async def prepare(self, legs: Sequence[Leg], request_id: str, route: str,
+                      salt: str | None) -> list[DecodePlan]:
+        """The decoder request of each leg (same order) after its prefill, shared or private.
+        ``request_id`` names the prefill calls (one per module: ``<request_id>-<module>``)."""
+        done = [_Prefilled(leg) for leg in legs]
+        groups: dict[str, list[_Prefilled]] = {}
+        for p in done:
+            dp = self.plan.decoder(p.leg.model)
+            if dp.prefill_module is None:
+                self.engines.fallback(dp.private_reason or "private")
+            elif len(p.leg.prompt) > 1:  # a one-token prompt has nothing to hand over
+                groups.setdefault(dp.prefill_module, []).append(p)
+        await asyncio.gather(*[self._prefill_group(m, g, f"{request_id}-{m}", salt) for m, g in groups.items()])
+        return [self._decode_plan(p, route, salt) for p in done]
+
+    def decode(self, plan: DecodePlan, t0: float, output: Output | None = None) -> DecoderCall:
+        """A prepared plan's decoder call (accumulating into ``output`` when given); latencies
+        count from ``t0`` (the prefill included)."""
+        return DecoderCall(self.engines, plan, t0, output)
+
+    async def _prefill_group(self, module: str, group: list[_Prefilled], request_id: str,
+                             salt: str | None) -> None:
+        """One prefill call for every leg on ``module``: the shared context first, then each prompt."""
+        mp = self.plan.module(module)
+        prompts = [p.leg.prompt for p in group]
+        shared = common_prefix(prompts) if len(prompts) > 1 else []
+        # route on the shared context (for a single prompt: its handed-over part)
+        route_on = shared if shared else split_prompt(list(prompts[0]))[0]
+        req = PrefillRequest(
+            request_id=request_id,
+            prompts=tuple(tuple(p) for p in prompts),
+            shared_prefix=tuple(shared),
+            locality_keys=locality_keys(mp.module_id, route_on, mp.block_size, salt),
+            cache_salt=salt,
+            adapters=tuple(self.plan.decoder(p.leg.model).prefill_adapter for p in group),
+        )
+        try:
+            ticket = await self.engines.prefill(module, req, self.plan.limits.prefill_wait_s)
+        except Shed as e:
+            for p in group:
+                p.error = Failure(ErrorCode.OVERLOADED, f"prefill module {module}: {e}")
+            return
+        except Unreachable:
+            self.engines.fallback("prefill_unavailable")
+            return
+        except Exception:  # noqa: BLE001 - the decoders prefill privately instead
+            self.engines.fallback("prefill_error")
+            return
+        for p in group:
+            p.ticket = ticket
+
+    def _decode_plan(self, p: _Prefilled, route: str, salt: str | None) -> DecodePlan:
+        leg, t = p.leg, p.ticket
+        dp = self.plan.decoder(leg.model)
+        req = DecodeRequest(request_id=leg.request_id, prompt_token_ids=tuple(leg.prompt), sampling=leg.sampling,
+                            cache_salt=salt, prefer_node=t.node_id if t is not None else None, adapter=dp.adapter)
+        return DecodePlan(req, leg.model, leg.agent, route, ticket=t, kv_bytes_per_token=dp.kv_bytes_per_token,
+                          error=p.error)

@@ -1,0 +1,211 @@
+"""The request path below the ingress (deployments/fanout.py, deployments/decode_call.py) with
+fake engines: no Ray, no vLLM. What the Router runs for a completion and the Orchestrator for
+an agent round: grouping by prefill module, locality keys and the tenant's salt, the private
+fallback and its reasons, overload, node-affinity and adapters in the decode request, the
+accumulated output, error chunks, kv_miss and the metrics record."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from app.config import LimitsConfig
+from app.handover import shared_length, split_prompt
+from app.plan import AppPlan, DecoderPlan, ModulePlan
+from app.sampling import Sampling
+from deployments.decode_call import Output, Sequence
+from deployments.errors import ErrorCode, Shed, Unreachable
+from deployments.fanout import FanOut, Leg
+from deployments.messages import DecodeChunk, PrefillTicket
+from deployments.prompts import locality_keys
+
+BLOCK = 4
+PLAN = AppPlan(
+    tokenizer="unused",
+    modules=(ModulePlan("base", "module-id-base", BLOCK),),
+    decoders=(DecoderPlan("alpha", "base", None, None, 100, 64),
+              DecoderPlan("ad0", "base", None, None, 100, 64, group="group", adapter="ad0"),
+              DecoderPlan("private", None, "incompatible", "other base", 100, 64)),
+    limits=LimitsConfig(max_tokens_default=8, max_tokens_cap=64, max_agents=4, max_rounds=2, prefill_wait_s=0.5))
+
+
+class FakeStream:
+    def __init__(self, chunks, fail: Exception | None = None):
+        self._chunks, self._fail, self.cancelled = list(chunks), fail, False
+
+    def __aiter__(self):
+        return self._gen()
+
+    async def _gen(self):
+        for c in self._chunks:
+            yield c
+        if self._fail is not None:
+            raise self._fail
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+class FakeEngines:
+    """Records every call; ``prefill_raises``/``decode_raises`` make those calls fail."""
+
+    def __init__(self, prefill_raises: Exception | None = None, decode_raises: Exception | None = None,
+                 cached: int = 7):
+        self.prefill_raises, self.decode_raises, self.cached = prefill_raises, decode_raises, cached
+        self.prefills: list[tuple[str, object, float]] = []
+        self.decodes: list[tuple[str, object]] = []
+        self.fallbacks: list[str] = []
+        self.records: list = []
+
+    async def prefill(self, module, req, wait_s):
+        self.prefills.append((module, req, wait_s))
+        if self.prefill_raises is not None:
+            raise self.prefill_raises
+        return PrefillTicket(req.request_id, module, "replica-1", tuple(shared_length(len(p)) for p in req.prompts),
+                             num_computed_tokens=11, num_cached_tokens=0, seconds=0.01, node_id="node-a")
+
+    def decode(self, model, req):
+        self.decodes.append((model, req))
+        rid = req.request_id
+        chunks = [DecodeChunk(rid, model, "he", [5], False, num_cached_tokens=self.cached),
+                  DecodeChunk(rid, model, "llo", [6, 7], True, "stop", num_cached_tokens=self.cached, stop_reason="x")]
+        return FakeStream(chunks[:1] if self.decode_raises else chunks, self.decode_raises)
+
+    def fallback(self, reason):
+        self.fallbacks.append(reason)
+
+    def record(self, record):
+        self.records.append(record)
+
+
+def _leg(model: str, prompt, rid: str = "d-1", agent: str = "") -> Leg:
+    return Leg(rid, model, tuple(prompt), Sampling(max_tokens=4), agent)
+
+
+def _run(coro):
+    return asyncio.run(coro)
+
+
+async def _drain(call) -> list[DecodeChunk]:
+    return [c async for c in call.chunks()]
+
+
+def test_one_prefill_per_module_routed_on_the_shared_context_with_the_tenant_salt():
+    engines = FakeEngines()
+    fan = FanOut(PLAN, engines)
+    shared = list(range(10, 22))
+    legs = [_leg("alpha", shared + [1, 2], "d-a", "a"), _leg("ad0", shared + [3], "d-b", "b")]
+    plans = _run(fan.prepare(legs, "run-r0", "agents", "salt-t"))
+    [(module, req, wait_s)] = engines.prefills
+    assert (module, req.request_id, wait_s) == ("base", "run-r0-base", PLAN.limits.prefill_wait_s)
+    assert req.shared_prefix == tuple(shared) and req.prompts == (legs[0].prompt, legs[1].prompt)
+    assert req.locality_keys == locality_keys("module-id-base", shared, BLOCK, "salt-t") and req.cache_salt == "salt-t"
+    assert req.adapters == (None, None)  # neither decoder asks the module for its own adapter's KV
+    assert [p.request.request_id for p in plans] == ["d-a", "d-b"]
+    for p, leg in zip(plans, legs):
+        assert p.error is None and p.ticket.replica_id == "replica-1" and p.route == "agents" and p.agent == leg.agent
+        assert p.request.prefer_node == "node-a" and p.request.cache_salt == "salt-t"
+        assert p.shared_tokens_expected == shared_length(len(leg.prompt))
+    assert (plans[0].request.adapter, plans[1].request.adapter) == (None, "ad0")
+    assert engines.fallbacks == []
+
+
+def test_a_single_prompt_routes_on_its_handed_over_part_and_salts_differ_by_tenant():
+    prompt = list(range(30, 43))
+    keys = {}
+    for salt in ("t1", "t2"):
+        engines = FakeEngines()
+        _run(FanOut(PLAN, engines).prepare([_leg("alpha", prompt)], "cmpl-1", "completions", salt))
+        keys[salt] = engines.prefills[0][1].locality_keys
+        assert keys[salt] == locality_keys("module-id-base", split_prompt(prompt)[0], BLOCK, salt)
+    assert keys["t1"] and keys["t1"] != keys["t2"]
+
+
+def test_private_decoders_skip_prefill_and_count_their_reason():
+    engines = FakeEngines()
+    [plan] = _run(FanOut(PLAN, engines).prepare([_leg("private", [1, 2, 3, 4, 5])], "c", "completions", None))
+    assert engines.prefills == [] and engines.fallbacks == ["incompatible"]
+    assert plan.ticket is None and plan.request.prefer_node is None and plan.shared_tokens_expected == 0
+
+
+@pytest.mark.parametrize("raised, reason", [(Unreachable("gone"), "prefill_unavailable"),
+                                            (RuntimeError("boom"), "prefill_error")])
+def test_a_failed_or_unreachable_prefill_degrades_to_private_prefill(raised, reason):
+    engines = FakeEngines(prefill_raises=raised)
+    [plan] = _run(FanOut(PLAN, engines).prepare([_leg("alpha", [1, 2, 3, 4, 5])], "c", "completions", None))
+    assert engines.fallbacks == [reason]
+    assert plan.error is None and plan.ticket is None and plan.shared_tokens_expected == 0
+
+
+def test_a_shed_prefill_fails_its_legs_as_overloaded_without_decoding():
+    engines = FakeEngines(prefill_raises=Shed("queue full"))
+    fan = FanOut(PLAN, engines)
+    [plan] = _run(fan.prepare([_leg("alpha", [1, 2, 3, 4, 5])], "c", "completions", None))
+    assert plan.error.code is ErrorCode.OVERLOADED and "queue full" in plan.error.message
+    chunks = _run(_drain(call := fan.decode(plan, 0.0)))
+    assert engines.decodes == [] and [c.error for c in chunks] == [plan.error] and chunks[0].finished
+    assert call.output.error == plan.error and engines.records == []  # shed before any decoder: no record
+
+
+def test_decoding_accumulates_deltas_stamps_the_prefill_and_records_the_request():
+    engines = FakeEngines(cached=9)
+    fan = FanOut(PLAN, engines)
+    [plan] = _run(fan.prepare([_leg("ad0", list(range(1, 12)), agent="x")], "c", "chat", None))
+    out = Output()
+    chunks = _run(_drain(fan.decode(plan, 0.0, out)))
+    assert [c.prefill_replica for c in chunks] == ["replica-1", "replica-1"]
+    q = out.seq(0)
+    assert (q.text, q.num_chars, q.token_ids, q.finish_reason, q.stop_reason) == ("hello", 5, [5, 6, 7], "stop", "x")
+    assert out.num_generated == 3 and out.num_cached_tokens == 9 and out.ttft_s is not None
+    assert (out.prefill_module, out.prefill_replica) == ("base", "replica-1")
+    [rec] = engines.records
+    assert (rec.model, rec.agent, rec.route, rec.ok, rec.generated_tokens, rec.shared_tokens_loaded) == (
+        "ad0", "x", "chat", True, 3, 9)
+    assert engines.fallbacks == []
+
+
+def test_a_decoder_that_loads_none_of_the_shared_kv_counts_a_kv_miss():
+    engines = FakeEngines(cached=0)
+    fan = FanOut(PLAN, engines)
+    [plan] = _run(fan.prepare([_leg("alpha", list(range(1, 12)))], "c", "completions", None))
+    _run(_drain(fan.decode(plan, 0.0)))
+    assert engines.fallbacks == ["kv_miss"]
+
+
+@pytest.mark.parametrize("raised, code", [(Shed("full"), ErrorCode.OVERLOADED),
+                                          (ConnectionError("dead"), ErrorCode.DECODER_UNAVAILABLE)])
+def test_a_decoder_failing_mid_stream_ends_with_one_typed_error_chunk(raised, code):
+    engines = FakeEngines(decode_raises=raised)
+    fan = FanOut(PLAN, engines)
+    [plan] = _run(fan.prepare([_leg("alpha", list(range(1, 12)))], "c", "completions", None))
+    call = fan.decode(plan, 0.0)
+    chunks = _run(_drain(call))
+    assert [c.delta_text for c in chunks] == ["he", ""] and chunks[-1].error.code is code and chunks[-1].finished
+    assert call.output.error.code is code and call.output.seq(0).text == "he"
+    assert engines.records[0].ok is False and engines.fallbacks == []  # a failed call is no kv_miss
+
+
+def test_cancel_stops_the_decoder_stream():
+    engines = FakeEngines()
+    fan = FanOut(PLAN, engines)
+    [plan] = _run(fan.prepare([_leg("alpha", list(range(1, 12)))], "c", "completions", None))
+    call = fan.decode(plan, 0.0)
+
+    async def first_then_cancel():
+        gen = call.chunks()
+        await gen.__anext__()
+        call.cancel()
+        await gen.aclose()
+
+    _run(first_then_cancel())
+    assert call._stream.cancelled
+
+
+def test_sequence_text_can_be_replaced_after_reading_a_tool_call():
+    q = Sequence()
+    for t in ("a", "b", "c"):
+        q.add(DecodeChunk("r", "m", t, [1], False))
+    assert q.text == "abc" and q.num_chars == 3
+    q.text = "x"
+    q.add(DecodeChunk("r", "m", "y", [2], True, "stop"))
+    assert (q.text, q.num_chars, q.finish_reason) == ("xy", 2, "stop")
