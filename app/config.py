@@ -207,6 +207,7 @@ class PoolConfig(_Strict):
     check: Literal["off", "crc32"] = Field(
         "off", description="crc32: checksum every KV slot when saved and loaded (tests, debugging); off: "
         "slot generations alone detect reused or half-written slots")
+    persist: bool = Field(False, description="keep the KV pool (slab, index) in /dev/shm when the app stops")
 
     def specs(self):
         """(producer pool, consumer pool) as the connector takes them (app.engine.kv_pool.PoolSpec):
@@ -215,7 +216,7 @@ class PoolConfig(_Strict):
         from app.engine.kv_pool import PoolSpec
 
         common = dict(capacity_bytes=int(self.capacity_gib * (1 << 30)), lease_timeout_s=self.fan_out_ttl_s,
-                      check=self.check)
+                      check=self.check, persist=self.persist)
         producer = PoolSpec(path=self.path, transport="shm", **common)
         if self.transport == "shm":
             return producer, producer

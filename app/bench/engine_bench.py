@@ -198,7 +198,7 @@ async def _run(cfg: BenchConfig, on_case=None) -> list[CaseResult]:
             engines.append(priv)
         print(f"engines up in {time.perf_counter() - t0:.0f}s (model ~{cfg.params / 1e6:.0f}M params, "
               f"{compute_dtype.resolve(cfg.dtype)}, block {cfg.block_size})", flush=True)
-        pool = KVPool(pool_dir)
+        pool = KVPool.attach(pool_dir)
         rng = random.Random(cfg.seed)
         # warm each engine once (first-request costs are not what we measure)
         warm = [rng.randrange(3, cfg.vocab) for _ in range(64)]
