@@ -171,23 +171,25 @@ def test_an_incompatible_decoder_and_another_layout_prefill_privately_with_their
     assert pool.stats("dec").fallbacks == {"incompatible": 1, "layout": 1}
 
 
-def test_a_request_finished_before_its_load_was_sent_releases_its_lease(pool):
-    s, toks = scheduler(pool), prompt(70, seed=6)
+def placed(pool, seed, block_ids):
+    """A consumer scheduler with one request whose whole shared prompt was matched and allocated."""
+    s, toks = scheduler(pool), prompt(70, seed=seed)
     store_prompt(pool, toks)
     req = FakeRequest("r", toks)
-    s.get_num_new_matched_tokens(req, 0)
-    s.update_state_after_alloc(req, FakeBlocks([1, 2, 3]), 69)
+    assert s.get_num_new_matched_tokens(req, 0) == (69, False)
+    s.update_state_after_alloc(req, FakeBlocks(block_ids), 69)
+    return s, req
+
+
+def test_a_request_finished_before_its_load_was_sent_releases_its_lease(pool):
+    s, req = placed(pool, 6, [1, 2, 3])
     s.request_finished(req)
     assert pool._db().execute("SELECT COUNT(*) FROM leases").fetchone()[0] == 0
     assert s.build_connector_meta(FakeOutput()).loads == []
 
 
 def test_a_load_the_worker_found_bad_is_reported_and_counted_by_the_worker_only(pool):
-    s, toks = scheduler(pool), prompt(70, seed=7)
-    store_prompt(pool, toks)
-    req = FakeRequest("r", toks)
-    s.get_num_new_matched_tokens(req, 0)
-    s.update_state_after_alloc(req, FakeBlocks([4, 5, 6]), 69)
+    s, req = placed(pool, 7, [4, 5, 6])
     s.build_connector_meta(FakeOutput())
     s.update_connector_output(NS(invalid_block_ids={5}, finished_recving=None))
     assert s.request_finished(req)["prefillshare"] == {"loaded_tokens": 0, "fallback": "load_failed"}
