@@ -4,6 +4,7 @@ Layout under ``path`` (normally a folder in /dev/shm):
   slab-index.sqlite       the index (WAL): key -> slot, leases, fan-out pins, LRU, counters
   slab-<B>.data           the slots of blocks of B bytes, one after another (zero-copy views)
   slab-<B>.gen            per slot a 16-byte header: generation (u64), crc32 (u32)
+  users.lock, open.lock   who owns the pool (app.engine.pool_owner)
 
 Why this shape: every engine process on the node (producer and decoders, schedulers and
 workers) maps the same slab and copies blocks straight between it and its paged KV cache,
