@@ -250,6 +250,7 @@ class PoolConfig(_Strict):
     check: Literal["off", "crc32"] = Field(
         "off", description="crc32: checksum every KV slot when saved and loaded (tests, debugging); off: "
         "slot generations alone detect reused or half-written slots")
+    persist: bool = Field(False, description="keep the KV pool (slab, index) in /dev/shm when the app stops")
 
     @model_validator(mode="after")
     def _nixl(self) -> PoolConfig:

@@ -84,7 +84,8 @@ def pool_specs(pool: PoolConfig):
     own node's pool from the block servers."""
     from app.engine.kv_pool import PoolSpec
 
-    common = dict(capacity_bytes=pool.capacity_bytes, lease_timeout_s=pool.lease_timeout_s, check=pool.check)
+    common = dict(capacity_bytes=pool.capacity_bytes, lease_timeout_s=pool.lease_timeout_s, check=pool.check,
+                  persist=pool.persist)
     producer = PoolSpec(path=pool.path, transport="shm", **common)
     if pool.transport == "shm":
         return producer, producer

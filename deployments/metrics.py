@@ -59,7 +59,7 @@ class PoolCollector:
         if self._pool is None:
             from app.engine.kv_pool import KVPool
 
-            self._pool = KVPool(self.path)
+            self._pool = KVPool.attach(self.path)
         return self._pool
 
     def collect(self):

@@ -293,7 +293,7 @@ class Engines:
                 if not same or o.num_cached_tokens != len(p) - 1:
                     self.failures.append(f"equality L={len(p)}")
             self.results["equality"] = rows
-            print("  pool:", KVPool(spec.path).stats().counters, flush=True)
+            print("  pool:", KVPool.attach(spec.path).stats().counters, flush=True)
         finally:
             prod.shutdown()
             cons.shutdown()
@@ -322,7 +322,7 @@ class Engines:
             "consumer", "M", spec, scope="gpu-decoder")))
         priv = await Engine.start(self.engine_cfg(**common, enable_prefix_caching=False))
         engines = (prod, cons, priv)
-        pool = KVPool(spec.path)
+        pool = KVPool.attach(spec.path)
 
         async def ttft(engine, ids, salt):
             t0 = time.perf_counter()
@@ -376,14 +376,17 @@ class Engines:
         import subprocess
 
         from app.engine.kv_keys import block_keys
-        from app.engine.kv_pool import KVPool, PutItem
+        from app.engine.kv_pool import KVPool, PoolSpec
         from app.engine.nixl_transport import NixlPuller
 
         src, dst = self.pool_root + "-nx", self.pool_root + "-nx2"
-        pool = KVPool(src, 1 << 30)
+        pool = KVPool(PoolSpec(src, capacity_bytes=1 << 30))
         keys = block_keys("A", "t", list(range(64 * 16)), 16)
-        items = [PutItem(k.key, os.urandom(1 << 20), k.num_tokens, "L", i) for i, k in enumerate(keys)]
-        pool.put_many(items)
+        data = [os.urandom(1 << 20) for _ in keys]
+        res = pool.reserve([k.key for k in keys], 1 << 20, [k.num_tokens for k in keys], "L")
+        for e, d in zip(res.entries, data):
+            pool.view(e)[:] = d
+        pool.publish(res)
         srv = subprocess.Popen([sys.executable, "-m", "app.engine.nixl_transport", "serve", "--pool", src],
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         try:
@@ -391,9 +394,9 @@ class Engines:
             puller = NixlPuller()
             rows = []
             for i in range(3):
-                local = KVPool(f"{dst}-{i}", 1 << 30)
+                local = KVPool(PoolSpec(f"{dst}-{i}", capacity_bytes=1 << 30))
                 fig = puller.pull_into(addr, [k.key for k in keys], local)
-                same = all(bytes(local.read(local.entry(it.key))) == it.data for it in items)
+                same = all(bytes(local.view(local.entry(k.key))) == d for k, d in zip(keys, data))
                 gbs = fig["bytes"] / fig["seconds"] / 1e9 if fig["seconds"] else 0.0
                 rows.append({"mib": fig["bytes"] >> 20, "ms": fig["seconds"] * 1e3, "gb_s": gbs, "equal": same})
                 print(f"  pull {i}: {fig['bytes'] >> 20} MiB slab to slab in {fig['seconds'] * 1e3:.1f} ms "

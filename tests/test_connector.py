@@ -91,9 +91,9 @@ def nixl_server(pool_dir):
         return
     from test_nixl import start_server
 
-    from app.engine.kv_pool import KVPool
+    from app.engine.kv_pool import KVPool, PoolSpec
 
-    KVPool(pool_dir, capacity_bytes=256 << 20)
+    creator = KVPool(PoolSpec(pool_dir, capacity_bytes=256 << 20))  # noqa: F841 - the pool the server serves
     server, addr = start_server(pool_dir)
     try:
         yield server, addr
@@ -144,7 +144,7 @@ def stack(model_dirs, pool_dir, nixl_server):
 
     try:
         loop.run(start_all(), timeout=1800)  # a hang guard: engine start-up takes minutes on a busy box
-        yield loop, engines, KVPool(pool_dir)
+        yield loop, engines, KVPool.attach(pool_dir)
     finally:
         for e in engines.values():
             e.shutdown()
@@ -336,7 +336,7 @@ def test_decoder_on_another_node_pulls_kv_through_nixl(stack, hf):
     o = decode(loop, eng["E"], p)
     assert o.num_cached_tokens == len(p) - 1
     assert o.token_ids == shared_ref(hf, "A", "B", p)
-    node2 = KVPool(pool.path + "-node2").stats()
+    node2 = KVPool.attach(pool.path + "-node2").stats()
     assert node2.get("nixl_pulls") >= 1 and node2.get("nixl_bytes") > 0
     print(f"\nNIXL pull for a {len(p)}-token prompt: {node2.get('nixl_bytes') / 2**20:.1f} MiB in "
           f"{node2.get('nixl_seconds') * 1e3:.1f} ms")
@@ -360,7 +360,7 @@ def test_stalled_nixl_peer_costs_a_bounded_wait_then_private_prefill(stack, hf, 
     for x in (p, q, r):
         loop.run(eng["A"].prefill(x, cache_salt="tenant-1", kv_transfer_params={"fanout": 1}))
     assert decode(loop, eng["E"], r).num_cached_tokens == len(r) - 1  # r's KV is on node 2 now
-    before = KVPool(node2).stats()
+    before = KVPool.attach(node2).stats()
     os.kill(server.pid, signal.SIGSTOP)
 
     async def stalled_and_local():
@@ -380,12 +380,12 @@ def test_stalled_nixl_peer_costs_a_bounded_wait_then_private_prefill(stack, hf, 
     assert local.num_cached_tokens == len(r) - 1 and local.token_ids == shared_ref(hf, "A", "B", r)
     assert o.num_cached_tokens == 0 and o.kv_transfer_params["prefillshare"]["fallback"] == "missing"
     assert o.token_ids == private_ref(hf, "B", p)
-    after = KVPool(node2).stats()
+    after = KVPool.attach(node2).stats()
     assert after.get("nixl_errors") == before.get("nixl_errors") + 1
     assert after.get("fallback:missing") == before.get("fallback:missing") + 1
     o = decode(loop, eng["E"], q)  # the server answers again: shared KV, no confusion from the stale fetch
     assert o.num_cached_tokens == len(q) - 1 and o.token_ids == shared_ref(hf, "A", "B", q)
-    assert KVPool(node2).stats().get("nixl_pulls") == after.get("nixl_pulls") + 1
+    assert KVPool.attach(node2).stats().get("nixl_pulls") == after.get("nixl_pulls") + 1
     print(f"\nstalled NIXL peer: private prefill after {stalled_s:.1f} s (nixl_timeout_s {NIXL_TIMEOUT_S})")
 
 
@@ -444,29 +444,3 @@ def test_pool_full_of_pinned_blocks_drops_a_new_fan_out_whose_decoders_prefill_p
             assert o.num_cached_tokens == len(x) - 1 and o.token_ids == shared_ref(hf, "A", n, x), n
     finally:
         pool.set_capacity(old_cap)
-
-
-def test_block_ids_are_tracked_from_scheduler_output_when_vllm_binds_no_block_manager():
-    """vllm 0.26 (the CUDA build matching torch 2.11, run on the H200) gives the connector no block
-    manager; the ids come from the scheduler's new/cached request data, chunk by chunk."""
-    from types import SimpleNamespace as NS
-
-    from app.engine.connector import PrefillShareConnector
-
-    c = object.__new__(PrefillShareConnector)
-    c._blocks = {}
-
-    def step(new=(), cached=(), resumed=()):
-        ids = [rid for rid, _ in cached]
-        c._track_blocks(NS(scheduled_new_reqs=[NS(req_id=r, block_ids=(b,)) for r, b in new],
-                           scheduled_cached_reqs=NS(req_ids=ids, new_block_ids=[b for _, b in cached],
-                                                    resumed_req_ids=set(resumed))))
-
-    step(new=[("a", [4, 5]), ("b", [9])])
-    step(cached=[("a", ([6],)), ("b", None)])
-    assert c._block_ids("a") == [4, 5, 6] and c._block_ids("b") == [9]
-    step(cached=[("b", ([1, 2],))], resumed=["b"])  # preempted and resumed: new ids replace the old
-    assert c._block_ids("b") == [1, 2] and c._block_ids("missing") == []
-    # a bound block manager (vllm >= 0.27) is preferred over the tracked ids
-    c._kv_cache_manager = NS(get_block_ids=lambda rid: ([7, 8],))
-    assert c._block_ids("a") == [7, 8]

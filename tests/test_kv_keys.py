@@ -1,7 +1,7 @@
 """The KV key scheme: what changes a key and what does not."""
 import pytest
 
-from app.engine.kv_keys import block_keys, shared_block_keys
+from app.engine.kv_keys import block_keys, key_salt, shared_block_keys
 
 TOKENS = list(range(3, 3 + 70))  # 2 full blocks of 32 + a partial block of 6
 
@@ -52,3 +52,13 @@ def test_bad_input_is_named():
         block_keys("base", "t", TOKENS, 0)
     with pytest.raises(ValueError):
         shared_block_keys("base", "t", [], 32)
+
+
+def test_adapter_salt_separates_adapters_and_keeps_plain_keys():
+    assert key_salt("t") == "t" and key_salt(None) is None
+    plain = {k.key for k in block_keys("base", key_salt("t"), TOKENS, 32)}
+    a = {k.key for k in block_keys("base", key_salt("t", "lora-a"), TOKENS, 32)}
+    b = {k.key for k in block_keys("base", key_salt("t", "lora-b"), TOKENS, 32)}
+    assert plain.isdisjoint(a) and a.isdisjoint(b)
+    # the tenant still separates keys of one adapter
+    assert a.isdisjoint(k.key for k in block_keys("base", key_salt("u", "lora-a"), TOKENS, 32))

@@ -205,7 +205,7 @@ def _same_text(out: dict, expected_ids: list[int], tok) -> bool:
 def _pool_counters(path: str) -> dict[str, float]:
     from app.engine.kv_pool import KVPool
 
-    return dict(KVPool(path).stats().counters)
+    return dict(KVPool.attach(path).stats().counters)
 
 
 def test_prefill_group_and_decoders_land_on_their_nodes(app):

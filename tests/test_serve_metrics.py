@@ -39,11 +39,11 @@ def test_failed_request_counts_only_as_an_error():
 
 
 def test_pool_counters_are_exported_per_scope(tmp_path):
-    from app.engine.kv_pool import KVPool
+    from app.engine.kv_pool import KVPool, PoolSpec
 
-    pool = KVPool(str(tmp_path / "pool"), 1 << 20)
-    pool.count("alpha", hits=3, misses=1, bytes_moved=4096)
-    pool.count("alpha", **{"fallback:missing": 1})
+    pool = KVPool(PoolSpec(str(tmp_path / "pool"), capacity_bytes=1 << 20))
+    pool.add("alpha", {"hits": 3, "misses": 1, "bytes_moved": 4096, "fallback:missing": 1})
+    pool.flush()
     s = _samples(AppMetrics(str(tmp_path / "pool")))
     assert s["prefillshare_kv_pool_events_total{event=hits,scope=alpha}"] == 3
     assert s["prefillshare_kv_pool_events_total{event=fallback:missing,scope=alpha}"] == 1

@@ -49,6 +49,7 @@ PROBES: dict[str, tuple[dict[str, Any], Any]] = {
     "pool.lease_timeout_s": ({"lease_timeout_s": 4.5}, 4.5),
     "pool.nixl_peers": ({**NIXL, "nixl_peers": ["10.0.0.9:7702"]}, ("10.0.0.9:7702",)),
     "pool.nixl_timeout_s": ({**NIXL, "nixl_timeout_s": 2.5}, 2.5),
+    "pool.persist": ({"persist": True}, True),
     "pool.decode_path": ({**NIXL, "decode_path": "/dev/shm/probe-decode"}, "/dev/shm/probe-decode"),
     "pool.check": ({"check": "crc32"}, "crc32"),
     "pool.nixl_listen": ({**NIXL, "nixl_listen": "0.0.0.0:7799"}, "0.0.0.0:7799"),

@@ -231,7 +231,7 @@ async def _run(cfg: BenchConfig, on_case=None) -> list[CaseResult]:
     try:
         engines = _start_engines(cfg, model, spec)
         prod, cons, priv = engines
-        pool = KVPool(pool_dir)
+        pool = KVPool.attach(pool_dir)
         rng = random.Random(cfg.seed)
         await _warm(engines, cfg, rng)
         sp_prev = await _saved(pool, 0)  # the warm-up's save counters are written (off the hot path)

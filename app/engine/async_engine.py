@@ -35,6 +35,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
 from app.engine import compute_dtype, kv_pool
+from app.engine.handover_mode import PREFILLSHARE
 from app.sampling import Sampling, TokenLogprob, token_logprobs
 
 __all__ = [
@@ -52,8 +53,8 @@ __all__ = [
     "CONNECTOR_MODULE",
 ]
 
-CONNECTOR_NAME = "PrefillShareConnector"
-CONNECTOR_MODULE = "app.engine.connector"
+CONNECTOR_NAME = PREFILLSHARE.connector
+CONNECTOR_MODULE = PREFILLSHARE.module_path
 
 _ENV_LOCK = threading.Lock()
 
@@ -278,14 +279,8 @@ def connector_config(
         extra["scope"] = scope
     if adapter_keys:
         extra["adapter_keys"] = True
-    return {
-        "kv_connector": CONNECTOR_NAME,
-        "kv_connector_module_path": CONNECTOR_MODULE,
-        "kv_role": "kv_producer" if role == "producer" else "kv_consumer",
-        "kv_connector_extra_config": extra,
-        # A block found damaged while loading is recomputed (private prefill), never a failed request.
-        "kv_load_failure_policy": "recompute",
-    }
+    # A block found damaged while loading is recomputed (private prefill), never a failed request.
+    return PREFILLSHARE.transfer_config(role, extra)
 
 
 @contextlib.contextmanager
@@ -351,11 +346,6 @@ class Engine:
         except KeyError:
             raise EngineRequestError(f"model: {name!r} is not an adapter of this engine "
                                      f"(have {sorted(self._loras)})") from None
-
-    @property
-    def llm(self):
-        """The underlying vLLM ``AsyncLLM`` (for metrics and advanced use)."""
-        return self._llm
 
     def _check_alive(self) -> None:
         if self._closed or self._llm is None:

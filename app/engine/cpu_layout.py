@@ -145,11 +145,6 @@ class BlockLayout:
             out[i].copy_(self._block(i, block_id))
         return out
 
-    def view_bytes(self, buf) -> torch.Tensor:
-        """A pool buffer (bytes-like) seen as a ``block_shape`` tensor (CPU, no copy)."""
-        t = torch.frombuffer(buf, dtype=torch.uint8)
-        return t.view(self.dtype).view(self.block_shape)
-
     def slots_view(self, slab: torch.Tensor, first: int, n: int) -> torch.Tensor:
         """Slots ``first .. first+n`` of a slab tensor (``[nslots, stride]`` uint8) as
         ``[n, *block_shape]`` of the cache dtype (no copy)."""

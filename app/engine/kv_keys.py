@@ -5,6 +5,9 @@ chained over full blocks of ``block_size`` tokens; the trailing partial block ge
 key over its (fewer) tokens, chained to the last full block. Every field is length-prefixed,
 so no two different inputs hash the same bytes. The router, the pool and the connector all
 build keys here; a decoder uses the prefill module id from its manifest, never its own name.
+
+Per-adapter KV (a prefill engine that holds the decoders' own LoRA adapters): the salt also
+names the request's adapter (:func:`key_salt`), so one adapter never loads KV another computed.
 """
 from __future__ import annotations
 
@@ -15,7 +18,7 @@ from dataclasses import dataclass
 
 from app.handover import split_prompt
 
-__all__ = ["BlockKey", "block_keys", "shared_block_keys"]
+__all__ = ["BlockKey", "block_keys", "shared_block_keys", "key_salt"]
 
 
 @dataclass(frozen=True)
@@ -27,6 +30,13 @@ class BlockKey:
     start: int  # first token position
     num_tokens: int  # tokens in this block (< block_size only for the trailing partial block)
     full: bool
+
+
+def key_salt(tenant_salt: str | None, adapter: str | None = None) -> str | None:
+    """The salt of a request's keys: its tenant's, plus its LoRA adapter's name when KV is per adapter."""
+    if adapter is None:
+        return tenant_salt
+    return f"{tenant_salt or ''}|lora:{adapter}"
 
 
 def _field(b: bytes) -> bytes:

@@ -4,6 +4,7 @@ Layout under ``path`` (normally a folder in /dev/shm):
   slab-index.sqlite       the index (WAL): key -> slot, leases, fan-out pins, LRU, counters
   slab-<B>.data           the slots of blocks of B bytes, one after another (zero-copy views)
   slab-<B>.gen            per slot a 16-byte header: generation (u64), crc32 (u32)
+  users.lock, open.lock   who owns the pool (app.engine.pool_owner)
 
 Why this shape: every engine process on the node (producer and decoders, schedulers and
 workers) maps the same slab and copies blocks straight between it and its paged KV cache,
@@ -18,7 +19,10 @@ evicted and reused while a reader copies, or one whose writer died half way, is 
 (``SlotReused`` / ``SlotTorn``), never loaded. ``check="crc32"`` adds a crc per slot
 (written with it, verified on every read): a debugging and test mode, off the hot path.
 
-Lifetime: at most ``capacity_bytes`` of blocks; LRU eviction (deepest block of a chain
+Lifetime of the pool itself: its owners are the processes that have it open; the last one to
+close it removes it, and a start that finds no live owner reclaims it (:mod:`app.engine.pool_owner`).
+
+Lifetime of blocks: at most ``capacity_bytes`` of blocks; LRU eviction (deepest block of a chain
 first), never a block a reader leased or a fan-out still pins (``pins=N``: N decoders load
 it), unless that lease or pin is older than ``lease_timeout_s``.
 
@@ -36,15 +40,17 @@ import sqlite3
 import threading
 import time
 import uuid
+import weakref
 import zlib
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field, fields
-from typing import Any, Literal
+from dataclasses import dataclass, field
+from typing import Literal
 
+from app.engine.pool_owner import PoolHold
 from app.engine.slab import Slab, SlotOutOfRange
 
-__all__ = ["KVPool", "PoolSpec", "BlockEntry", "PoolStats", "BlockDamaged", "BlockMissing", "SlotReused",
-           "SlotTorn", "PutItem", "Reservation", "DEFAULT_CAPACITY_BYTES", "MISSING"]
+__all__ = ["KVPool", "PoolSpec", "BlockEntry", "PoolStats", "BlockDamaged", "BlockMissing", "PoolMissing",
+           "SlotReused", "SlotTorn", "Reservation", "DEFAULT_CAPACITY_BYTES", "MISSING"]
 
 DEFAULT_CAPACITY_BYTES = 1 << 30
 _INDEX = "slab-index.sqlite"
@@ -88,12 +94,18 @@ class SlotTorn(BlockDamaged):
     """The slot's writer has not finished (or died mid-write): its generation is odd."""
 
 
+class PoolMissing(FileNotFoundError):
+    """:meth:`KVPool.attach` found no pool at the path (no engine has created it yet)."""
+
+
 @dataclass(frozen=True)
 class PoolSpec:
     """The one pool configuration, from ``serve_config.yaml`` (app.config.PoolConfig) to the pool.
 
-    It crosses vLLM's connector config as a plain dict (:meth:`to_dict` / :meth:`from_dict`);
-    every default lives here.
+    Validated here, once; it crosses vLLM's connector config as ``dataclasses.asdict`` and is
+    rebuilt with ``PoolSpec(**d)`` (an unknown field is a TypeError). Every default lives here.
+    ``capacity_bytes`` is a property of the pool: the process that creates it writes it to the
+    index; later openers use the stored value (:meth:`KVPool.set_capacity` changes it).
     """
 
     path: str  # directory, normally under /dev/shm
@@ -104,6 +116,7 @@ class PoolSpec:
     nixl_listen: str | None = None  # producer: "host:port" its NIXL block server listens on
     nixl_peers: tuple[str, ...] = ()  # consumer: producers' "host:port" to pull from
     nixl_timeout_s: float = 30.0  # consumer: a peer silent this long is a miss (private prefill)
+    persist: bool = False  # keep the pool when its last owner closes (app.engine.pool_owner)
 
     def __post_init__(self) -> None:
         if not self.path:
@@ -120,17 +133,6 @@ class PoolSpec:
             raise ValueError(f"PoolSpec.check: {self.check!r} is not 'off' or 'crc32'")
         object.__setattr__(self, "nixl_peers", tuple(self.nixl_peers))
 
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> PoolSpec:
-        known = {f.name for f in fields(cls)}
-        extra = sorted(set(d) - known)
-        if extra:
-            raise ValueError(f"PoolSpec: unknown field(s) {extra}")
-        return cls(**dict(d))
-
 
 @dataclass(frozen=True)
 class BlockEntry:
@@ -143,17 +145,6 @@ class BlockEntry:
     nbytes: int
     ntokens: int
     layout: str
-
-
-@dataclass(frozen=True)
-class PutItem:
-    """One block to store: its key, its bytes (buffer protocol) and what they describe."""
-
-    key: str
-    data: object  # bytes, bytearray, memoryview, numpy array (C-contiguous)
-    ntokens: int
-    layout: str
-    depth: int = 0  # block index in its chain: eviction takes deeper blocks first
 
 
 @dataclass
@@ -196,29 +187,19 @@ class PoolStats:
 class KVPool:
     """A byte-capacity LRU store of KV blocks in shared slots, used by every process on the node."""
 
-    def __init__(self, path: str | PoolSpec, capacity_bytes: int | None = None, lease_timeout_s: float = 60.0,
-                 check: str = "off"):
-        """Open (creating if needed) the pool at ``path`` (or from a :class:`PoolSpec`).
+    remote = False  # fetch finds only what this node holds (the store protocol, app.engine.kv_store)
 
-        ``capacity_bytes`` is a property of the pool, kept in its index: given, it is (re)set;
-        None keeps the stored value (:data:`DEFAULT_CAPACITY_BYTES` for a new pool).
-        """
-        if isinstance(path, PoolSpec):
-            spec = path
-            path, capacity_bytes, lease_timeout_s, check = (spec.path, spec.capacity_bytes, spec.lease_timeout_s,
-                                                            spec.check)
-        if not path:
-            raise ValueError("KVPool path is required")
-        if capacity_bytes is not None and capacity_bytes <= 0:
-            raise ValueError("KVPool capacity_bytes must be > 0")
-        if lease_timeout_s <= 0:
-            raise ValueError("KVPool lease_timeout_s must be > 0")
-        if check not in ("off", "crc32"):
-            raise ValueError(f"KVPool check: {check!r} is not 'off' or 'crc32'")
-        self.path = os.path.abspath(path)
-        self.lease_timeout_s = float(lease_timeout_s)
-        self.check = check
-        os.makedirs(self.path, exist_ok=True)
+    def __init__(self, spec: PoolSpec, *, create: bool = True):
+        """Open the pool ``spec`` names; a new one (``create``) gets ``spec.capacity_bytes``."""
+        self.spec = spec
+        self.path = os.path.abspath(spec.path)
+        self.lease_timeout_s = float(spec.lease_timeout_s)
+        self.check = spec.check
+        if not create and not os.path.exists(os.path.join(self.path, _INDEX)):
+            raise PoolMissing(f"no KV pool at {self.path}")
+        # an owner's hold (released by close(), at the latest at exit); readers take none
+        hold = PoolHold.take(self.path, spec.persist) if create else None
+        self._release = weakref.finalize(self, hold.release) if hold else None
         self._local = threading.local()
         self._slabs: dict[int, Slab] = {}
         self._slab_lock = threading.Lock()
@@ -227,8 +208,15 @@ class KVPool:
         self._flusher: threading.Timer | None = None
         # executescript commits implicitly, so it runs outside _tx; every statement is idempotent.
         self._db().executescript(_SCHEMA)
-        if capacity_bytes is not None:
-            self.set_capacity(capacity_bytes)
+        if create:
+            with self._tx() as db:  # the first opener's capacity is the pool's; others keep it
+                db.execute("INSERT OR IGNORE INTO meta(name, value) VALUES ('capacity_bytes', ?)",
+                           (str(int(spec.capacity_bytes)),))
+
+    @classmethod
+    def attach(cls, path: str) -> KVPool:
+        """A reader's handle on an existing pool (metrics, tools): never creates one (PoolMissing)."""
+        return cls(PoolSpec(path=path), create=False)
 
     @property
     def capacity_bytes(self) -> int:
@@ -237,7 +225,7 @@ class KVPool:
     @staticmethod
     def _capacity(db: sqlite3.Connection) -> int:
         r = db.execute("SELECT value FROM meta WHERE name = 'capacity_bytes'").fetchone()
-        return int(r[0]) if r else DEFAULT_CAPACITY_BYTES
+        return int(r[0]) if r else 0  # only while its creator is between the schema and this row
 
     def set_capacity(self, capacity_bytes: int) -> None:
         """Change the byte capacity (slabs grow to it; a smaller one is enforced on later saves)."""
@@ -388,25 +376,6 @@ class KVPool:
                 slab.set_crc(e.slot, zlib.crc32(slab.view(e.slot, e.nbytes)))
             slab.set_gen(e.slot, e.gen)
 
-    def put_many(self, items: Sequence[PutItem], pins: int = 0, scope: str = "") -> list[bool]:
-        """Store blocks from bytes (reserve, copy, publish); one size per call.
-
-        Returns, per item, whether the block is in the pool afterwards.
-        """
-        if not items:
-            return []
-        views = [memoryview(it.data).cast("B") for it in items]
-        sizes = {v.nbytes for v in views}
-        if len(sizes) != 1:
-            raise ValueError("KVPool.put_many: the blocks of one call must have one size")
-        res = self.reserve([it.key for it in items], sizes.pop(), [it.ntokens for it in items], items[0].layout,
-                           pins, scope, depths=[it.depth for it in items])
-        for e, v in zip(res.entries, views):
-            if e is not None:
-                self.slab(e.slab).view(e.slot)[: e.nbytes] = v
-        self.publish(res)
-        return res.stored
-
     @staticmethod
     def _existing(db: sqlite3.Connection, keys: Sequence[str]) -> set[str]:
         out: set[str] = set()
@@ -533,8 +502,8 @@ class KVPool:
             db.executemany("UPDATE blocks SET last_used = ? WHERE key = ?", [(now, e.key) for e in entries])
         return lease
 
-    def lookup(self, keys: Sequence[str], lease_s: float | None = None) -> tuple[list[BlockEntry], str | None]:
-        """Longest leading run of ``keys`` held, leased (protected from eviction) in one transaction.
+    def fetch(self, keys: Sequence[str], lease_s: float | None = None) -> tuple[list[BlockEntry], str | None]:
+        """Longest leading run of ``keys`` held, leased (protected from eviction).
 
         Returns (entries, lease id or None when nothing matched). Release the lease with
         :meth:`release` once the blocks are loaded (or given up).
@@ -573,14 +542,6 @@ class KVPool:
             if zlib.crc32(slab.view(e.slot, e.nbytes)) != slab.crc(e.slot):
                 raise BlockDamaged(f"block {e.key[:12]}: checksum mismatch")
 
-    def read(self, entry: BlockEntry) -> bytearray:
-        """A copy of the block's bytes (seqlock-checked; crc32-checked in check mode)."""
-        self.check_entries([entry])
-        self.verify([entry])
-        buf = bytearray(self.slab(entry.slab).view(entry.slot, entry.nbytes))
-        self.check_entries([entry])
-        return buf
-
     def view(self, entry: BlockEntry) -> memoryview:
         """The slot's bytes in place (for writers that damage them on purpose in tests, and transports)."""
         slab = self.slab(entry.slab)
@@ -588,7 +549,7 @@ class KVPool:
         return slab.view(entry.slot, entry.nbytes)
 
     def release(self, lease: str | None, consumed: Iterable[str] = ()) -> None:
-        """End a lookup's lease; each key in ``consumed`` was loaded once (fan-out pin -1).
+        """End a lease (from :meth:`lease` or :meth:`fetch`); each key in ``consumed`` was loaded once (fan-out pin -1).
         Pending counters go with it (one transaction)."""
         consumed = list(consumed)
         if lease is None and not consumed:
@@ -648,18 +609,6 @@ class KVPool:
                 if v:
                     self._pending[(scope, k)] = self._pending.get((scope, k), 0.0) + float(v)
 
-    def count(self, scope: str = "", **deltas: float) -> None:
-        """Add to named counters and write them now (one transaction; off the hot path)."""
-        self.count_map(scope, deltas)
-
-    def count_map(self, scope: str, deltas: Mapping[str, float]) -> None:
-        self.add(scope, deltas)
-        self.flush()
-
-    @property
-    def pending(self) -> bool:
-        return bool(self._pending)
-
     def flush(self) -> None:
         """Write pending counters now (one transaction; nothing when there are none)."""
         if self._pending:
@@ -675,6 +624,17 @@ class KVPool:
             self._flusher = threading.Timer(delay_s, self._flush_quietly)
             self._flusher.daemon = True
             self._flusher.start()
+
+    def close(self) -> None:
+        """This process is done with the pool: its pending counters are written, and the last
+        owner removes the pool (unless ``persist``)."""
+        self.flush()
+        db = getattr(self._local, "db", None)
+        if db is not None:
+            db.close()
+            self._local.db = None
+        if self._release is not None:
+            self._release()
 
     def _flush_quietly(self) -> None:
         try:

@@ -7,15 +7,17 @@ Two sides, one per node:
   puller reads them with one NIXL READ straight out of the slab and then says ``done``: the
   server checks the slots' generations (not reused while read), ends the lease and counts the
   fan-out load.
-- :class:`NixlPool` (decoder node): the consumer connector's pool when ``transport="nixl"``.
-  :meth:`NixlPool.fetch` (called from the connector's worker thread, asynchronously to the
+- :class:`NixlStore` (decoder node): the consumer connector's store when ``transport="nixl"``.
+  :meth:`NixlStore.fetch` (called from the connector's worker thread, asynchronously to the
   scheduler) tries the node-local pool first; for the rest of the run it reserves slots in
   this node's slab, READs the producer's slots into them (one copy), checks them and publishes
   them, so other decoders on this node reuse them. Loading into the engine is then the
   node-local batched path.
 
-The control channel is a small TCP protocol (JSON lines: hello, fetch, done); the bulk bytes
-move only through NIXL. On this CPU-only machine UCX moves DRAM to DRAM (CMA or TCP).
+The control channel is a small TCP protocol (JSON lines: a challenge-response over the
+cluster's KV secret (:mod:`app.engine.kv_auth`), then hello, fetch, done); the bulk bytes move
+only through NIXL. A peer that fails the challenge gets no agent metadata and no block
+address; the server counts it (``nixl_auth_refused``) and logs it. On this CPU-only machine UCX moves DRAM to DRAM (CMA or TCP).
 """
 from __future__ import annotations
 
@@ -34,11 +36,12 @@ import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from app.engine import kv_auth
 from app.engine.kv_pool import MISSING, BlockEntry, KVPool, PoolSpec
 
 log = logging.getLogger(__name__)
 
-__all__ = ["NixlBlockServer", "NixlPuller", "NixlPool", "parse_addr"]
+__all__ = ["NixlBlockServer", "NixlPuller", "NixlStore", "parse_addr"]
 
 
 def parse_addr(addr: str) -> tuple[str, int]:
@@ -46,6 +49,11 @@ def parse_addr(addr: str) -> tuple[str, int]:
     if not sep or not host or not port.isdigit():
         raise ValueError(f"NIXL address {addr!r} is not host:port")
     return host, int(port)
+
+
+def _send(wfile, msg: dict) -> None:
+    wfile.write(json.dumps(msg).encode() + b"\n")
+    wfile.flush()
 
 
 def _agent(name: str):
@@ -86,26 +94,34 @@ class _Ticket:
 class NixlBlockServer:
     """Serves a node's pool to other nodes: control over TCP, bytes over NIXL from the slab."""
 
-    def __init__(self, pool_path: str, listen: str = "127.0.0.1:0", ticket_timeout_s: float = 60.0):
-        self.pool = KVPool(pool_path)
+    def __init__(self, spec: PoolSpec, listen: str = "127.0.0.1:0", ticket_timeout_s: float = 60.0):
+        host, port = parse_addr(listen)
+        self.secret = kv_auth.load_secret()
+        if self.secret is None and not kv_auth.is_loopback(host):
+            raise kv_auth.KVAuthError(f"NIXL block server on {listen}: set {kv_auth.KV_SECRET_ENV} (or "
+                                      f"{kv_auth.KV_SECRET_FILE_ENV}); without a secret it serves only on loopback")
+        self.refused = 0  # peers turned away for want of the secret
+        self.pool = KVPool(spec)
         self.name = f"ps-srv-{uuid.uuid4().hex[:8]}"
         self.agent = _agent(self.name)
         self.regs = _Registrations(self.agent)
         self.tickets: dict[str, _Ticket] = {}
         self.ticket_timeout_s = ticket_timeout_s
         self.lock = threading.Lock()
-        host, port = parse_addr(listen)
         server = self
 
         class Handler(socketserver.StreamRequestHandler):
             def handle(self):
+                self.connection.settimeout(10.0)  # a peer that never answers the challenge
+                if not server.admit(self.rfile, self.wfile, f"{self.client_address[0]}:{self.client_address[1]}"):
+                    return
+                self.connection.settimeout(None)
                 for line in self.rfile:
                     try:
                         reply = server.dispatch(json.loads(line))
                     except Exception as e:  # noqa: BLE001 - every error goes back as an answer
                         reply = {"error": f"{type(e).__name__}: {e}"}
-                    self.wfile.write(json.dumps(reply).encode() + b"\n")
-                    self.wfile.flush()
+                    _send(self.wfile, reply)
 
         socketserver.ThreadingTCPServer.allow_reuse_address = True
         self.tcp = socketserver.ThreadingTCPServer((host, port), Handler)
@@ -114,6 +130,30 @@ class NixlBlockServer:
         self.thread = threading.Thread(target=self.tcp.serve_forever, daemon=True)
         self._stopping = threading.Event()
         self.progress = threading.Thread(target=self._progress, daemon=True)
+
+    def admit(self, rfile, wfile, peer: str) -> bool:
+        """The connection's first exchange: the peer proves it holds the KV secret (and gets the
+        server's proof back), or it is refused, counted and logged."""
+        challenge = kv_auth.new_challenge() if self.secret else None
+        _send(wfile, {"challenge": challenge})
+        if self.secret is None:
+            return True
+        try:
+            msg = json.loads(rfile.readline() or b"{}")
+        except (ValueError, OSError):
+            msg = {}
+        if isinstance(msg, dict) and msg.get("op") == "auth" and kv_auth.check(self.secret, "client", challenge,
+                                                                               msg.get("mac")):
+            _send(wfile, {"ok": True, "mac": kv_auth.answer(self.secret, "server", str(msg.get("nonce")))})
+            return True
+        with self.lock:
+            self.refused += 1
+        self.pool.add("", {"nixl_auth_refused": 1})
+        self.pool.flush()
+        log.warning("NIXL block server: refused %s (no valid KV secret)", peer)
+        with contextlib.suppress(OSError):
+            _send(wfile, {"error": "unauthorized: no valid KV secret"})
+        return False
 
     def _progress(self) -> None:
         """Drive UCX (connection set-up, one-sided reads) without a spinning progress thread:
@@ -132,6 +172,7 @@ class NixlBlockServer:
         self._stopping.set()
         self.tcp.shutdown()
         self.tcp.server_close()
+        self.pool.close()
 
     def _expire(self) -> None:
         now = time.time()
@@ -189,6 +230,7 @@ class NixlPuller:
         self.agent = _agent(self.name)
         self.regs = _Registrations(self.agent)
         self.timeout_s = timeout_s
+        self.secret = kv_auth.load_secret()
         self.peers: dict[str, tuple[socket.socket, object, str]] = {}
         self.versions: dict[str, int] = {}  # remote agent -> version of its metadata loaded here
         self.lock = threading.Lock()
@@ -230,8 +272,26 @@ class NixlPuller:
             sock = socket.create_connection(parse_addr(addr), timeout=self.timeout_s)
             self.peers[addr] = (sock, None, "")  # so that a failed hello closes it
             rfile = sock.makefile("rb")
+            self._authenticate(addr, sock, rfile)
             self.peers[addr] = (sock, rfile, self._hello(addr, sock, rfile))
         return self.peers[addr]
+
+    def _authenticate(self, addr: str, sock, rfile) -> None:
+        """Answer the server's challenge and check its proof (:mod:`app.engine.kv_auth`)."""
+        greeting = json.loads(rfile.readline() or b"{}")
+        challenge = greeting.get("challenge")
+        if challenge is None:
+            return  # a loopback server without a secret
+        if self.secret is None:
+            raise kv_auth.KVAuthError(f"NIXL peer {addr} asks for the KV secret; set {kv_auth.KV_SECRET_ENV}")
+        nonce = kv_auth.new_challenge()
+        msg = {"op": "auth", "mac": kv_auth.answer(self.secret, "client", challenge), "nonce": nonce}
+        sock.sendall(json.dumps(msg).encode() + b"\n")
+        reply = json.loads(rfile.readline() or b"{}")
+        if not reply.get("ok"):
+            raise kv_auth.KVAuthError(f"NIXL peer {addr} refused this node: {reply.get('error', 'closed')}")
+        if not kv_auth.check(self.secret, "server", nonce, reply.get("mac")):
+            raise kv_auth.KVAuthError(f"NIXL peer {addr} does not hold the KV secret")
 
     def _drop(self, addr: str) -> None:
         peer = self.peers.pop(addr, None)
@@ -298,42 +358,53 @@ class NixlPuller:
                 self.agent.release_xfer_handle(handle)
 
 
-class NixlPool(KVPool):
-    """A node-local pool that fills itself from producer nodes through NIXL (:meth:`fetch`)."""
+class NixlStore:
+    """A node's pool that fills itself from producer nodes through NIXL: the store protocol
+    (:mod:`app.engine.kv_store`) over a local :class:`KVPool`, whose ``fetch`` pulls first."""
 
-    def __init__(self, spec: PoolSpec | dict):
-        spec = spec if isinstance(spec, PoolSpec) else PoolSpec.from_dict(spec)
-        super().__init__(spec)
+    remote = True
+
+    def __init__(self, spec: PoolSpec):
         if not spec.nixl_peers:
             raise ValueError("PoolSpec.nixl_peers: a nixl consumer needs at least one producer address")
         for p in spec.nixl_peers:
             parse_addr(p)
+        self.local = KVPool(spec)
         self.peers = list(spec.nixl_peers)
         # A stalled peer costs at most this per pull (in a worker thread, never the scheduler).
         self.timeout_s = spec.nixl_timeout_s
         self._puller: NixlPuller | None = None
         self._pull_lock = threading.Lock()
+        local = self.local
+        self.find, self.lease, self.release = local.find, local.lease, local.release
+        self.reserve, self.publish, self.slab = local.reserve, local.publish, local.slab
+        self.check_entries, self.verify, self.discard = local.check_entries, local.verify, local.discard
+        self.add, self.flush, self.flush_soon = local.add, local.flush, local.flush_soon
 
     def fetch(self, keys: Sequence[str], lease_s: float | None = None) -> tuple[list[BlockEntry], str | None]:
-        """Longest leading run of ``keys``, pulling what this node lacks; leased like :meth:`lookup`."""
-        if len(self.find(keys)) < len(keys):
+        """Longest leading run of ``keys``, pulling what this node lacks; leased like :meth:`KVPool.fetch`."""
+        pool = self.local
+        if len(pool.find(keys)) < len(keys):
             with self._pull_lock:
-                have = self.find(keys)  # again: a pull that held the lock may have brought them
+                have = pool.find(keys)  # again: a pull that held the lock may have brought them
                 missing = list(keys[len(have):])
                 for addr in ([] if not missing else self.peers):
                     try:
                         if self._puller is None:
                             self._puller = NixlPuller(timeout_s=self.timeout_s)
-                        fig = self._puller.pull_into(addr, missing, self, depth0=len(have))
+                        fig = self._puller.pull_into(addr, missing, pool, depth0=len(have))
                     except Exception as e:  # noqa: BLE001 - an unreachable peer is a miss, not a failure
                         log.warning("PrefillShare NIXL: pull from %s failed: %s", addr, e)
-                        self.add("", {"nixl_errors": 1})
+                        pool.add("", {"nixl_errors": 1})
                         continue
                     if fig["blocks"]:
-                        self.add("", {"nixl_pulls": 1, "nixl_blocks": fig["blocks"], "nixl_bytes": fig["bytes"],
+                        pool.add("", {"nixl_pulls": 1, "nixl_blocks": fig["blocks"], "nixl_bytes": fig["bytes"],
                                       "nixl_seconds": fig["seconds"]})
                         break
-        return self.lookup(keys, lease_s)
+        return pool.fetch(keys, lease_s)
+
+    def close(self) -> None:
+        self.local.close()
 
 
 def _serve(argv: list[str]) -> int:
@@ -342,7 +413,7 @@ def _serve(argv: list[str]) -> int:
     ap.add_argument("--pool", required=True, help="the node's pool folder (PoolSpec.path)")
     ap.add_argument("--listen", default="127.0.0.1:0", help="host:port of the control channel")
     args = ap.parse_args(argv)
-    srv = NixlBlockServer(args.pool, args.listen).start()
+    srv = NixlBlockServer(PoolSpec(path=args.pool), args.listen).start()
     print(f"NIXL block server {srv.name} listening on {srv.address}", flush=True)
     try:
         while True:
