@@ -30,6 +30,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from app.engine.vllm_nixl import NixlSettings, lease_for_timeout, nixl_transfer_config, side_channel_env
+from app.engine.vllm_nixl_handover import read_vllm_nixl_counters
 
 # Named transport settings: NIXL's UCX threads (vLLM's ``num_threads``) and UCX variables.
 SETTINGS: dict[str, NixlSettings] = {
@@ -54,6 +55,7 @@ class ProbeConfig:
     binds: tuple[str, str] = ("0", "1")  # VLLM_CPU_OMP_THREADS_BIND of producer, consumer
     request_timeout_s: float = 180.0
     ports: tuple[int, int] = (5611, 5612)
+    idle_s: float = 5.0
     check_tokens: bool = True
     out: str = "runs/nixl/probe.json"
     seed: int = 0
@@ -61,93 +63,140 @@ class ProbeConfig:
 
 
 def _engine_child(cfg, env: dict[str, str], conn) -> None:
-    """One engine in its own process: answers (op, args) messages on ``conn`` until "stop"."""
+    """One engine in its own process: runs (id, op, kwargs) messages on ``conn`` concurrently."""
     os.environ.update(env)
     asyncio.run(_serve(cfg, conn))
 
 
 async def _serve(cfg, conn) -> None:
-    from app.engine.async_engine import Engine, Sampling
+    from app.engine.async_engine import Engine
 
     t0 = time.perf_counter()
-    engine = await Engine.start(cfg)
-    conn.send(("ready", time.perf_counter() - t0))
+    try:
+        engine = await Engine.start(cfg)
+    except Exception as e:  # noqa: BLE001 - reported to the parent, which raises it
+        conn.send((0, "error", f"{type(e).__name__}: {e}"))
+        return
+    conn.send((0, "ok", time.perf_counter() - t0))
+
+    async def run(mid: int, op: str, kw: dict) -> None:
+        try:
+            if op == "metrics":
+                value = read_vllm_nixl_counters()
+            elif op in ("complete", "prefill"):
+                value = await getattr(engine, op)(**kw)
+            else:
+                raise ValueError(f"unknown op {op!r}")
+            conn.send((mid, "ok", value))
+        except Exception as e:  # noqa: BLE001 - reported to the caller, which raises it
+            conn.send((mid, "error", f"{type(e).__name__}: {e}"))
+
+    tasks = set()
     try:
         while True:
-            op, args = await asyncio.to_thread(conn.recv)
+            mid, op, kw = await asyncio.to_thread(conn.recv)
             if op == "stop":
                 break
-            try:
-                if op == "generate":
-                    t = time.perf_counter()
-                    out = await engine.complete(args["ids"], Sampling(max_tokens=args["max_tokens"]),
-                                                cache_salt=args.get("salt"),
-                                                kv_transfer_params=args.get("kv_transfer_params"),
-                                                lora=args.get("lora"))
-                    conn.send(("ok", {"seconds": time.perf_counter() - t, "token_ids": out.token_ids,
-                                      "num_prompt_tokens": out.num_prompt_tokens,
-                                      "num_cached_tokens": out.num_cached_tokens,
-                                      "kv_transfer_params": out.kv_transfer_params}))
-                elif op == "metrics":
-                    conn.send(("ok", nixl_metrics()))
-                else:
-                    conn.send(("error", f"unknown op {op!r}"))
-            except Exception as e:  # noqa: BLE001 - reported to the probe, which records it
-                conn.send(("error", f"{type(e).__name__}: {e}"))
+            task = asyncio.create_task(run(mid, op, kw))
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)
     finally:
         engine.shutdown()
 
 
-def nixl_metrics() -> dict[str, float]:
-    """vLLM's NIXL counters in this process (Prometheus registry of its stat logger)."""
-    from prometheus_client import REGISTRY
-
-    out: dict[str, float] = {}
-    for metric in REGISTRY.collect():
-        if not metric.name.startswith("vllm:nixl"):
-            continue
-        for s in metric.samples:
-            if s.name.endswith(("_total", "_sum", "_count")):
-                out[s.name] = out.get(s.name, 0.0) + float(s.value)
-    return out
-
-
 class EngineProcess:
-    """An engine child and its pipe; calls block until it answers or ``timeout_s`` passes."""
+    """An :class:`app.engine.async_engine.Engine` in a spawned process, with the same async
+    ``complete`` / ``prefill``: one engine per process keeps vLLM's per-process metrics apart
+    (its stat logger replaces the registry's vLLM metrics when another engine starts)."""
 
     def __init__(self, name: str, cfg, env: dict[str, str], start_timeout_s: float = 600.0):
+        import threading
+
         ctx = multiprocessing.get_context("spawn")
         self.name = name
         self.conn, child = ctx.Pipe()
         self.proc = ctx.Process(target=_engine_child, args=(cfg, env, child), name=name)
         self.proc.start()
-        kind, self.start_s = self._recv(start_timeout_s)
-        if kind != "ready":
-            raise RuntimeError(f"{name}: engine failed to start: {self.start_s}")
-
-    def _recv(self, timeout_s: float):
-        deadline = time.monotonic() + timeout_s
+        deadline = time.monotonic() + start_timeout_s
         while not self.conn.poll(1.0):
             if not self.proc.is_alive():
-                raise RuntimeError(f"{self.name}: engine process exited with {self.proc.exitcode}")
+                raise RuntimeError(f"{name}: engine process exited with {self.proc.exitcode}")
             if time.monotonic() > deadline:
-                raise TimeoutError(f"{self.name}: no answer in {timeout_s:.0f}s")
-        return self.conn.recv()
-
-    def call(self, op: str, timeout_s: float, **args):
-        self.conn.send((op, args))
-        kind, value = self._recv(timeout_s)
+                self.stop()
+                raise TimeoutError(f"{name}: engine not ready in {start_timeout_s:.0f}s")
+        _, kind, value = self.conn.recv()
         if kind != "ok":
-            raise RuntimeError(f"{self.name}: {op}: {value}")
-        return value
+            self.stop()
+            raise RuntimeError(f"{name}: engine failed to start: {value}")
+        self.start_s = value
+        self._send_lock = threading.Lock()
+        self._waiting: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
+        self._next = 1
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        while True:
+            try:
+                mid, kind, value = self.conn.recv()
+            except (EOFError, OSError):
+                ended = f"{self.name}: engine process ended"
+                for loop, fut in list(self._waiting.values()):
+                    loop.call_soon_threadsafe(lambda f=fut, e=ended: f.done() or f.set_exception(RuntimeError(e)))
+                return
+            loop, fut = self._waiting.pop(mid)
+            if kind == "ok":
+                loop.call_soon_threadsafe(lambda f=fut, v=value: f.done() or f.set_result(v))
+            else:
+                loop.call_soon_threadsafe(lambda f=fut, v=value: f.done() or f.set_exception(RuntimeError(v)))
+
+    async def _call(self, op: str, **kw):
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        with self._send_lock:
+            mid, self._next = self._next, self._next + 1
+            self._waiting[mid] = (loop, fut)
+            self.conn.send((mid, op, kw))
+        return await fut
+
+    async def complete(self, prompt_token_ids, sampling, request_id=None, cache_salt=None,
+                       kv_transfer_params=None, lora=None):
+        return await self._call("complete", prompt_token_ids=list(prompt_token_ids), sampling=sampling,
+                                request_id=request_id, cache_salt=cache_salt,
+                                kv_transfer_params=kv_transfer_params, lora=lora)
+
+    async def prefill(self, prompt_token_ids, request_id=None, cache_salt=None, kv_transfer_params=None,
+                      lora=None):
+        return await self._call("prefill", prompt_token_ids=list(prompt_token_ids), request_id=request_id,
+                                cache_salt=cache_salt, kv_transfer_params=kv_transfer_params, lora=lora)
+
+    async def metrics(self) -> dict[str, float]:
+        return await self._call("metrics")
+
+    def cpu_seconds(self) -> float:
+        """CPU time of the engine's process tree (its EngineCore and worker included)."""
+        import psutil
+
+        total = 0.0
+        try:
+            root = psutil.Process(self.proc.pid)
+            for p in [root, *root.children(recursive=True)]:
+                try:
+                    t = p.cpu_times()
+                    total += t.user + t.system
+                except psutil.NoSuchProcess:
+                    pass
+        except psutil.NoSuchProcess:
+            pass
+        return total
 
     def stop(self) -> None:
         if self.proc.is_alive():
             try:
-                self.conn.send(("stop", {}))
-                self.proc.join(60)
+                self.conn.send((0, "stop", {}))
             except (BrokenPipeError, OSError):
                 pass
+            self.proc.join(60)
         if self.proc.is_alive():
             self.proc.kill()
             self.proc.join(10)
@@ -172,91 +221,134 @@ def _prompts(cfg: ProbeConfig, base: str) -> list[list[int]]:
 
 
 def _reference(base: str, decoder: str, lora: str | None, prompts, max_tokens: int) -> list[list[int]]:
+    """``app.reference.shared_greedy`` tokens, stopping at EOS as the engine does."""
     from app.models.checkpoint import load_decoder, load_model
     from app.reference import shared_greedy
 
     b = load_model(base)
     d = load_decoder(lora or decoder, base)
-    return [shared_greedy(b, d, p, max_tokens) for p in prompts]
+    return [shared_greedy(b, d, p, max_tokens, eos_token_id=b.config.eos_token_id) for p in prompts]
 
 
-def run_probe(cfg: ProbeConfig) -> dict:
+def start_engines(specs: dict) -> dict[str, EngineProcess]:
+    """Start engine processes concurrently: name -> (EngineConfig, env). All or none: a failed start
+    stops the others and raises."""
+    import threading
+
+    out: dict[str, EngineProcess] = {}
+    errors: list[BaseException] = []
+
+    def one(name, cfg, env):
+        try:
+            out[name] = EngineProcess(name, cfg, env)
+        except Exception as e:  # noqa: BLE001 - re-raised below
+            errors.append(e)
+
+    threads = [threading.Thread(target=one, args=(n, c, e)) for n, (c, e) in specs.items()]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        for e in out.values():
+            e.stop()
+        raise errors[0]
+    return out
+
+
+def engine_configs(cfg: ProbeConfig, base: str, decoder: str, max_len: int):
+    """(producer EngineConfig, consumer EngineConfig, lease seconds) of this probe."""
     from app.engine.async_engine import EngineConfig
 
     settings = SETTINGS[cfg.setting]
     lease = lease_for_timeout(cfg.request_timeout_s)
+    common = dict(dtype="float32", kv_space_gib=0.5, max_model_len=max_len, block_size=cfg.block_size,
+                  max_num_batched_tokens=2048, request_timeout_s=cfg.request_timeout_s,
+                  load_format="dummy" if cfg.models == "random" else "auto", extra_env=dict(cfg.extra_env))
+    prod = EngineConfig(model=base, omp_threads_bind=cfg.binds[0], enable_prefix_caching=True,
+                        kv_transfer_config=nixl_transfer_config("producer", lease_s=lease, settings=settings),
+                        **common)
+    cons = EngineConfig(model=base if cfg.lora else decoder, omp_threads_bind=cfg.binds[1],
+                        enable_prefix_caching=False,
+                        kv_transfer_config=nixl_transfer_config("consumer", lease_s=lease, settings=settings),
+                        lora_adapters=(("agent", cfg.lora),) if cfg.lora else (), **common)
+    return prod, cons, lease
+
+
+async def _cases(cfg: ProbeConfig, prod: EngineProcess, cons: EngineProcess, prompts, lease: int) -> dict:
+    from app.engine import vllm_nixl_handover as ho
+    from app.sampling import Sampling
+
+    lora = "agent" if cfg.lora else None
+    margin = ho.default_margin(lease)
+    counters = ho.HandoverCounters()
+    out: dict = {"cases": []}
+    # warm-up: the first pull makes the NIXL handshake and registers the peer
+    warm = prompts[0][:128]
+    t = time.perf_counter()
+    (le,) = await ho.prefill_leases(prod, warm, 1, lease_s=lease, lora=None)
+    w = await ho.decode(cons, warm, Sampling(max_tokens=2), le, margin_s=margin, lora=lora)
+    out["warmup"] = {"seconds": time.perf_counter() - t, "cached": w.num_cached_tokens}
+    # idle: CPU the two engines burn with nothing to do (spinning progress threads show here)
+    c0 = prod.cpu_seconds() + cons.cpu_seconds()
+    await asyncio.sleep(cfg.idle_s)
+    out["idle_cpu_per_s"] = round((prod.cpu_seconds() + cons.cpu_seconds() - c0) / cfg.idle_s, 3)
+    c0 = prod.cpu_seconds() + cons.cpu_seconds()
+    t_all = time.perf_counter()
+    for i, ids in enumerate(prompts):
+        salt = f"tenant-{i}"
+        case: dict = {"L": len(ids)}
+        t = time.perf_counter()
+        leases = await ho.prefill_leases(prod, ids, 2, lease_s=lease, cache_salt=salt, counters=counters)
+        case["prefills_s"] = time.perf_counter() - t
+        case["prefill_computed"] = [le.computed_tokens for le in leases]
+        t = time.perf_counter()
+        shared = await ho.decode(cons, ids, Sampling(max_tokens=cfg.max_tokens), leases[0], margin_s=margin,
+                                 cache_salt=salt, lora=lora, counters=counters)
+        case["shared_s"] = time.perf_counter() - t
+        t = time.perf_counter()
+        ttft = await ho.decode(cons, ids, Sampling(max_tokens=1), leases[1], margin_s=margin, cache_salt=salt,
+                               lora=lora, counters=counters)
+        case["ttft_shared_s"] = time.perf_counter() - t
+        t = time.perf_counter()
+        private = await ho.decode(cons, ids, Sampling(max_tokens=1), None, margin_s=margin, cache_salt=salt,
+                                  lora=lora)
+        case["ttft_private_s"] = time.perf_counter() - t
+        case.update(shared_cached=shared.num_cached_tokens, ttft_shared_cached=ttft.num_cached_tokens,
+                    private_cached=private.num_cached_tokens, shared_tokens=shared.token_ids)
+        out["cases"].append(case)
+        print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in case.items()
+                          if k != "shared_tokens"}), flush=True)
+    out["cases_s"] = time.perf_counter() - t_all
+    out["cases_cpu_s"] = round(prod.cpu_seconds() + cons.cpu_seconds() - c0, 2)
+    out["handover_counters"] = counters.as_dict()
+    out["producer_metrics"] = await prod.metrics()
+    out["consumer_metrics"] = await cons.metrics()
+    return out
+
+
+def run_probe(cfg: ProbeConfig) -> dict:
     with tempfile.TemporaryDirectory(prefix="nixl-probe-") as tmp:
         base, decoder, max_len = _models(cfg, Path(tmp))
         prompts = _prompts(cfg, base)
-        common = dict(dtype="float32", kv_space_gib=0.5, max_model_len=max_len, block_size=cfg.block_size,
-                      max_num_batched_tokens=2048, request_timeout_s=cfg.request_timeout_s,
-                      load_format="dummy" if cfg.models == "random" else "auto",
-                      extra_env=dict(cfg.extra_env))
-        prod_cfg = EngineConfig(model=base, omp_threads_bind=cfg.binds[0], enable_prefix_caching=True,
-                                kv_transfer_config=nixl_transfer_config("producer", lease_s=lease, settings=settings),
-                                **common)
-        cons_model = base if cfg.lora else decoder
-        cons_cfg = EngineConfig(model=cons_model, omp_threads_bind=cfg.binds[1], enable_prefix_caching=False,
-                                kv_transfer_config=nixl_transfer_config("consumer", lease_s=lease, settings=settings),
-                                lora_adapters=(("agent", cfg.lora),) if cfg.lora else (), **common)
+        prod_cfg, cons_cfg, lease = engine_configs(cfg, base, decoder, max_len)
+        settings = SETTINGS[cfg.setting]
         result: dict = {"config": asdict(cfg), "settings": asdict(settings), "lease_s": lease,
-                        "base": base, "decoder": cfg.lora or decoder, "cases": []}
+                        "base": base, "decoder": cfg.lora or decoder}
         t = time.perf_counter()
-        prod = EngineProcess("producer", prod_cfg, side_channel_env(cfg.ports[0], settings=settings))
-        cons = None
+        engines = start_engines({"producer": (prod_cfg, side_channel_env(cfg.ports[0], settings=settings)),
+                                 "consumer": (cons_cfg, side_channel_env(cfg.ports[1], settings=settings))})
         try:
-            cons = EngineProcess("consumer", cons_cfg, side_channel_env(cfg.ports[1], settings=settings))
             result["start_s"] = round(time.perf_counter() - t, 1)
-            lora = "agent" if cfg.lora else None
-            to = cfg.request_timeout_s + 30
-            # warm-up: one pull of a short prompt (handshake, first registration)
-            warm = prompts[0][:100]
-            p = prod.call("generate", to, ids=warm, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
-            w = cons.call("generate", to, ids=warm, max_tokens=cfg.max_tokens, lora=lora,
-                          kv_transfer_params=p["kv_transfer_params"])
-            result["warmup"] = {"prefill_s": p["seconds"], "decode_s": w["seconds"],
-                                "cached": w["num_cached_tokens"]}
-            for i, ids in enumerate(prompts):
-                salt = f"tenant-{i}"
-                case = {"L": len(ids)}
-                p1 = prod.call("generate", to, ids=ids, max_tokens=1, salt=salt,
-                               kv_transfer_params={"do_remote_decode": True})
-                shared = cons.call("generate", to, ids=ids, max_tokens=cfg.max_tokens, lora=lora,
-                                   kv_transfer_params=p1["kv_transfer_params"])
-                # a second prefill of the same prompt and salt: the producer's prefix cache
-                p2 = prod.call("generate", to, ids=ids, max_tokens=1, salt=salt,
-                               kv_transfer_params={"do_remote_decode": True})
-                shared2 = cons.call("generate", to, ids=ids, max_tokens=cfg.max_tokens, lora=lora,
-                                    kv_transfer_params=p2["kv_transfer_params"])
-                private = cons.call("generate", to, ids=ids, max_tokens=cfg.max_tokens, lora=lora)
-                ttft_shared = cons.call("generate", to, ids=ids, max_tokens=1, lora=lora,
-                                        kv_transfer_params=prod.call(
-                                            "generate", to, ids=ids, max_tokens=1, salt=salt,
-                                            kv_transfer_params={"do_remote_decode": True})["kv_transfer_params"])
-                ttft_private = cons.call("generate", to, ids=ids, max_tokens=1, lora=lora)
-                case.update(prefill_s=p1["seconds"], prefill_cached=p1["num_cached_tokens"],
-                            second_prefill_s=p2["seconds"],
-                            second_prefill_computed=len(ids) - p2["num_cached_tokens"],
-                            shared_s=shared["seconds"], shared_cached=shared["num_cached_tokens"],
-                            second_shared_s=shared2["seconds"], second_shared_cached=shared2["num_cached_tokens"],
-                            private_s=private["seconds"], private_cached=private["num_cached_tokens"],
-                            ttft_shared_s=ttft_shared["seconds"], ttft_shared_cached=ttft_shared["num_cached_tokens"],
-                            ttft_private_s=ttft_private["seconds"],
-                            shared_tokens=shared["token_ids"], second_shared_tokens=shared2["token_ids"],
-                            private_tokens=private["token_ids"])
-                result["cases"].append(case)
-                print(json.dumps({k: v for k, v in case.items() if not k.endswith("tokens")}), flush=True)
-            result["producer_metrics"] = prod.call("metrics", 30)
-            result["consumer_metrics"] = cons.call("metrics", 30)
+            result.update(asyncio.run(_cases(cfg, engines["producer"], engines["consumer"], prompts, lease)))
         finally:
-            if cons is not None:
-                cons.stop()
-            prod.stop()
+            for e in engines.values():
+                e.stop()
         if cfg.check_tokens and cfg.models == "shipped":
             ref = _reference(base, decoder, cfg.lora, prompts, cfg.max_tokens)
             for case, want in zip(result["cases"], ref):
                 case["reference_tokens"] = want
-                case["tokens_equal"] = case["shared_tokens"] == want and case["second_shared_tokens"] == want
+                case["tokens_equal"] = case["shared_tokens"] == want
         result["summary"] = summarize(result["cases"])
     return result
 
@@ -270,11 +362,10 @@ def summarize(cases: list[dict]) -> dict:
         def med(key: str, cs=cs) -> float:
             return round(statistics.median(c[key] for c in cs), 4)
         out[str(n)] = {"ttft_shared_s": med("ttft_shared_s"), "ttft_private_s": med("ttft_private_s"),
-                       "shared_s": med("shared_s"), "private_s": med("private_s"), "prefill_s": med("prefill_s"),
-                       "second_prefill_s": med("second_prefill_s"),
-                       "second_prefill_computed": max(c["second_prefill_computed"] for c in cs),
-                       "all_pulled": all(c["shared_cached"] == n - 1 and c["second_shared_cached"] == n - 1
-                                         and c["ttft_shared_cached"] == n - 1 for c in cs),
+                       "shared_s": med("shared_s"), "prefills_s": med("prefills_s"),
+                       "second_prefill_computed": max(c["prefill_computed"][1] for c in cs),
+                       "all_pulled": all(c["shared_cached"] == n - 1 and c["ttft_shared_cached"] == n - 1
+                                         for c in cs),
                        "tokens_equal": all(c.get("tokens_equal", True) for c in cs)}
     return out
 
@@ -290,13 +381,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--binds", default="0,1")
     ap.add_argument("--timeout", type=float, default=180.0, help="per request (s); the lease follows it")
+    ap.add_argument("--idle", type=float, default=5.0, help="seconds of idle CPU measured after the warm-up")
     ap.add_argument("--env", action="append", default=[], help="KEY=VALUE for both engines (repeatable)")
     ap.add_argument("--out", default=ProbeConfig.out)
     a = ap.parse_args(argv)
     cfg = ProbeConfig(setting=a.setting, models=a.models, decoder=a.decoder, lora=a.lora,
                       lengths=tuple(int(x) for x in a.lengths.split(",")), repeats=a.repeats,
                       max_tokens=a.max_tokens, binds=tuple(a.binds.split(",")), request_timeout_s=a.timeout,
-                      extra_env=dict(kv.split("=", 1) for kv in a.env), out=a.out)
+                      extra_env=dict(kv.split("=", 1) for kv in a.env), out=a.out, idle_s=a.idle)
     if cfg.models == "random":
         cfg = replace(cfg, check_tokens=False)
     result = run_probe(cfg)

@@ -22,8 +22,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-__all__ = ["NIXL_CONNECTOR", "NixlSettings", "CPU_SETTINGS", "nixl_transfer_config", "lease_for_timeout",
-           "side_channel_env"]
+__all__ = ["NIXL_CONNECTOR", "NixlSettings", "CPU_SETTINGS", "nixl_transfer_config", "decoder_transfer_config",
+           "lease_for_timeout", "side_channel_env"]
 
 NIXL_CONNECTOR = "NixlConnector"
 
@@ -89,6 +89,22 @@ def nixl_transfer_config(role: Role, *, lease_s: int, settings: NixlSettings = C
         # A failed pull recomputes the prompt (a private prefill), never a failed request.
         "kv_load_failure_policy": "recompute",
     }
+
+
+def decoder_transfer_config(base_dir: str, decoder_dir: str, prefill_module_id: str, *, lease_s: int,
+                            settings: NixlSettings = CPU_SETTINGS,
+                            kv_buffer_device: str = "cpu") -> tuple[dict[str, Any] | None, tuple[str, ...]]:
+    """A decoder's (or LoRA decode group's) ``kv_transfer_config`` in this mode, gated by the
+    project's own check (``app.models.compat.check``: manifests, shapes, tokenizer hash), since
+    vLLM's handshake no longer checks the model: ``(config, ())`` when it may consume the base's KV,
+    ``(None, reasons)`` when it must prefill privately (then it runs without a connector)."""
+    from app.models import compat
+
+    verdict = compat.check(base_dir, decoder_dir, prefill_module_id)
+    if not verdict.shared:
+        return None, tuple(verdict.reasons) or ("incompatible",)
+    return nixl_transfer_config("consumer", lease_s=lease_s, settings=settings,
+                                kv_buffer_device=kv_buffer_device), ()
 
 
 def side_channel_env(port: int, host: str = "127.0.0.1", settings: NixlSettings = CPU_SETTINGS) -> dict[str, str]:

@@ -124,6 +124,10 @@ async def decode(engine, prompt_token_ids: Sequence[int], sampling: Sampling | A
     ids = [int(t) for t in prompt_token_ids]
     reason = usable(lease, margin_s)
     params = None if reason else dict(lease.params)
+    if params:
+        # vLLM would report the PREFILL engine's prefix-cache hits as the decoder's cached tokens;
+        # without this key the decoder reports its own (the pulled prompt, L-1 tokens).
+        params.pop("remote_prefill_cached_tokens", None)
     out = await engine.complete(ids, sampling, request_id, cache_salt, params, lora)
     if counters is not None:
         if reason:
@@ -149,12 +153,30 @@ VLLM_NIXL_COUNTERS = ("num_kv_expired_reqs", "num_notifications_after_expiry", "
 
 
 def read_vllm_nixl_counters(registry=None) -> dict[str, float]:
-    """vLLM's NIXL counters in this process (summed over its engines), by short name."""
+    """vLLM's NIXL counters and transfer totals in this process (its stat logger's registry), by
+    short name: ``num_kv_expired_reqs``, ``num_notifications_after_expiry``, ...,
+    ``bytes_transferred_sum``, ``xfer_time_seconds_sum``, ``xfer_time_seconds_count``."""
     if registry is None:
         from prometheus_client import REGISTRY as registry
     out = dict.fromkeys(VLLM_NIXL_COUNTERS, 0.0)
     for metric in registry.collect():
-        short = metric.name.removeprefix("vllm:nixl_")
-        if short in out:
-            out[short] += sum(float(s.value) for s in metric.samples if s.name.endswith("_total"))
+        if not metric.name.startswith("vllm:nixl_"):
+            continue
+        for s in metric.samples:
+            if s.name.endswith(("_total", "_sum", "_count")):
+                key = s.name.removeprefix("vllm:nixl_").removesuffix("_total")
+                out[key] = out.get(key, 0.0) + float(s.value)
     return out
+
+
+class CounterDeltas:
+    """Increments of monotone counters since the last call: what a replica sends to the app's
+    Metrics deployment (``AppMetrics.vllm_nixl``) after each scrape of its own counters."""
+
+    def __init__(self) -> None:
+        self._last: dict[str, float] = {}
+
+    def __call__(self, now: dict[str, float]) -> dict[str, float]:
+        out = {k: v - self._last.get(k, 0.0) for k, v in now.items() if v > self._last.get(k, 0.0)}
+        self._last.update(now)
+        return out
