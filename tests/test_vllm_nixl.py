@@ -41,10 +41,20 @@ def test_producer_and_consumer_configs():
         assert extra["enforce_handshake_compat"] is False and extra["kv_lease_duration"] == 40
         assert cfg["kv_load_failure_policy"] == "recompute"
     assert c["kv_connector_extra_config"]["num_threads"] == 0
+    assert "kv_connector_module_path" not in c  # vLLM's stock connector
+    polled = nixl_transfer_config("consumer", lease_s=40, settings=CPU_SETTINGS)
+    assert polled["kv_connector_module_path"] == "app.engine.vllm_nixl_connector"
+    assert polled["kv_connector_extra_config"]["progress_thread"] is False
     assert nixl_transfer_config("both", lease_s=6)["kv_role"] == "kv_both"
     from vllm.config import KVTransferConfig
 
     KVTransferConfig(**p)  # vLLM accepts it as is
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    cls = KVConnectorFactory.get_connector_class(KVTransferConfig(**polled))
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl import NixlConnector
+
+    assert issubclass(cls, NixlConnector) and cls.__name__ == "NixlConnector"
 
 
 @pytest.mark.parametrize("bad", [dict(role="decoder", lease_s=30), dict(role="producer", lease_s=0),

@@ -29,16 +29,15 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from app.engine.vllm_nixl import NixlSettings, lease_for_timeout, nixl_transfer_config, side_channel_env
+from app.engine.vllm_nixl import CPU_SETTINGS, NixlSettings, lease_for_timeout, nixl_transfer_config, side_channel_env
 from app.engine.vllm_nixl_handover import read_vllm_nixl_counters
 
 # Named transport settings: NIXL's UCX threads (vLLM's ``num_threads``) and UCX variables.
 SETTINGS: dict[str, NixlSettings] = {
-    "default": NixlSettings(),  # vLLM's defaults: 4 UCX threads, UCX picks transports
+    "default": NixlSettings(),  # vLLM's: NIXL progress thread on, 4 UCX threads, UCX picks transports
     "threads0": NixlSettings(num_threads=0),
-    "threads1": NixlSettings(num_threads=1),
-    "tcp": NixlSettings(num_threads=0, env={"UCX_TLS": "tcp,self"}),
-    "cma": NixlSettings(num_threads=0, env={"UCX_TLS": "cma,tcp,self"}),
+    "polled": CPU_SETTINGS,  # the project's CPU setting: progress thread off
+    "polled-tcp": NixlSettings(progress_thread=False, env={"UCX_TLS": "tcp,self"}),
 }
 
 

@@ -35,22 +35,29 @@ _KV_ROLE = {"producer": "kv_producer", "consumer": "kv_consumer", "both": "kv_bo
 class NixlSettings:
     """Transport knobs, one name each from the config down to the engine.
 
+    ``progress_thread``: NIXL's progress thread, which vLLM always starts and which spins
+    (:mod:`app.engine.vllm_nixl_connector`: off, the connector's own per-step calls drive UCX).
     ``num_threads``: NIXL's UCX worker threads (vLLM's ``kv_connector_extra_config.num_threads``,
     4 by default in vLLM; 0 lets NIXL's UCX backend run without a thread pool).
     ``backends``: NIXL backends (vLLM's ``backends``). ``env``: UCX variables the engine's worker
     process inherits (``UCX_TLS``, ...).
     """
 
+    progress_thread: bool = True
     num_threads: int = 4
     backends: tuple[str, ...] = ("UCX",)
     env: dict[str, str] = field(default_factory=dict)
 
     def extra_config(self) -> dict[str, Any]:
-        return {"num_threads": self.num_threads, "backends": list(self.backends)}
+        return {"progress_thread": self.progress_thread, "num_threads": self.num_threads,
+                "backends": list(self.backends)}
 
 
-# Measured on this project's 2-core CPU box (docs/engine.md); GPUs keep vLLM's defaults.
-CPU_SETTINGS = NixlSettings()
+# vLLM's defaults are NixlSettings(); measured on this project's 2-core CPU box (docs/engine.md):
+# the progress thread off.
+CPU_SETTINGS = NixlSettings(progress_thread=False)
+# app.engine.vllm_nixl_connector (not imported here: configs are built where vLLM is not installed)
+POLLED_CONNECTOR_MODULE = "app.engine.vllm_nixl_connector"
 
 
 def lease_for_timeout(request_timeout_s: float, margin_s: float = 5.0) -> int:
@@ -81,7 +88,7 @@ def nixl_transfer_config(role: Role, *, lease_s: int, settings: NixlSettings = C
         "kv_lease_duration": int(lease_s),
         **settings.extra_config(),
     }
-    return {
+    out = {
         "kv_connector": NIXL_CONNECTOR,
         "kv_role": _KV_ROLE[role],
         "kv_buffer_device": kv_buffer_device,
@@ -89,6 +96,9 @@ def nixl_transfer_config(role: Role, *, lease_s: int, settings: NixlSettings = C
         # A failed pull recomputes the prompt (a private prefill), never a failed request.
         "kv_load_failure_policy": "recompute",
     }
+    if not settings.progress_thread:
+        out["kv_connector_module_path"] = POLLED_CONNECTOR_MODULE  # vLLM's connector, its agent polled
+    return out
 
 
 def decoder_transfer_config(base_dir: str, decoder_dir: str, prefill_module_id: str, *, lease_s: int,
