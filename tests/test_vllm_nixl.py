@@ -154,11 +154,11 @@ def test_decode_pulls_inside_the_lease_and_reports_its_own_cached_tokens():
 def test_decode_prefills_privately_when_the_lease_may_run_out():
     eng, counters = _FakeEngines(), ho.HandoverCounters()
     ids = list(range(50))
-    lease = ho.Lease({"do_remote_prefill": True, "remote_block_ids": [[1]]}, time.monotonic() + 3, 50, 50, "r")
+    lease = ho.Lease({"do_remote_prefill": True, "remote_block_ids": [[1]]}, time.time() + 3, 50, 50, "r")
     asyncio.run(ho.decode(eng, ids, Sampling(max_tokens=1), lease, margin_s=5, counters=counters))
     assert eng.calls[-1] == ("complete", None)
     asyncio.run(ho.decode(eng, ids, Sampling(max_tokens=1), None, margin_s=5, counters=counters))
-    lease = ho.Lease({"do_remote_prefill": True}, time.monotonic() + 60, 50, 50, "r")  # no blocks kept
+    lease = ho.Lease({"do_remote_prefill": True}, time.time() + 60, 50, 50, "r")  # no blocks kept
     asyncio.run(ho.decode(eng, ids, Sampling(max_tokens=1), lease, margin_s=5, counters=counters))
     assert counters.as_dict()["fallback:lease_expiring"] == 1
     assert counters.as_dict()["fallback:no_lease"] == 2 and counters.pulls == 0

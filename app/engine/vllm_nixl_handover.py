@@ -44,7 +44,9 @@ def default_margin(lease_s: float) -> float:
 
 @dataclass(frozen=True)
 class Lease:
-    """One prefill's blocks, lent to one decoder until ``expires_at`` (``time.monotonic``)."""
+    """One prefill's blocks, lent to one decoder until ``expires_at`` (``time.time()``: a lease
+    travels from the process that prefilled to the decoder's replica, which checks it right before
+    its engine takes the request, after any queueing; across nodes the margin covers clock skew)."""
 
     params: dict[str, Any]       # the producer's kv_transfer_params, passed to the decoder as is
     expires_at: float
@@ -53,7 +55,7 @@ class Lease:
     request_id: str
 
     def remaining(self, now: float | None = None) -> float:
-        return self.expires_at - (time.monotonic() if now is None else now)
+        return self.expires_at - (time.time() if now is None else now)
 
 
 @dataclass
@@ -77,10 +79,12 @@ class HandoverCounters:
 
 async def _one_prefill(engine, ids: list[int], salt: str | None, lease_s: float, lora: str | None,
                        request_id: str | None) -> Lease:
+    # The producer's lease starts when it finishes the request, after this send: counting from the
+    # send errs on the safe side.
+    sent = time.time()
     res = await engine.prefill(ids, request_id, cache_salt=salt, kv_transfer_params={"do_remote_decode": True},
                                lora=lora)
-    # the lease runs from the moment the producer finished the request, at the latest now
-    return Lease(dict(res.kv_transfer_params or {}), time.monotonic() + lease_s, res.num_prompt_tokens,
+    return Lease(dict(res.kv_transfer_params or {}), sent + lease_s, res.num_prompt_tokens,
                  res.num_computed_tokens, res.request_id)
 
 
@@ -120,7 +124,8 @@ async def decode(engine, prompt_token_ids: Sequence[int], sampling: Sampling | A
                  counters: HandoverCounters | None = None, request_id: str | None = None):
     """The decoder's request: a pull of ``lease`` when it is still safely inside its lease, else a
     private prefill on the same engine (its tokens are then the private reference's). Returns the
-    engine's last output."""
+    engine's last output. Call it next to the engine (in the decoder's replica), so that the check
+    comes after the replica's queue."""
     ids = [int(t) for t in prompt_token_ids]
     reason = usable(lease, margin_s)
     params = None if reason else dict(lease.params)
