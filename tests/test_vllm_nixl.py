@@ -77,6 +77,8 @@ def test_side_channel_env_carries_ucx_settings():
     assert env == {"VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1", "VLLM_NIXL_SIDE_CHANNEL_PORT": "5601",
                    "UCX_TLS": "tcp,self"}
     assert CPU_SETTINGS.extra_config()["backends"] == ["UCX"]
+    a, b = side_channel_env()["VLLM_NIXL_SIDE_CHANNEL_PORT"], side_channel_env()["VLLM_NIXL_SIDE_CHANNEL_PORT"]
+    assert int(a) > 0 and int(b) > 0
 
 
 def test_decoder_gate_is_the_projects_compat_check():
@@ -190,21 +192,20 @@ def test_nixl_decoders_with_other_weights_and_a_lora_group_give_reference_tokens
     from app.engine.async_engine import EngineConfig
     from app.models.checkpoint import load_decoder, load_model
     from app.reference import shared_greedy
-    from tests.random_models import free_port
 
     lease = lease_for_timeout(120)
     common = dict(dtype="float32", kv_space_gib=0.25, max_model_len=1024, block_size=32, request_timeout_s=120)
     specs = {"producer": (EngineConfig(model=BASE, omp_threads_bind="0", enable_prefix_caching=True,
                                        kv_transfer_config=nixl_transfer_config("producer", lease_s=lease), **common),
-                          side_channel_env(free_port()))}
+                          side_channel_env())}
     for i, d in enumerate(DECODERS):
         specs[f"dec{i}"] = (EngineConfig(model=d, omp_threads_bind="1", enable_prefix_caching=False,
                                          kv_transfer_config=nixl_transfer_config("consumer", lease_s=lease),
-                                         **common), side_channel_env(free_port()))
+                                         **common), side_channel_env())
     specs["lora"] = (EngineConfig(model=BASE, omp_threads_bind="1", enable_prefix_caching=False,
                                   lora_adapters=(("lookup", LORA),), max_lora_rank=8,
                                   kv_transfer_config=nixl_transfer_config("consumer", lease_s=lease), **common),
-                     side_channel_env(free_port()))
+                     side_channel_env())
     engines = _start(specs)
     try:
         prompts = _prompts(3)
@@ -242,17 +243,16 @@ def test_nixl_lease_that_ran_out_is_answered_privately_and_counted():
     from app.engine.async_engine import EngineConfig
     from app.models.checkpoint import load_decoder
     from app.reference import private_greedy
-    from tests.random_models import free_port
 
     lease = 6  # the smallest lease vLLM renews (every lease // 6 = 1 s)
     common = dict(dtype="float32", kv_space_gib=0.25, max_model_len=1024, block_size=32, request_timeout_s=60)
     engines = _start({
         "producer": (EngineConfig(model=BASE, omp_threads_bind="0", enable_prefix_caching=True,
                                   kv_transfer_config=nixl_transfer_config("producer", lease_s=lease), **common),
-                     side_channel_env(free_port())),
+                     side_channel_env()),
         "dec": (EngineConfig(model=DECODERS[0], omp_threads_bind="1", enable_prefix_caching=False,
                              kv_transfer_config=nixl_transfer_config("consumer", lease_s=lease), **common),
-                side_channel_env(free_port())),
+                side_channel_env()),
     })
     (ids,) = _prompts(1, (300,))
     counters = ho.HandoverCounters()

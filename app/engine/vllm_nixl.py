@@ -117,9 +117,17 @@ def decoder_transfer_config(base_dir: str, decoder_dir: str, prefill_module_id: 
                                 kv_buffer_device=kv_buffer_device), ()
 
 
-def side_channel_env(port: int, host: str = "127.0.0.1", settings: NixlSettings = CPU_SETTINGS) -> dict[str, str]:
-    """Env of one engine in this mode: its NIXL handshake listener (one port per engine on a host)
-    and the transport's UCX variables."""
+def side_channel_env(port: int | None = None, host: str = "127.0.0.1",
+                     settings: NixlSettings = CPU_SETTINGS) -> dict[str, str]:
+    """Env of one engine in this mode: its NIXL handshake listener (one port per engine on a host;
+    None: a free one, for a replica that starts its engine on a shared node) and the transport's UCX
+    variables. ``host``: the address decoders reach this engine at (the node's IP)."""
+    if port is None:
+        import socket
+
+        with socket.socket() as sock:
+            sock.bind((host, 0))
+            port = sock.getsockname()[1]
     env = {"VLLM_NIXL_SIDE_CHANNEL_HOST": host, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(int(port))}
     env.update(settings.env)
     return env
