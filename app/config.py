@@ -324,6 +324,9 @@ class AppConfig(_Strict):
     )
     decoders: list[DecoderConfig] = Field(min_length=1)
     pool: PoolConfig = Field(default_factory=PoolConfig)
+    handover: Literal["pool", "vllm-nixl"] = Field(
+        "pool", description="how decoders get the base's KV: the project's pool (CPU nodes) or vLLM's NixlConnector "
+        "(app/engine/vllm_nixl.py; GPUs)")
     limits: LimitsConfig = Field(default_factory=LimitsConfig)
     routing: RoutingConfig = Field(default_factory=RoutingConfig)
     router: SmallDeployment = Field(default_factory=SmallDeployment)

@@ -132,6 +132,12 @@ class AppMetrics:
                            ["deployment", "replica"], registry=r)
         self.prefill_seconds = Histogram("prefillshare_prefill_seconds", "Prefill call latency per module",
                                          ["module"], buckets=_LATENCY_BUCKETS, registry=r)
+        # hand-over "vllm-nixl" (app/engine/vllm_nixl_handover.py): vLLM's NIXL counters of each engine
+        # (num_kv_expired_reqs, num_notifications_after_expiry, ...) and the orchestration's own
+        # (pulls, fallback:<reason>), sent as increments by the replicas
+        self.vllm_nixl_events = Counter("prefillshare_vllm_nixl_events",
+                                        "vLLM NixlConnector hand-over counters by module and event",
+                                        ["module", "event"], registry=r)
         self._lookup_total = 0
         self._hit_total = 0
 
@@ -164,6 +170,11 @@ class AppMetrics:
         self.prefill_saved.labels("prefill", rec.prefill_module).inc(rec.cached_tokens)
         self.prefill_seconds.labels(rec.prefill_module).observe(rec.seconds)
 
+    def vllm_nixl(self, module: str, increments: dict[str, float]) -> None:
+        for event, n in increments.items():
+            if n > 0:
+                self.vllm_nixl_events.labels(module, re.sub(r"[^a-zA-Z0-9_:]", "_", event)).inc(n)
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
@@ -186,6 +197,9 @@ class MetricsServer:
 
     def router_failover(self, deployment: str, error: str) -> None:
         self.m.router_failover(deployment, error)
+
+    def vllm_nixl(self, module: str, increments: dict[str, float]) -> None:
+        self.m.vllm_nixl(module, increments)
 
     def queue(self, deployment: str, replica: str, n: int) -> None:
         self.m.queue.labels(deployment, replica).set(n)

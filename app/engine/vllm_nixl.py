@@ -1,0 +1,142 @@
+"""The ``vllm-nixl`` hand-over: vLLM's own NixlConnector between the base and other models.
+
+The pool (``app.engine.connector``) is the hand-over on CPU nodes. This mode hands the base's KV
+to decoders with vLLM's ``NixlConnector`` instead (device to device on GPUs, UCX over host memory
+on the CPU). What this module knows:
+
+- :func:`nixl_transfer_config`: the ``kv_transfer_config`` of a prefill engine (producer, prefix
+  caching on) or a decoder / LoRA decode group (consumer, prefix caching off,
+  ``enforce_handshake_compat`` off: the decoder has other weights than the base; the project's
+  own gate, ``app.models.compat.check``, decides who may consume which base, at build time).
+- :class:`NixlSettings`: the UCX / NIXL knobs that make the connector usable on a small CPU box
+  (docs/engine.md, "vLLM NixlConnector hand-over on the CPU", has the measurements).
+- The lease: a prefill request finishes holding its blocks for ``kv_lease_duration`` seconds
+  (renewed by the decoder's heartbeats once the decoder's scheduler has the request). A read
+  after the lease ran out is only logged by vLLM and decodes from released blocks, so the
+  orchestration (:mod:`app.engine.vllm_nixl_handover`) never sends a decoder request whose pull
+  could start after the lease: it prefills privately instead.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+__all__ = ["NIXL_CONNECTOR", "NixlSettings", "CPU_SETTINGS", "nixl_transfer_config", "decoder_transfer_config",
+           "lease_for_timeout", "side_channel_env"]
+
+NIXL_CONNECTOR = "NixlConnector"
+
+Role = Literal["producer", "consumer", "both"]
+_KV_ROLE = {"producer": "kv_producer", "consumer": "kv_consumer", "both": "kv_both"}
+
+
+@dataclass(frozen=True)
+class NixlSettings:
+    """Transport knobs, one name each from the config down to the engine.
+
+    ``progress_thread``: NIXL's progress thread, which vLLM always starts and which spins
+    (:mod:`app.engine.vllm_nixl_connector`: off, the connector's own per-step calls drive UCX).
+    ``num_threads``: NIXL's UCX worker threads (vLLM's ``kv_connector_extra_config.num_threads``,
+    4 by default in vLLM; 0 lets NIXL's UCX backend run without a thread pool).
+    ``backends``: NIXL backends (vLLM's ``backends``). ``env``: UCX variables the engine's worker
+    process inherits (``UCX_TLS``, ...).
+    """
+
+    progress_thread: bool = True
+    num_threads: int = 4
+    backends: tuple[str, ...] = ("UCX",)
+    env: dict[str, str] = field(default_factory=dict)
+
+    def extra_config(self) -> dict[str, Any]:
+        return {"progress_thread": self.progress_thread, "num_threads": self.num_threads,
+                "backends": list(self.backends)}
+
+
+# vLLM's defaults are NixlSettings(); measured on this project's 2-core CPU box (docs/engine.md):
+# the progress thread off.
+CPU_SETTINGS = NixlSettings(progress_thread=False)
+# app.engine.vllm_nixl_connector (not imported here: configs are built where vLLM is not installed)
+POLLED_CONNECTOR_MODULE = "app.engine.vllm_nixl_connector"
+
+
+def lease_for_timeout(request_timeout_s: float, margin_s: float = 5.0) -> int:
+    """The producer's ``kv_lease_duration``: at least a request timeout, so a lease never runs out
+    while the request that reads it may still be waiting; a whole number (vLLM's type)."""
+    if request_timeout_s <= 0:
+        raise ValueError("request_timeout_s must be > 0")
+    return max(6, int(request_timeout_s + margin_s + 0.999))
+
+
+def nixl_transfer_config(role: Role, *, lease_s: int, settings: NixlSettings = CPU_SETTINGS,
+                         kv_buffer_device: str = "cpu") -> dict[str, Any]:
+    """``kv_transfer_config`` (a dict for vLLM's ``KVTransferConfig``) of one engine in this mode.
+
+    ``role``: "producer" on prefill engines, "consumer" on decoders and LoRA decode groups,
+    "both" where one engine does both. ``lease_s``: how long a finished prefill keeps its blocks
+    for the decoder's pull (:func:`lease_for_timeout`). ``kv_buffer_device``: "cpu" on CPU nodes,
+    "cuda" to register the device cache on GPUs.
+    """
+    if role not in _KV_ROLE:
+        raise ValueError(f"nixl_transfer_config role: {role!r} is not one of {sorted(_KV_ROLE)}")
+    if int(lease_s) != lease_s or lease_s < 1:
+        raise ValueError("nixl_transfer_config lease_s must be a whole number of seconds >= 1")
+    extra = {
+        # The decoder's weights differ from the base's: vLLM's handshake hash covers the model path.
+        # Layers, block length per layer, KV layout and TP sizes are still checked by vLLM.
+        "enforce_handshake_compat": False,
+        "kv_lease_duration": int(lease_s),
+        **settings.extra_config(),
+    }
+    out = {
+        "kv_connector": NIXL_CONNECTOR,
+        "kv_role": _KV_ROLE[role],
+        "kv_buffer_device": kv_buffer_device,
+        "kv_connector_extra_config": extra,
+        # A failed pull recomputes the prompt (a private prefill), never a failed request.
+        "kv_load_failure_policy": "recompute",
+    }
+    if not settings.progress_thread:
+        out["kv_connector_module_path"] = POLLED_CONNECTOR_MODULE  # vLLM's connector, its agent polled
+    return out
+
+
+def decoder_transfer_config(base_dir: str, decoder_dir: str, prefill_module_id: str, *, lease_s: int,
+                            settings: NixlSettings = CPU_SETTINGS,
+                            kv_buffer_device: str = "cpu") -> tuple[dict[str, Any] | None, tuple[str, ...]]:
+    """A decoder's (or LoRA decode group's) ``kv_transfer_config`` in this mode, gated by the
+    project's own check (``app.models.compat.check``: manifests, shapes, tokenizer hash), since
+    vLLM's handshake no longer checks the model: ``(config, ())`` when it may consume the base's KV,
+    ``(None, reasons)`` when it must prefill privately (then it runs without a connector)."""
+    from app.models import compat
+
+    verdict = compat.check(base_dir, decoder_dir, prefill_module_id)
+    if not verdict.shared:
+        return None, tuple(verdict.reasons) or ("incompatible",)
+    return nixl_transfer_config("consumer", lease_s=lease_s, settings=settings,
+                                kv_buffer_device=kv_buffer_device), ()
+
+
+def side_channel_env(port: int | None = None, host: str = "127.0.0.1",
+                     settings: NixlSettings = CPU_SETTINGS) -> dict[str, str]:
+    """Env of one engine in this mode: its NIXL handshake listener (one port per engine on a host;
+    None: a free one, for a replica that starts its engine on a shared node) and the transport's UCX
+    variables. ``host``: the address decoders reach this engine at (the node's IP)."""
+    if port is None:
+        import socket
+
+        with socket.socket() as sock:
+            sock.bind((host, 0))
+            port = sock.getsockname()[1]
+    env = {"VLLM_NIXL_SIDE_CHANNEL_HOST": host, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(int(port))}
+    env.update(settings.env)
+    return env
+
+
+def is_nixl_config(kv_transfer_config: dict[str, Any] | None) -> bool:
+    return bool(kv_transfer_config) and kv_transfer_config.get("kv_connector") == NIXL_CONNECTOR
+
+
+def environ_settings() -> dict[str, str]:
+    """The UCX variables set in this process (what an engine started here inherits)."""
+    return {k: v for k, v in os.environ.items() if k.startswith("UCX_")}

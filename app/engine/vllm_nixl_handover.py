@@ -1,0 +1,187 @@
+"""Per-request logic of the ``vllm-nixl`` hand-over: leases from the base, decoders that pull them.
+
+vLLM's NixlConnector lends one prefill's blocks to ONE decoder engine: a prefill request with
+``do_remote_decode`` finishes holding its blocks for ``kv_lease_duration`` seconds and returns the
+``kv_transfer_params`` a decoder needs to read them. A fan-out to N decoders therefore takes N
+prefill requests with the same token ids and the tenant's ``cache_salt``: the first runs alone,
+the others hit the prefill engine's prefix cache and compute about one block each
+(:attr:`Lease.computed_tokens` records it).
+
+A decoder that reads after the lease ran out gets released blocks and vLLM only logs it, so
+:func:`decode` never sends a lease it cannot trust: once less than ``margin_s`` of the lease is
+left (queueing, a slow decoder, a dead replica's retry), the decoder prefills privately and the
+reason is counted. ``margin_s`` covers the time until the decoder's scheduler has the request and
+sends its first lease-renewing heartbeat (every ``kv_lease_duration // 6`` seconds in vLLM).
+
+Engines are anything with the :class:`app.engine.async_engine.Engine` ``complete`` signature
+(``EngineHost`` replicas forward to one), so this module knows nothing of Ray.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from app.engine.vllm_nixl import lease_for_timeout
+from app.handover import shared_length
+from app.sampling import Sampling
+
+__all__ = ["Lease", "HandoverCounters", "FALLBACK_REASONS", "default_margin", "prefill_leases", "decode",
+           "read_vllm_nixl_counters"]
+
+# Why a decoder request prefilled privately instead of pulling (counted per reason).
+FALLBACK_REASONS = ("no_lease", "lease_expiring", "pull_incomplete")
+
+
+def default_margin(lease_s: float) -> float:
+    """Lease time a decoder request must still have when it is sent: two of vLLM's heartbeat
+    intervals (``lease // 6``) and a second, never more than half the lease."""
+    return min(lease_s / 2, 2 * max(1, int(lease_s) // 6) + 1.0)
+
+
+@dataclass(frozen=True)
+class Lease:
+    """One prefill's blocks, lent to one decoder until ``expires_at`` (``time.time()``: a lease
+    travels from the process that prefilled to the decoder's replica, which checks it right before
+    its engine takes the request, after any queueing; across nodes the margin covers clock skew)."""
+
+    params: dict[str, Any]       # the producer's kv_transfer_params, passed to the decoder as is
+    expires_at: float
+    num_prompt_tokens: int
+    computed_tokens: int         # prompt tokens the prefill engine computed (not prefix-cache hits)
+    request_id: str
+
+    def remaining(self, now: float | None = None) -> float:
+        return self.expires_at - (time.time() if now is None else now)
+
+
+@dataclass
+class HandoverCounters:
+    """What this mode did, for /metrics: prefills, pulls, private fallbacks by reason."""
+
+    prefills: int = 0
+    prefill_computed_tokens: int = 0
+    later_prefill_computed_tokens: int = 0   # by prefills 2..N of a fan-out (prefix-cache hits otherwise)
+    pulls: int = 0
+    pulled_tokens: int = 0
+    fallbacks: Counter = field(default_factory=Counter)
+
+    def as_dict(self) -> dict[str, int]:
+        out = {"prefills": self.prefills, "prefill_computed_tokens": self.prefill_computed_tokens,
+               "later_prefill_computed_tokens": self.later_prefill_computed_tokens,
+               "pulls": self.pulls, "pulled_tokens": self.pulled_tokens}
+        out.update({f"fallback:{r}": int(self.fallbacks.get(r, 0)) for r in FALLBACK_REASONS})
+        return out
+
+
+async def _one_prefill(engine, ids: list[int], salt: str | None, lease_s: float, lora: str | None,
+                       request_id: str | None) -> Lease:
+    # The producer's lease starts when it finishes the request, after this send: counting from the
+    # send errs on the safe side.
+    sent = time.time()
+    res = await engine.prefill(ids, request_id, cache_salt=salt, kv_transfer_params={"do_remote_decode": True},
+                               lora=lora)
+    return Lease(dict(res.kv_transfer_params or {}), sent + lease_s, res.num_prompt_tokens,
+                 res.num_computed_tokens, res.request_id)
+
+
+async def prefill_leases(engine, prompt_token_ids: Sequence[int], n: int, *, lease_s: float,
+                         cache_salt: str | None = None, lora: str | None = None,
+                         counters: HandoverCounters | None = None, request_id: str | None = None) -> list[Lease]:
+    """N leases of one prompt's KV on one prefill engine: the first prefill alone, then N-1 more
+    together (they hit the prefix cache the first one filled). ``lease_s``: the engine's
+    ``kv_lease_duration``. A lease whose params lack remote blocks (the producer did not keep
+    them) is still returned: :func:`decode` then prefills privately (``no_lease``)."""
+    if n < 1:
+        raise ValueError("prefill_leases: n must be >= 1")
+    ids = [int(t) for t in prompt_token_ids]
+    rid = (lambda i: f"{request_id}-p{i}") if request_id else (lambda i: None)
+    first = await _one_prefill(engine, ids, cache_salt, lease_s, lora, rid(0))
+    rest = await asyncio.gather(*(_one_prefill(engine, ids, cache_salt, lease_s, lora, rid(i))
+                                  for i in range(1, n)))
+    leases = [first, *rest]
+    if counters is not None:
+        counters.prefills += n
+        counters.prefill_computed_tokens += sum(le.computed_tokens for le in leases)
+        counters.later_prefill_computed_tokens += sum(le.computed_tokens for le in rest)
+    return leases
+
+
+def usable(lease: Lease | None, margin_s: float, now: float | None = None) -> str | None:
+    """None if a decoder may pull ``lease`` now, else the fallback reason."""
+    if lease is None or not lease.params.get("remote_block_ids") or not lease.params.get("do_remote_prefill"):
+        return "no_lease"
+    if lease.remaining(now) < margin_s:
+        return "lease_expiring"
+    return None
+
+
+async def decode(engine, prompt_token_ids: Sequence[int], sampling: Sampling | Any, lease: Lease | None, *,
+                 margin_s: float, cache_salt: str | None = None, lora: str | None = None,
+                 counters: HandoverCounters | None = None, request_id: str | None = None):
+    """The decoder's request: a pull of ``lease`` when it is still safely inside its lease, else a
+    private prefill on the same engine (its tokens are then the private reference's). Returns the
+    engine's last output. Call it next to the engine (in the decoder's replica), so that the check
+    comes after the replica's queue."""
+    ids = [int(t) for t in prompt_token_ids]
+    reason = usable(lease, margin_s)
+    params = None if reason else dict(lease.params)
+    if params:
+        # vLLM would report the PREFILL engine's prefix-cache hits as the decoder's cached tokens;
+        # without this key the decoder reports its own (the pulled prompt, L-1 tokens).
+        params.pop("remote_prefill_cached_tokens", None)
+    out = await engine.complete(ids, sampling, request_id, cache_salt, params, lora)
+    if counters is not None:
+        if reason:
+            counters.fallbacks[reason] += 1
+        elif out.num_cached_tokens < shared_length(len(ids)):
+            # vLLM recomputed (kv_load_failure_policy "recompute"): a private prefill, counted
+            counters.fallbacks["pull_incomplete"] += 1
+        else:
+            counters.pulls += 1
+            counters.pulled_tokens += out.num_cached_tokens
+    return out
+
+
+def lease_seconds(request_timeout_s: float) -> int:
+    """The lease this mode configures for a request timeout (one rule: :func:`lease_for_timeout`)."""
+    return lease_for_timeout(request_timeout_s)
+
+
+# vLLM's NIXL counters (vllm/distributed/kv_transfer/kv_connector/v1/nixl/stats.py), as its stat
+# logger registers them in the engine's process.
+VLLM_NIXL_COUNTERS = ("num_kv_expired_reqs", "num_notifications_after_expiry", "num_failed_transfers",
+                      "num_failed_notifications", "num_failed_handshakes")
+
+
+def read_vllm_nixl_counters(registry=None) -> dict[str, float]:
+    """vLLM's NIXL counters and transfer totals in this process (its stat logger's registry), by
+    short name: ``num_kv_expired_reqs``, ``num_notifications_after_expiry``, ...,
+    ``bytes_transferred_sum``, ``xfer_time_seconds_sum``, ``xfer_time_seconds_count``."""
+    if registry is None:
+        from prometheus_client import REGISTRY as registry
+    out = dict.fromkeys(VLLM_NIXL_COUNTERS, 0.0)
+    for metric in registry.collect():
+        if not metric.name.startswith("vllm:nixl_"):
+            continue
+        for s in metric.samples:
+            if s.name.endswith(("_total", "_sum", "_count")):
+                key = s.name.removeprefix("vllm:nixl_").removesuffix("_total")
+                out[key] = out.get(key, 0.0) + float(s.value)
+    return out
+
+
+class CounterDeltas:
+    """Increments of monotone counters since the last call: what a replica sends to the app's
+    Metrics deployment (``AppMetrics.vllm_nixl``) after each scrape of its own counters."""
+
+    def __init__(self) -> None:
+        self._last: dict[str, float] = {}
+
+    def __call__(self, now: dict[str, float]) -> dict[str, float]:
+        out = {k: v - self._last.get(k, 0.0) for k, v in now.items() if v > self._last.get(k, 0.0)}
+        self._last.update(now)
+        return out

@@ -1,0 +1,310 @@
+"""The vllm-nixl hand-over: configs, lease rules (fast), and real engines over vLLM's NixlConnector.
+
+Engine tests (marked ``engine``) run the shipped base as the NIXL producer and decoders with other
+weights (two full decoders, one LoRA decode group) as consumers, each engine in its own process,
+``kv_buffer_device: cpu``. Tokens must equal ``app.reference``'s; a lease that ran out must be
+answered with the private reference's tokens and counted, on our side and by vLLM.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+
+import pytest
+
+from app.engine import vllm_nixl_handover as ho
+from app.engine.vllm_nixl import (
+    CPU_SETTINGS,
+    NixlSettings,
+    decoder_transfer_config,
+    lease_for_timeout,
+    nixl_transfer_config,
+    side_channel_env,
+)
+from app.sampling import Sampling
+
+BASE = "checkpoints/base"
+DECODERS = ("checkpoints/decoders/lookup", "checkpoints/decoders/route")
+LORA = "checkpoints/chat/adapters/lookup"
+
+
+# ---------------------------------------------------------------- configs (fast)
+
+def test_producer_and_consumer_configs():
+    p = nixl_transfer_config("producer", lease_s=40)
+    c = nixl_transfer_config("consumer", lease_s=40, settings=NixlSettings(num_threads=0))
+    assert (p["kv_connector"], p["kv_role"], p["kv_buffer_device"]) == ("NixlConnector", "kv_producer", "cpu")
+    assert c["kv_role"] == "kv_consumer"
+    for cfg in (p, c):
+        extra = cfg["kv_connector_extra_config"]
+        assert extra["enforce_handshake_compat"] is False and extra["kv_lease_duration"] == 40
+        assert cfg["kv_load_failure_policy"] == "recompute"
+    assert c["kv_connector_extra_config"]["num_threads"] == 0
+    assert "kv_connector_module_path" not in c  # vLLM's stock connector
+    polled = nixl_transfer_config("consumer", lease_s=40, settings=CPU_SETTINGS)
+    assert polled["kv_connector_module_path"] == "app.engine.vllm_nixl_connector"
+    assert polled["kv_connector_extra_config"]["progress_thread"] is False
+    assert nixl_transfer_config("both", lease_s=6)["kv_role"] == "kv_both"
+    from vllm.config import KVTransferConfig
+
+    KVTransferConfig(**p)  # vLLM accepts it as is
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    cls = KVConnectorFactory.get_connector_class(KVTransferConfig(**polled))
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl import NixlConnector
+
+    assert issubclass(cls, NixlConnector) and cls.__name__ == "NixlConnector"
+
+
+@pytest.mark.parametrize("bad", [dict(role="decoder", lease_s=30), dict(role="producer", lease_s=0),
+                                 dict(role="producer", lease_s=2.5)])
+def test_config_rejects(bad):
+    role = bad.pop("role")
+    with pytest.raises(ValueError):
+        nixl_transfer_config(role, **bad)
+
+
+def test_lease_outlives_the_request_timeout():
+    assert lease_for_timeout(60) >= 60 and isinstance(lease_for_timeout(60), int)
+    assert lease_for_timeout(0.5) == 6  # vLLM renews at lease // 6: at least one second
+    with pytest.raises(ValueError):
+        lease_for_timeout(0)
+
+
+def test_side_channel_env_carries_ucx_settings():
+    env = side_channel_env(5601, settings=NixlSettings(env={"UCX_TLS": "tcp,self"}))
+    assert env == {"VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1", "VLLM_NIXL_SIDE_CHANNEL_PORT": "5601",
+                   "UCX_TLS": "tcp,self"}
+    assert CPU_SETTINGS.extra_config()["backends"] == ["UCX"]
+    a, b = side_channel_env()["VLLM_NIXL_SIDE_CHANNEL_PORT"], side_channel_env()["VLLM_NIXL_SIDE_CHANNEL_PORT"]
+    assert int(a) > 0 and int(b) > 0
+
+
+def test_decoder_gate_is_the_projects_compat_check():
+    from app.models.identity import prefill_module_id
+
+    pid = prefill_module_id(BASE)
+    cfg, reasons = decoder_transfer_config(BASE, DECODERS[0], pid, lease_s=30)
+    assert reasons == () and cfg["kv_role"] == "kv_consumer"
+    cfg, reasons = decoder_transfer_config(BASE, DECODERS[0], "pm-someone-else", lease_s=30)
+    assert cfg is None and reasons
+
+
+# ---------------------------------------------------------------- lease rules with fake engines
+
+@dataclass
+class _Out:
+    token_ids: list
+    num_cached_tokens: int
+    num_prompt_tokens: int = 0
+
+
+@dataclass
+class _Prefill:
+    request_id: str
+    num_prompt_tokens: int
+    num_computed_tokens: int
+    kv_transfer_params: dict
+
+
+class _FakeEngines:
+    """Records calls; a prefill engine with a prefix cache, a decoder that loads what it is given."""
+
+    def __init__(self):
+        self.calls = []
+        self.seen = set()
+
+    async def prefill(self, ids, request_id=None, cache_salt=None, kv_transfer_params=None, lora=None):
+        self.calls.append(("prefill-start", time.monotonic()))
+        await asyncio.sleep(0.01)
+        key = (tuple(ids), cache_salt)
+        computed = 1 if key in self.seen else len(ids)
+        self.seen.add(key)
+        self.calls.append(("prefill-end", time.monotonic()))
+        return _Prefill(request_id or "r", len(ids), computed,
+                        {"do_remote_prefill": True, "remote_block_ids": [[1, 2]], "remote_engine_id": "p",
+                         "remote_prefill_cached_tokens": len(ids) - computed})
+
+    async def complete(self, ids, sampling, request_id=None, cache_salt=None, kv_transfer_params=None, lora=None):
+        self.calls.append(("complete", kv_transfer_params))
+        loaded = len(ids) - 1 if kv_transfer_params else 0
+        return _Out([7], loaded, len(ids))
+
+
+def test_first_prefill_runs_before_the_others_which_hit_the_prefix_cache():
+    eng, counters = _FakeEngines(), ho.HandoverCounters()
+    leases = asyncio.run(ho.prefill_leases(eng, list(range(100)), 3, lease_s=30, cache_salt="t", counters=counters))
+    starts = [t for k, t in eng.calls if k == "prefill-start"]
+    first_end = next(t for k, t in eng.calls if k == "prefill-end")
+    assert len(leases) == 3 and all(s >= first_end for s in starts[1:])
+    assert [le.computed_tokens for le in leases] == [100, 1, 1]
+    assert counters.later_prefill_computed_tokens == 2 and counters.prefills == 3
+
+
+def test_decode_pulls_inside_the_lease_and_reports_its_own_cached_tokens():
+    eng, counters = _FakeEngines(), ho.HandoverCounters()
+    ids = list(range(50))
+    (lease,) = asyncio.run(ho.prefill_leases(eng, ids, 1, lease_s=30))
+    out = asyncio.run(ho.decode(eng, ids, Sampling(max_tokens=1), lease, margin_s=5, counters=counters))
+    sent = eng.calls[-1][1]
+    assert sent["do_remote_prefill"] and "remote_prefill_cached_tokens" not in sent
+    assert "remote_prefill_cached_tokens" in lease.params  # the lease itself is left as the producer sent it
+    assert out.num_cached_tokens == 49 and counters.pulls == 1 and counters.pulled_tokens == 49
+
+
+def test_decode_prefills_privately_when_the_lease_may_run_out():
+    eng, counters = _FakeEngines(), ho.HandoverCounters()
+    ids = list(range(50))
+    lease = ho.Lease({"do_remote_prefill": True, "remote_block_ids": [[1]]}, time.time() + 3, 50, 50, "r")
+    asyncio.run(ho.decode(eng, ids, Sampling(max_tokens=1), lease, margin_s=5, counters=counters))
+    assert eng.calls[-1] == ("complete", None)
+    asyncio.run(ho.decode(eng, ids, Sampling(max_tokens=1), None, margin_s=5, counters=counters))
+    lease = ho.Lease({"do_remote_prefill": True}, time.time() + 60, 50, 50, "r")  # no blocks kept
+    asyncio.run(ho.decode(eng, ids, Sampling(max_tokens=1), lease, margin_s=5, counters=counters))
+    assert counters.as_dict()["fallback:lease_expiring"] == 1
+    assert counters.as_dict()["fallback:no_lease"] == 2 and counters.pulls == 0
+
+
+def test_margin_covers_vllms_heartbeat_interval():
+    assert ho.default_margin(185) == 2 * (185 // 6) + 1
+    assert ho.default_margin(6) == 3.0  # never more than half the lease
+
+
+# ---------------------------------------------------------------- real engines
+
+
+def _start(specs: dict):
+    from app.bench.nixl_probe import start_engines
+
+    return start_engines(specs)
+
+
+def _prompts(n: int, lengths=(90, 257, 410)):
+    import random
+
+    rng = random.Random(7)
+    return [[rng.randrange(3, 640) for _ in range(L)] for L in lengths[:n]]
+
+
+@pytest.mark.engine
+def test_nixl_decoders_with_other_weights_and_a_lora_group_give_reference_tokens():
+    from app.engine.async_engine import EngineConfig
+    from app.models.checkpoint import load_decoder, load_model
+    from app.reference import shared_greedy
+
+    lease = lease_for_timeout(120)
+    common = dict(dtype="float32", kv_space_gib=0.25, max_model_len=1024, block_size=32, request_timeout_s=120)
+    specs = {"producer": (EngineConfig(model=BASE, omp_threads_bind="0", enable_prefix_caching=True,
+                                       kv_transfer_config=nixl_transfer_config("producer", lease_s=lease), **common),
+                          side_channel_env())}
+    for i, d in enumerate(DECODERS):
+        specs[f"dec{i}"] = (EngineConfig(model=d, omp_threads_bind="1", enable_prefix_caching=False,
+                                         kv_transfer_config=nixl_transfer_config("consumer", lease_s=lease),
+                                         **common), side_channel_env())
+    specs["lora"] = (EngineConfig(model=BASE, omp_threads_bind="1", enable_prefix_caching=False,
+                                  lora_adapters=(("lookup", LORA),), max_lora_rank=8,
+                                  kv_transfer_config=nixl_transfer_config("consumer", lease_s=lease), **common),
+                     side_channel_env())
+    engines = _start(specs)
+    try:
+        prompts = _prompts(3)
+        counters = ho.HandoverCounters()
+        consumers = [("dec0", None), ("dec1", None), ("lora", "lookup")]
+
+        async def fan_out(ids, salt):
+            leases = await ho.prefill_leases(engines["producer"], ids, len(consumers), lease_s=lease,
+                                             cache_salt=salt, counters=counters)
+            outs = await asyncio.gather(*(
+                ho.decode(engines[name], ids, Sampling(max_tokens=12), le, margin_s=ho.default_margin(lease),
+                          lora=lora, counters=counters) for (name, lora), le in zip(consumers, leases)))
+            return leases, outs
+
+        results = [asyncio.run(fan_out(ids, f"tenant-{i}")) for i, ids in enumerate(prompts)]
+    finally:
+        for e in engines.values():
+            e.stop()
+    base = load_model(BASE)
+    models = [load_decoder(DECODERS[0], BASE), load_decoder(DECODERS[1], BASE), load_decoder(LORA, BASE)]
+    eos = base.config.eos_token_id
+    for ids, (leases, outs) in zip(prompts, results):
+        # prefills 2..N hit the prefix cache the first one filled: at most one block computed
+        assert leases[0].computed_tokens == len(ids)
+        assert all(le.computed_tokens <= 32 for le in leases[1:])
+        for model, out in zip(models, outs):
+            # the pulled prompt: vLLM counts all L tokens as cached and recomputes the last one itself
+            assert out.num_cached_tokens >= len(ids) - 1
+            assert out.token_ids == shared_greedy(base, model, ids, 12, eos_token_id=eos)
+    assert counters.pulls == 9 and sum(counters.fallbacks.values()) == 0
+
+
+@pytest.mark.engine
+def test_nixl_lease_that_ran_out_is_answered_privately_and_counted():
+    from app.engine.async_engine import EngineConfig
+    from app.models.checkpoint import load_decoder
+    from app.reference import private_greedy
+
+    lease = 6  # the smallest lease vLLM renews (every lease // 6 = 1 s)
+    common = dict(dtype="float32", kv_space_gib=0.25, max_model_len=1024, block_size=32, request_timeout_s=60)
+    engines = _start({
+        "producer": (EngineConfig(model=BASE, omp_threads_bind="0", enable_prefix_caching=True,
+                                  kv_transfer_config=nixl_transfer_config("producer", lease_s=lease), **common),
+                     side_channel_env()),
+        "dec": (EngineConfig(model=DECODERS[0], omp_threads_bind="1", enable_prefix_caching=False,
+                             kv_transfer_config=nixl_transfer_config("consumer", lease_s=lease), **common),
+                side_channel_env()),
+    })
+    (ids,) = _prompts(1, (300,))
+    counters = ho.HandoverCounters()
+    try:
+        async def late():
+            (le,) = await ho.prefill_leases(engines["producer"], ids, 1, lease_s=lease, counters=counters)
+            await asyncio.sleep(lease + 2)  # a decoder queue longer than the lease
+            out = await ho.decode(engines["dec"], ids, Sampling(max_tokens=12), le,
+                                  margin_s=ho.default_margin(lease), counters=counters)
+            expired = 0.0
+            for _ in range(20):  # stats reach the producer's stat logger with its next outputs
+                await engines["producer"].complete(ids[:8], Sampling(max_tokens=1))
+                expired = (await engines["producer"].metrics())["num_kv_expired_reqs"]
+                if expired:
+                    break
+                await asyncio.sleep(0.5)
+            return out, expired
+
+        out, expired = asyncio.run(late())
+    finally:
+        for e in engines.values():
+            e.stop()
+    dec = load_decoder(DECODERS[0], BASE)
+    assert out.num_cached_tokens == 0
+    assert out.token_ids == private_greedy(dec, ids, 12, eos_token_id=dec.config.eos_token_id)
+    assert counters.as_dict()["fallback:lease_expiring"] == 1 and counters.pulls == 0
+    assert expired >= 1  # vLLM counted the lease it reclaimed
+
+
+def test_handover_mode_is_one_config_field():
+    from app.config import AppConfig
+
+    cfg = {"decoders": [{"name": "lookup", "model": DECODERS[0]}], "prefill_modules": []}
+    assert AppConfig.model_validate(cfg).handover == "pool"
+    assert AppConfig.model_validate({**cfg, "handover": "vllm-nixl"}).handover == "vllm-nixl"
+    with pytest.raises(ValueError):
+        AppConfig.model_validate({**cfg, "handover": "nixl"})
+
+
+def test_expiry_counters_reach_the_apps_metrics():
+    pytest.importorskip("ray")
+    from prometheus_client import CollectorRegistry, Counter
+
+    from deployments.metrics import AppMetrics
+
+    engine_registry = CollectorRegistry()  # what vLLM's stat logger registers in an engine's process
+    expired = Counter("vllm:nixl_num_kv_expired_reqs", "expired", registry=engine_registry)
+    deltas, app = ho.CounterDeltas(), AppMetrics()
+    expired.inc(2)
+    app.vllm_nixl("base", deltas(ho.read_vllm_nixl_counters(engine_registry)))
+    expired.inc(1)
+    app.vllm_nixl("base", deltas(ho.read_vllm_nixl_counters(engine_registry)))
+    app.vllm_nixl("base", deltas(ho.read_vllm_nixl_counters(engine_registry)))  # nothing new
+    text = app.render().decode()
+    assert 'prefillshare_vllm_nixl_events_total{event="num_kv_expired_reqs",module="base"} 3.0' in text
