@@ -29,6 +29,7 @@ COMMANDS: list[Command] = [
     Command("k8s", "app.kube.commands:configure", "render / validate the KubeRay RayService manifests, print a token Secret"),
     Command("capacity", "app.scaling:configure", "size prefill vs decode replicas, KV bandwidth and the bottleneck for a fan-out workload"),
     Command("soak", "app.bench.soak:configure", "mixed fan-out/completion traffic for a fixed time: errors by code, p50/p95 per window, p95 drift"),
+    Command("overload", "app.bench.overload:configure", "open-loop traffic at 2x the saturation rate with faults (kill -9, stalls): nothing lost, recovery, drift, leaks"),
 ]
 
 

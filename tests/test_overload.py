@@ -1,0 +1,145 @@
+"""`prefillshare overload`: the classification and the report's arithmetic (no app), and a short
+run against a real app at twice its saturation with a decoder replica killed (-9) under it."""
+from __future__ import annotations
+
+import os
+import shutil
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from app.bench.faults import FaultError, FaultSpec, replica_pids
+from app.bench.overload import Mix, OverloadSpec, classify_events, classify_response
+from app.bench.overload_report import render, summarize
+
+
+def test_fault_specs_parse_and_bad_ones_are_named():
+    assert FaultSpec.parse("120:kill:Decode-lookup") == FaultSpec(120, "kill", "Decode-lookup")
+    assert FaultSpec.parse("30:stall:Prefill-base:5").hold_s == 5
+    for bad, match in (("x:kill:D", "expected"), ("1:boom:D", "kind"), ("1:stall:D", "SECONDS"), ("-1:kill:D", ">= 0")):
+        with pytest.raises(FaultError, match=match):
+            FaultSpec.parse(bad)
+    with pytest.raises(ValueError, match="after the run's end"):
+        OverloadSpec(url="http://x", duration_s=60, faults=(FaultSpec(60, "kill", "D"),))
+    with pytest.raises(ValueError, match="bad_share"):
+        Mix(bad_share=2)
+
+
+def test_no_replica_of_an_unknown_deployment():
+    assert replica_pids("no-such-app", "Decode-x") == []
+
+
+def test_answers_are_classified_typed_or_lost():
+    body = b'{"error": {"message": "m", "type": "rate_limit_error", "param": null, "code": "overloaded"}}'
+    assert classify_response("completion", 429, {"retry-after": "1"}, body, 1) == "shed"
+    assert classify_response("completion", 429, {}, body, 1) == "lost 429 without Retry-After"
+    assert classify_response("completion", 503, {}, body.replace(b"overloaded", b"unavailable"), 1) == "error unavailable"
+    assert classify_response("completion", 500, {}, b"Internal Server Error", 1).startswith("lost")
+    assert classify_response("completion", 200, {}, b'{"choices": [{"text": "x"}]}', 1) == "ok"
+    run = b'{"results": [{"agent": "a", "text": "x"}, {"agent": "b", "error": "decoder_unavailable: gone"}]}'
+    assert classify_response("fanout", 200, {}, run, 2) == "error decoder_unavailable"
+    assert classify_response("fanout", 200, {}, b'{"results": [{"agent": "a", "text": "x"}]}', 2) == "lost agent missing"
+    assert classify_response("bad", 400, {}, body, 0) == "bad_input_ok"
+    assert classify_response("bad", 200, {}, b"{}", 0) == "bad_input_wrong 200"
+    assert classify_events("completion", [{"choices": []}], done=True) == "ok"
+    assert classify_events("completion", [{"choices": []}], done=False).startswith("lost")
+    assert classify_events("completion", [{"error": {"code": "engine_error"}}], done=True) == "error engine_error"
+
+
+def _raw(samples, faults=(), memory=(), duration=120.0, before=None, after=None):
+    return {"spec": {"duration_s": duration, "window_s": 10.0}, "samples": samples, "faults": list(faults),
+            "memory": list(memory), "server_before": before, "server_after": after,
+            "saturation_per_s": 1.0, "rate_per_s": 2.0}
+
+
+def _s(sent, lat, outcome="ok"):
+    return {"kind": "completion", "stream": False, "sent_s": sent, "latency_s": lat, "outcome": outcome}
+
+
+def test_report_measures_recovery_drift_leaks_and_accounting():
+    fast = [_s(t, 1.0) for t in range(0, 50)]
+    slow = [_s(t + 0.5, 5.0) for t in range(50, 70)]  # the fault at 50 s slows answers for 20 s
+    back = [_s(t, 1.1) for t in range(70, 120)]
+    mem = [{"t_s": t, "replica_rss_bytes": 100, "engine_rss_bytes": 200, "dev_shm_used_bytes": 50,
+            "pinned_blocks": 0} for t in range(0, 120, 2)]
+    fault = {"at_s": 50.0, "label": "kill Decode-x"}
+    before = {"admitted": 0, "rejected": 0, "outcomes": {}}
+    after = {"admitted": 120, "rejected": 3, "inflight": 0, "outcomes": {"completion": {"completed": 120,
+                                                                                         "failed": 0, "cancelled": 0}}}
+    rep = summarize(_raw(fast + slow + back, [fault], mem, before=before, after=after))
+    f = rep["faults"][0]
+    assert f["p95_before_s"] == 1.0 and 15 <= f["recovery_s"] <= 25
+    assert rep["promises"] == {"nothing_lost": True, "shed_with_retry_after": True, "bad_input_refused": True,
+                               "recovered": True, "no_drift": True, "no_leaks": True, "server_accounted": True}
+    assert "kill Decode-x" in render(rep)
+
+    lost = summarize(_raw(fast + [_s(60, 0.1, "lost RemoteProtocolError")], [fault], mem))
+    assert not lost["promises"]["nothing_lost"] and not lost["promises"]["server_accounted"]
+    assert lost["faults"][0]["recovery_s"] is None and not lost["promises"]["recovered"]
+    grow = [dict(m, engine_rss_bytes=200 + 10 * m["t_s"]) for m in mem]
+    assert not summarize(_raw(fast + back, [], grow))["promises"]["no_leaks"]
+
+
+# --- a short run against a real app ----------------------------------------------------------
+@pytest.mark.serve
+@pytest.mark.engine
+def test_overload_with_a_decoder_killed_loses_nothing(tmp_path):
+    import ray
+    from random_models import free_port, make_models
+    from ray import serve
+
+    from app.bench import overload
+    from app.config import load_config
+    from app.serve_app import build
+
+    paths = make_models(tmp_path / "models", {"alpha": (1, {}), "beta": (2, {})})
+    engine = {"dtype": "float32", "max_model_len": 256, "kv_cache_gib": 0.125, "block_size": 32,
+              "max_num_seqs": 8, "threads_bind": "nobind"}
+    dec = lambda n: {"name": n, "model": str(paths[n]), "engine": engine,  # noqa: E731
+                     "placement": {"num_cpus": 0.25, "placement_group_bundles": [{"CPU": 0.25}]}}
+    pool_dir = f"/dev/shm/ps-overload-{os.getpid()}"
+    cfg = load_config({"tokenizer": str(paths["tokenizer"]), "pool": {"path": pool_dir, "capacity_gib": 0.125},
+                       "limits": {"max_tokens_default": 8, "max_inflight_requests": 8, "retry_after_s": 1},
+                       "engine_env": {"VLLM_HOST_IP": "127.0.0.1"},
+                       "prefill_modules": [{"name": "base", "model": str(paths["base"]), "engine": engine,
+                                            "placement": {"num_cpus": 0.5}}],
+                       "decoders": [dec("alpha"), dec("beta")]})
+    tmp = f"/tmp/ro{os.getpid()}"
+    ray.init(num_cpus=4, include_dashboard=False, _temp_dir=tmp)
+    try:
+        port = free_port()
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        serve.run(build(cfg), name="ps", route_prefix="/")
+        url = f"http://127.0.0.1:{port}"
+        for _ in range(120):
+            try:
+                if urllib.request.urlopen(url + "/ready", timeout=30).status == 200:
+                    break
+            except OSError:
+                pass
+            time.sleep(2)
+        spec = OverloadSpec(url=url, app="ps", duration_s=60, search_start=1.0, search_step_s=10, search_max_steps=3,
+                            drain_s=30, timeout_s=120, faults=(FaultSpec(20, "kill", "Decode-beta"),),
+                            mix=Mix(max_tokens=8, bad_share=0.1, disconnect_share=0.2))
+        raw = overload.run(spec, log=print)
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+        shutil.rmtree(pool_dir, ignore_errors=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+    from app.bench.overload_report import write
+
+    report = summarize(raw)
+    print(write(raw, report, tmp_path / "out"))
+    assert Path(tmp_path / "out" / "overload.png").stat().st_size > 0
+    fired = raw["faults"][0]
+    assert fired["pid"] is not None and fired["error"] is None, fired  # the replica was found and killed
+    assert raw["saturation_per_s"] > 0 and raw["rate_per_s"] == pytest.approx(2 * raw["saturation_per_s"])
+    lost = {k: v for k, v in report["outcomes"].items() if k.startswith("lost")}
+    assert not lost, report["outcomes"]
+    p = report["promises"]
+    assert p["shed_with_retry_after"] and p["bad_input_refused"], report["outcomes"]
+    assert p["server_accounted"], report["server"]
+    assert report["outcomes"].get("ok", 0) > 0 and report["outcomes"].get("bad_input_ok", 0) > 0
