@@ -31,7 +31,7 @@ FAST = ["--steps", "2", "--batch-size", "4", "--no-progress"]
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def make_base(out: Path, dtype: torch.dtype, seed: int = 0, init: float = 0.02) -> Path:
+def make_base(out: Path, dtype: torch.dtype, seed: int = 0, init: float = 0.02, positions: int = 2048) -> Path:
     """A small random Llama unlike the shipped one: 2 KV heads of dim 32, untied embeddings, linear
     RoPE scaling with another theta, 2048 positions, a generation config, a chat template."""
     from transformers import AutoTokenizer, GenerationConfig, LlamaConfig, LlamaForCausalLM
@@ -41,7 +41,7 @@ def make_base(out: Path, dtype: torch.dtype, seed: int = 0, init: float = 0.02) 
     tok_dir = out.with_name(out.name + "-tok")
     tok.save_pretrained(str(tok_dir))
     cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=2048,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=positions,
                       tie_word_embeddings=False, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
                       pad_token_id=tok.pad_token_id, initializer_range=init,
                       rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 50000.0})
@@ -103,6 +103,22 @@ def test_layer_split_baseline_stores_its_layers_in_the_base_dtype(tmp_path):
                 "--shared-layers", "1", "--out", str(out), *FAST]) == 0
     assert _weight_dtypes(out) == {torch.float16}
     assert config_hash_material(out) == config_hash_material(base)
+
+
+def test_examples_are_cut_to_the_bases_positions_by_default(tmp_path, capsys):
+    base = make_base(tmp_path / "base", torch.float32, positions=32)
+    data = _chat_data(tmp_path / "chat.jsonl")
+    from app.training.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(base)
+    users = [json.loads(line)["messages"][0]["content"] for line in data.read_text().splitlines()]
+    assert max(len(tok(u)["input_ids"]) for u in users) > 32  # some examples are longer than the base's positions
+    out = tmp_path / "dec"
+    assert cli(["train", "--base", str(base), "--data", str(data), "--agent", "desk", "--out", str(out), *FAST]) == 0
+    assert read_manifest(out).training["max_length"] == 32
+    assert cli(["train", "--base", str(base), "--data", str(data), "--agent", "desk", "--max-length", "64",
+                "--out", str(tmp_path / "long"), *FAST]) == 2
+    assert "--max-length 64 exceeds the base's max_position_embeddings 32" in capsys.readouterr().err
 
 
 def test_stored_dtype_reads_the_weights_when_config_names_none(tmp_path):
