@@ -62,7 +62,7 @@ class ServeBenchConfig:
     shape: ModelShape = ModelShape()
     topology: Topology = Topology()
     max_engines: int = 8
-    slo_s: float | None = None             # default: slo_factor x the baseline's (b, else c-lora) lowest-load p95
+    slo_s: float | None = None             # default: slo_factor x the baseline's (b, c-lora, v-lora) lowest-load p95
     slo_factor: float = 2.0
     out: str = "runs/bench/serve"
     model_dir: str = "runs/bench/serve-models"
@@ -466,7 +466,8 @@ def _document(cfg: ServeBenchConfig, mset, topo: Topology, deploy_s: dict, skipp
     comps = []
     for spec in cfg.specs(n_max):
         pts = [p for p in points if p.label == spec.label]
-        ref = [p for p in pts if p.system == "b"] or [p for p in pts if p.system == "c-lora"] or pts
+        ref = next(([p for p in pts if p.system == s] for s in ("b", "c-lora", "v-lora") if any(
+            p.system == s for p in pts)), pts)
         slo = cfg.slo_s
         if slo is None and ref:
             lowest = min(ref, key=lambda p: p.load)
@@ -659,7 +660,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     a("--colocated-replicas", type=int, help="c-lora: replicas of the multi-LoRA engine (default 2: one per core)")
     a("--max-engines", type=int, help="skip (and report) systems needing more engines (default 8)")
     a("--slo", type=float, dest="slo_s", help="p95 fan-out latency SLO in s (default: --slo-factor x the "
-      "baseline's p95 at the lowest load; the baseline is b, or c-lora when b did not run)")
+      "baseline's p95 at the lowest load; the baseline is b, else c-lora, else v-lora)")
     a("--slo-factor", type=float, help="default SLO as a multiple of the baseline's lowest-load p95 (default 2)")
     a("--out", help="output directory (default runs/bench/serve; with --report, beside the JSON)")
     a("--report", metavar="RESULTS_JSON", nargs="+", help="measure nothing: make the tables and plots of saved runs "
