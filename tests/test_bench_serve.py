@@ -265,6 +265,32 @@ def test_vllm_client_results_regroup_into_sessions():
     assert (p.ok, p.sent, p.errors) == (1, 2, ["HTTP 500"]) and p.output_tok_per_s == pytest.approx(8 / 11)
 
 
+def test_a_run_with_the_stock_servers_renders_tables_plots_and_their_comparisons(tmp_path):
+    from dataclasses import replace
+
+    from app.bench.report import compare_all
+    from app.bench.serve_bench import render_markdown, write_outputs
+
+    spec = WorkloadSpec(64, 2, 4, 1)
+    r = SessionResult(0, sent=0.0, scheduled=0.0, done=1.0, rounds_s=[1.0])
+    r.agents = [AgentTiming(0, f"agent{k}", 0.0, ttft_s=0.1, e2e_s=1.0, prompt_tokens=80, completion_tokens=4)
+                for k in range(2)]
+    pts = [replace(summarize(s, spec, "concurrency", 1.0, [r] * k, 0.0, 10.0, {}, {}, 0.0, 0.0, 10, 2.0 * k), loadavg=1.0)
+           for s, k in (("a-lora", 6), ("v-lora", 2), ("v-one", 8))]
+    comps = compare_all(pts, {}, None)
+    assert [(c.system, c.baseline, c.throughput_ratio) for c in comps] == [
+        ("a-lora", "v-lora", pytest.approx(3.0)), ("a-lora", "v-one", pytest.approx(0.75))]
+    doc = {"config": {"repeats": 1, "driver": "vllm"}, "machine": {"cpus": 2, "memory_gib": 24, "loadavg_at_end": [1.0],
+           "time_utc": "x"}, "models": {"description": "m"}, "skipped": [],
+           "topology": {"kv_cache_gib": 0.1, "block_size": 32, "threads_bind": "nobind", "max_model_len": 256,
+                        "prefill_replicas": 1, "lora_rank": 8, "colocated_replicas": 1}}
+    write_outputs(doc, pts, comps, {}, str(tmp_path), log=lambda *_: None)
+    md = (tmp_path / "results.md").read_text()
+    assert md == render_markdown(doc, pts, comps, {}) and "| v-one vllm-one-model | 2 | 64 | 1 |" in md
+    assert "| N=2 L=64 R=1 | a-lora vs v-one |" in md and "vLLM's benchmark client" in md
+    assert all((tmp_path / f).stat().st_size > 0 for f in ("p95_vs_load.png", "throughput_vs_n.png"))
+
+
 def test_stock_vllm_servers_parse_with_vllms_own_parser(tmp_path):
     from vllm.entrypoints.launchers.cli_args import make_arg_parser
     from vllm.utils.argparse_utils import FlexibleArgumentParser
