@@ -152,6 +152,7 @@ def test_report_remakes_tables_and_plots_of_a_saved_run(tmp_path):
 def test_every_system_is_a_valid_app_config(tmp_path):
     """The six systems' configs load and plan (adapters checked, per-adapter KV where it belongs); no engine starts."""
     from app.bench.models import SMALL, random_models
+    from app.bench.stock_vllm import STOCK_SYSTEMS
     from app.bench.systems import SYSTEMS, Topology, app_config
     from app.config import load_config
     from app.plan import plan_app
@@ -160,7 +161,7 @@ def test_every_system_is_a_valid_app_config(tmp_path):
     mset = random_models(tmp_path / "m", 2, SMALL, TOKENIZER, "float32", lora_rank=8)
     topo = Topology(kv_cache_gib=0.125, prefill_replicas=1, lora_rank=8, colocated_replicas=1)
     plans = {}
-    for system in SYSTEMS:
+    for system in (s for s in SYSTEMS if s not in STOCK_SYSTEMS):  # the stock vLLM servers are no app
         cfg = load_config(app_config(system, mset, 2, topo, TOKENIZER, "/dev/shm/unused"))
         plans[system] = plan_app(cfg)
         assert [d.name for d in plans[system].decoders] == ["agent0", "agent1"]
@@ -214,3 +215,133 @@ def test_short_run_of_the_lora_systems_is_well_formed(tmp_path):
     assert all(c["decode_s"] > 0 for c in doc["phase_costs"]["128"].values()), doc["phase_costs"]
     md = (out / "results.md").read_text()
     assert "| a-lora prefillshare-lora | 2 | 128 | 2 |" in md and "bound" in md
+
+
+# --- vLLM's benchmark client as the driver; stock vLLM servers as systems ---
+def test_vllm_client_sends_n_requests_per_shared_prefix_round_robin_without_ignore_eos():
+    """The arguments parse with vLLM's own parser; the dataset it samples from them keeps file order:
+    requests k*N..k*N+N-1 share prefix k (L tokens), each with its own suffix, one per decoder."""
+    from vllm.benchmarks.datasets.datasets import get_samples
+    from vllm.benchmarks.serve import add_cli_args
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    from app.bench.vllm_client import SUFFIX_TOKENS, client_argv
+    from app.training.tokenizer import load_tokenizer
+
+    parser = FlexibleArgumentParser()
+    add_cli_args(parser)
+    spec = WorkloadSpec(64, 3, 4, 1)
+    args = parser.parse_args(client_argv("http://x", spec, "concurrency", 2, 4, TOKENIZER, ["agent0", "agent1", "agent2"], 7))
+    assert (args.dataset_name, args.disable_shuffle, args.lora_assignment) == ("prefix_repetition", True, "round-robin")
+    assert args.lora_modules == ["agent0", "agent1", "agent2"] and args.num_prompts == 12 and args.max_concurrency == 6
+    assert not args.ignore_eos  # the app refuses ignore_eos; prefix_repetition does not turn it on by itself
+    tok = load_tokenizer(TOKENIZER)
+    reqs = get_samples(args, tok)
+    ids = [tok(r.prompt, add_special_tokens=False)["input_ids"] for r in reqs]
+    assert len(reqs) == 12 and all(r.expected_output_len == 4 for r in reqs)
+    # random token ids re-encode to about as many tokens
+    assert all(abs(r.prompt_len - (64 + SUFFIX_TOKENS)) <= 4 for r in reqs), [r.prompt_len for r in reqs]
+    for k in range(4):
+        group = [r.prompt for r in reqs[3 * k: 3 * k + 3]]
+        assert len(set(group)) == 3  # every agent's own suffix
+        head = [i[:48] for i in ids[3 * k: 3 * k + 3]]  # the shared prefix, allowing for re-encoding at its end
+        assert head[0] == head[1] == head[2]
+    assert ids[0][:48] != ids[3][:48]  # the next session is a fresh context
+    rate = parser.parse_args(client_argv("http://x", spec, "rate", 0.5, 4, TOKENIZER, ["agent0", "agent1", "agent2"], 7))
+    assert rate.request_rate == 1.5 and rate.max_concurrency is None  # 0.5 sessions/s of 3 requests
+
+
+def test_vllm_client_results_regroup_into_sessions():
+    from app.bench.report import summarize
+    from app.bench.vllm_client import sessions_of
+
+    result = {"start_times": [10.0, 10.1, 20.0, 20.0], "ttfts": [0.5, 0.4, 0.3, 0.0], "latencies": [2.0, 3.0, 1.0, 0.0],
+              "output_lens": [4, 4, 4, 0], "input_lens": [80, 80, 80, 80], "errors": ["", "", "", "HTTP 500"],
+              "duration": 11.0}
+    sessions, t0, t_end = sessions_of(result, 2, ["agent0", "agent1"])
+    assert [s.ok for s in sessions] == [True, False]
+    assert sessions[0].rounds_s == [pytest.approx(3.1)] and [a.agent for a in sessions[0].agents] == ["agent0", "agent1"]
+    assert sessions[1].agents[1].error == "HTTP 500" and (t0, t_end) == (10.0, pytest.approx(21.0))
+    p = summarize("a-lora", WorkloadSpec(64, 2, 4, 1), "concurrency", 1.0, sessions, t0, t_end, {}, {}, 0.0, 0.0, 10, 4.0)
+    assert (p.ok, p.sent, p.errors) == (1, 2, ["HTTP 500"]) and p.output_tok_per_s == pytest.approx(8 / 11)
+
+
+def test_a_run_with_the_stock_servers_renders_tables_plots_and_their_comparisons(tmp_path):
+    from dataclasses import replace
+
+    from app.bench.report import compare_all
+    from app.bench.serve_bench import render_markdown, write_outputs
+
+    spec = WorkloadSpec(64, 2, 4, 1)
+    r = SessionResult(0, sent=0.0, scheduled=0.0, done=1.0, rounds_s=[1.0])
+    r.agents = [AgentTiming(0, f"agent{k}", 0.0, ttft_s=0.1, e2e_s=1.0, prompt_tokens=80, completion_tokens=4)
+                for k in range(2)]
+    pts = [replace(summarize(s, spec, "concurrency", 1.0, [r] * k, 0.0, 10.0, {}, {}, 0.0, 0.0, 10, 2.0 * k), loadavg=1.0)
+           for s, k in (("a-lora", 6), ("v-lora", 2), ("v-one", 8))]
+    comps = compare_all(pts, {}, None)
+    assert [(c.system, c.baseline, c.throughput_ratio) for c in comps] == [
+        ("a-lora", "v-lora", pytest.approx(3.0)), ("a-lora", "v-one", pytest.approx(0.75))]
+    doc = {"config": {"repeats": 1, "driver": "vllm"}, "machine": {"cpus": 2, "memory_gib": 24, "loadavg_at_end": [1.0],
+           "time_utc": "x"}, "models": {"description": "m"}, "skipped": [],
+           "topology": {"kv_cache_gib": 0.1, "block_size": 32, "threads_bind": "nobind", "max_model_len": 256,
+                        "prefill_replicas": 1, "lora_rank": 8, "colocated_replicas": 1}}
+    write_outputs(doc, pts, comps, {}, str(tmp_path), log=lambda *_: None)
+    md = (tmp_path / "results.md").read_text()
+    assert md == render_markdown(doc, pts, comps, {}) and "| v-one vllm-one-model | 2 | 64 | 1 |" in md
+    assert "| N=2 L=64 R=1 | a-lora vs v-one |" in md and "vLLM's benchmark client" in md
+    assert all((tmp_path / f).stat().st_size > 0 for f in ("p95_vs_load.png", "throughput_vs_n.png"))
+
+
+def test_stock_vllm_servers_parse_with_vllms_own_parser(tmp_path):
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    from app.bench.serve_bench import ServeBenchConfig
+    from app.bench.stock_vllm import as_prefillshare_counters, server_argv
+    from app.bench.systems import Topology
+
+    topo = Topology(kv_cache_gib=0.125, lora_rank=8, max_model_len=512, dtype="float32")
+    parser = make_arg_parser(FlexibleArgumentParser())
+    lora = parser.parse_args(server_argv("v-lora", "/m/base", ("/m/a0", "/m/a1"), 2, topo, TOKENIZER, 1234)[3:])
+    assert lora.enable_lora and lora.max_loras == 2 and lora.enable_prefix_caching and lora.port == 1234
+    assert [(m.name, m.path) for m in lora.lora_modules] == [("agent0", "/m/a0"), ("agent1", "/m/a1")]
+    assert lora.kv_cache_memory_bytes == 2 * (1 << 30) // 8  # the app's LoRA group engine: N x the KV space
+    one = parser.parse_args(server_argv("v-one", "/m/base", (), 2, topo, TOKENIZER, 1234)[3:])
+    assert one.served_model_name == ["agent0", "agent1"] and not one.enable_lora
+    text = 'vllm:prefix_cache_queries_total{engine="0"} 300\nvllm:prefix_cache_hits_total{engine="0"} 100\n'
+    m = as_prefillshare_counters(parse_metrics(text))
+    assert m[("prefillshare_prefill_tokens_computed_total", ())] == 200
+    with pytest.raises(ValueError, match="--driver vllm"):
+        ServeBenchConfig(systems=("a-lora", "v-lora"))
+    with pytest.raises(ValueError, match="one round"):
+        ServeBenchConfig(systems=("a-lora",), driver="vllm", rounds=(2,))
+
+
+@pytest.mark.serve
+@pytest.mark.engine
+def test_short_run_driven_by_vllms_client_against_the_app_and_a_stock_server(tmp_path):
+    """a-lora (the app) and v-lora (stock vLLM, multi-LoRA with prefix caching), both driven by
+    vLLM's client: every request answered, the ratio made of the measured throughputs."""
+    from app.bench.models import SMALL
+    from app.bench.serve_bench import ServeBenchConfig, run
+    from app.bench.systems import Topology
+
+    systems = ("a-lora", "v-lora")
+    cfg = ServeBenchConfig(
+        systems=systems, driver="vllm", fanouts=(2,), lengths=(128,), rounds=(1,), output_tokens=4, rates=(),
+        concurrency=(1,), max_sessions=3, warmup=1, shape=SMALL,
+        topology=Topology(kv_cache_gib=0.125, prefill_replicas=1, lora_rank=8, colocated_replicas=1),
+        out=str(tmp_path / "out"), model_dir=str(tmp_path / "models"), seed=random.Random().randint(0, 999))
+    doc = run(cfg)
+    pts = {p["system"]: p for p in doc["points"]}
+    assert set(pts) == set(systems)
+    for s, p in pts.items():
+        assert p["ok"] == p["sent"] == 3, (s, p["errors"])
+        assert p["output_tok_per_s"] * p["wall_s"] == pytest.approx(3 * 2 * 4)  # O tokens each, no EOS
+    # the shared base computes each prefix once; the stock server once per adapter
+    assert pts["a-lora"]["prefill_tokens_computed_per_session"] < pts["v-lora"]["prefill_tokens_computed_per_session"]
+    [c] = doc["comparisons"]
+    assert (c["system"], c["baseline"]) == ("a-lora", "v-lora") and c["throughput_bound"] is None
+    assert c["throughput_ratio"] == pytest.approx(pts["a-lora"]["sessions_per_s"] / pts["v-lora"]["sessions_per_s"])
+    md = (tmp_path / "out" / "results.md").read_text()
+    assert "| a-lora vs v-lora |" in md and "vLLM's benchmark client" in md

@@ -95,12 +95,12 @@ def test_overload_with_a_decoder_killed_loses_nothing(tmp_path):
     from app.serve_app import build
 
     paths = make_models(tmp_path / "models", {"alpha": (1, {}), "beta": (2, {})})
-    engine = {"dtype": "float32", "max_model_len": 256, "kv_cache_gib": 0.125, "block_size": 32,
+    engine = {"dtype": "float32", "max_model_len": 256, "kv_cache_memory_bytes": "128MiB", "block_size": 32,
               "max_num_seqs": 8, "threads_bind": "nobind"}
     dec = lambda n: {"name": n, "model": str(paths[n]), "engine": engine,  # noqa: E731
                      "placement": {"num_cpus": 0.25, "placement_group_bundles": [{"CPU": 0.25}]}}
     pool_dir = f"/dev/shm/ps-overload-{os.getpid()}"
-    cfg = load_config({"tokenizer": str(paths["tokenizer"]), "pool": {"path": pool_dir, "capacity_gib": 0.125},
+    cfg = load_config({"tokenizer": str(paths["tokenizer"]), "pool": {"path": pool_dir, "capacity_bytes": "128MiB"},
                        "limits": {"max_tokens_default": 8, "max_inflight_requests": 8, "retry_after_s": 1},
                        "engine_env": {"VLLM_HOST_IP": "127.0.0.1"},
                        "prefill_modules": [{"name": "base", "model": str(paths["base"]), "engine": engine,

@@ -194,15 +194,15 @@ def test_nixl_decoders_with_other_weights_and_a_lora_group_give_reference_tokens
     from app.reference import shared_greedy
 
     lease = lease_for_timeout(120)
-    common = dict(dtype="float32", kv_space_gib=0.25, max_model_len=1024, block_size=32, request_timeout_s=120)
-    specs = {"producer": (EngineConfig(model=BASE, omp_threads_bind="0", enable_prefix_caching=True,
+    common = dict(dtype="float32", kv_cache_memory_bytes=268435456, max_model_len=1024, block_size=32, request_timeout_s=120)
+    specs = {"producer": (EngineConfig(model=BASE, extra_env={"VLLM_CPU_OMP_THREADS_BIND": "0"}, enable_prefix_caching=True,
                                        kv_transfer_config=nixl_transfer_config("producer", lease_s=lease), **common),
                           side_channel_env())}
     for i, d in enumerate(DECODERS):
-        specs[f"dec{i}"] = (EngineConfig(model=d, omp_threads_bind="1", enable_prefix_caching=False,
+        specs[f"dec{i}"] = (EngineConfig(model=d, extra_env={"VLLM_CPU_OMP_THREADS_BIND": "1"}, enable_prefix_caching=False,
                                          kv_transfer_config=nixl_transfer_config("consumer", lease_s=lease),
                                          **common), side_channel_env())
-    specs["lora"] = (EngineConfig(model=BASE, omp_threads_bind="1", enable_prefix_caching=False,
+    specs["lora"] = (EngineConfig(model=BASE, extra_env={"VLLM_CPU_OMP_THREADS_BIND": "1"}, enable_prefix_caching=False,
                                   lora_adapters=(("lookup", LORA),), max_lora_rank=8,
                                   kv_transfer_config=nixl_transfer_config("consumer", lease_s=lease), **common),
                      side_channel_env())
@@ -245,12 +245,12 @@ def test_nixl_lease_that_ran_out_is_answered_privately_and_counted():
     from app.reference import private_greedy
 
     lease = 6  # the smallest lease vLLM renews (every lease // 6 = 1 s)
-    common = dict(dtype="float32", kv_space_gib=0.25, max_model_len=1024, block_size=32, request_timeout_s=60)
+    common = dict(dtype="float32", kv_cache_memory_bytes=268435456, max_model_len=1024, block_size=32, request_timeout_s=60)
     engines = _start({
-        "producer": (EngineConfig(model=BASE, omp_threads_bind="0", enable_prefix_caching=True,
+        "producer": (EngineConfig(model=BASE, extra_env={"VLLM_CPU_OMP_THREADS_BIND": "0"}, enable_prefix_caching=True,
                                   kv_transfer_config=nixl_transfer_config("producer", lease_s=lease), **common),
                      side_channel_env()),
-        "dec": (EngineConfig(model=DECODERS[0], omp_threads_bind="1", enable_prefix_caching=False,
+        "dec": (EngineConfig(model=DECODERS[0], extra_env={"VLLM_CPU_OMP_THREADS_BIND": "1"}, enable_prefix_caching=False,
                              kv_transfer_config=nixl_transfer_config("consumer", lease_s=lease), **common),
                 side_channel_env()),
     })

@@ -261,13 +261,17 @@ def engine_configs(cfg: ProbeConfig, base: str, decoder: str, max_len: int):
 
     settings = SETTINGS[cfg.setting]
     lease = lease_for_timeout(cfg.request_timeout_s)
-    common = dict(dtype="float32", kv_space_gib=0.5, max_model_len=max_len, block_size=cfg.block_size,
+    common = dict(dtype="float32", kv_cache_memory_bytes=536870912, max_model_len=max_len, block_size=cfg.block_size,
                   max_num_batched_tokens=2048, request_timeout_s=cfg.request_timeout_s,
-                  load_format="dummy" if cfg.models == "random" else "auto", extra_env=dict(cfg.extra_env))
-    prod = EngineConfig(model=base, omp_threads_bind=cfg.binds[0], enable_prefix_caching=True,
+                  load_format="dummy" if cfg.models == "random" else "auto")
+
+    def env(i: int) -> dict[str, str]:
+        return {**cfg.extra_env, "VLLM_CPU_OMP_THREADS_BIND": cfg.binds[i]}
+
+    prod = EngineConfig(model=base, extra_env=env(0), enable_prefix_caching=True,
                         kv_transfer_config=nixl_transfer_config("producer", lease_s=lease, settings=settings),
                         **common)
-    cons = EngineConfig(model=base if cfg.lora else decoder, omp_threads_bind=cfg.binds[1],
+    cons = EngineConfig(model=base if cfg.lora else decoder, extra_env=env(1),
                         enable_prefix_caching=False,
                         kv_transfer_config=nixl_transfer_config("consumer", lease_s=lease, settings=settings),
                         lora_adapters=(("agent", cfg.lora),) if cfg.lora else (), **common)

@@ -8,7 +8,8 @@ from app.bench.report import PointResult
 from app.bench.systems import SYSTEMS
 
 _STYLE = {"a": ("tab:green", "o"), "b": ("tab:red", "s"), "c": ("tab:blue", "^"),
-          "a-lora": ("darkgreen", "P"), "b-lora": ("darkred", "X"), "c-lora": ("navy", "v")}
+          "a-lora": ("darkgreen", "P"), "b-lora": ("darkred", "X"), "c-lora": ("navy", "v"),
+          "v-lora": ("darkorange", "D"), "v-one": ("grey", "*")}
 
 
 def _plt():

@@ -1,5 +1,9 @@
 """`prefillshare bench serve`: PrefillShare vs per-model P/D vs colocated (full or LoRA decoders), one HTTP door.
 
+The driver is the project's client (sessions of ``/v1/agents/run``, app/bench/client.py) or vLLM's
+own benchmark client (``--driver vllm``: N independent ``/v1/completions`` over one shared prefix,
+app/bench/vllm_client.py), which also drives stock vLLM servers as systems (app/bench/stock_vllm.py).
+
 One Ray cluster, one Serve HTTP proxy; the systems (app/bench/systems.py) are deployed one
 after another as the same Serve application with different configs, so every system runs on
 the same machine in the same run and answers the same seeded sessions. Per system:
@@ -18,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import math
 import os
@@ -29,7 +34,8 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from app.bench.models import SMALL, ModelShape
-from app.bench.systems import SYSTEMS, Topology
+from app.bench.stock_vllm import STOCK_SYSTEMS
+from app.bench.systems import SYSTEMS, Topology, decoder_names
 from app.bench.workload import WorkloadSpec
 
 PROJECT = Path(__file__).resolve().parents[2]
@@ -56,13 +62,14 @@ class ServeBenchConfig:
     shape: ModelShape = ModelShape()
     topology: Topology = Topology()
     max_engines: int = 8
-    slo_s: float | None = None             # default: slo_factor x the baseline's (b, else c-lora) lowest-load p95
+    slo_s: float | None = None             # default: slo_factor x the baseline's (b, c-lora, v-lora) lowest-load p95
     slo_factor: float = 2.0
     out: str = "runs/bench/serve"
     model_dir: str = "runs/bench/serve-models"
     tokenizer: str = "checkpoints/tokenizer"
     checkpoints: str = "checkpoints"
     ready_timeout_s: float = 900.0
+    driver: str = "project"                # "project" (sessions of /v1/agents/run) | "vllm" (vLLM's client)
 
     def __post_init__(self) -> None:
         bad = [s for s in self.systems if s not in SYSTEMS]
@@ -80,7 +87,14 @@ class ServeBenchConfig:
             raise ValueError("--duration must be > 0 seconds")
         if self.repeats < 1:
             raise ValueError("--repeats must be >= 1")
-        if self.models == "shipped" and any(s.endswith("-lora") for s in self.systems):
+        if self.driver not in ("project", "vllm"):
+            raise ValueError("--driver: 'project' or 'vllm'")
+        if self.driver == "project" and any(s in STOCK_SYSTEMS for s in self.systems):
+            raise ValueError("--systems: the stock vLLM servers (v-lora, v-one) have no /v1/agents/run; "
+                             "drive them with --driver vllm")
+        if self.driver == "vllm" and self.rounds != (1,):
+            raise ValueError("--driver vllm: one round per session (prefix_repetition has no rounds); --rounds 1")
+        if self.models == "shipped" and any(s.endswith("-lora") or s in STOCK_SYSTEMS for s in self.systems):
             raise ValueError("--systems: the *-lora systems need --models random (random LoRA adapters of the base)")
         for L in self.lengths:
             WorkloadSpec(L, 1, self.output_tokens, 1)
@@ -167,13 +181,14 @@ def _wait_ready(url: str, timeout_s: float) -> None:
     raise RuntimeError(f"/ready not 200 after {timeout_s:.0f}s: {last[:500]}")
 
 
-def _metrics(url: str) -> dict:
+def _metrics(url: str, stock: bool = False) -> dict:
     from app.bench.report import parse_metrics
+    from app.bench.stock_vllm import as_prefillshare_counters
 
     status, text = _get(url + "/metrics")
     if status != 200:
         raise RuntimeError(f"/metrics answered {status}: {text[:200]}")
-    return parse_metrics(text)
+    return as_prefillshare_counters(parse_metrics(text)) if stock else parse_metrics(text)
 
 
 async def _sample_pool(url: str, stop: asyncio.Event, period_s: float = 1.0) -> tuple[float, float]:
@@ -263,15 +278,26 @@ def _run_point(url: str, cfg: ServeBenchConfig, system: str, spec: WorkloadSpec,
     seed = f"{cfg.seed}-{cfg.mode}-{load:g}" + (f"-r{repeat}" if repeat else "")
     if cfg.mode == "rate":
         arrivals = poisson_arrivals(load, cfg.duration_s, cfg.seed + repeat, cfg.max_sessions)
-        sessions = make_sessions(spec, len(arrivals), seed, maker)
+        count = len(arrivals)
     else:
-        sessions = make_sessions(spec, cfg.max_sessions, seed, maker)
-    before, cpu0 = _metrics(url), _cluster_cpu_s()
+        count = cfg.max_sessions
+    stock = system in STOCK_SYSTEMS
+    before, cpu0 = _metrics(url, stock), _cluster_cpu_s()
 
     async def go():
         stop = asyncio.Event()
         sampler = asyncio.create_task(_sample_pool(url, stop))
         try:
+            if cfg.driver == "vllm":
+                from app.bench import vllm_client
+
+                names = decoder_names(spec.fanout)
+                argv = vllm_client.client_argv(url, spec, cfg.mode, load, count, cfg_tokenizer(cfg), names,
+                                               cfg.seed * 1000 + repeat * 100 + int(load * 10))
+                # in a thread: the client runs its own event loop
+                result = await asyncio.to_thread(vllm_client.run_client, argv)
+                return vllm_client.sessions_of(result, spec.fanout, names)
+            sessions = make_sessions(spec, count, seed, maker)
             if cfg.mode == "rate":
                 return await open_loop(url, sessions, spec, arrivals, cfg.session_timeout_s)
             return await closed_loop(url, sessions, spec, int(load), cfg.duration_s, cfg.session_timeout_s)
@@ -282,12 +308,38 @@ def _run_point(url: str, cfg: ServeBenchConfig, system: str, spec: WorkloadSpec,
     peak_box: list[tuple[float, float]] = []
     results, t0, t_end = asyncio.run(go())
     cpu = _cluster_cpu_s() - cpu0
-    after = _metrics(url)
+    after = _metrics(url, stock)
     held, pinned_blocks = peak_box[0]
     pinned = pinned_blocks * cfg.topology.block_size * kv_bytes_per_token
     p = summarize(system, spec, cfg.mode, load, results, t0, t_end, before, after, held, pinned,
                   kv_bytes_per_token, cpu)
     return replace(p, repeat=repeat, loadavg=round(os.getloadavg()[0], 1))
+
+
+def cfg_tokenizer(cfg: ServeBenchConfig) -> str:
+    return str((PROJECT / cfg.tokenizer).resolve()) if not os.path.isabs(cfg.tokenizer) else cfg.tokenizer
+
+
+def _warm_up(url: str, cfg: ServeBenchConfig, system: str, n: int, maker, log) -> None:
+    """Unrecorded sessions, sent together so that every prefill replica gets some; with the same
+    driver as the points."""
+    from app.bench.client import open_loop
+    from app.bench.workload import make_sessions
+
+    spec = WorkloadSpec(min(cfg.lengths), n, cfg.output_tokens, 1)
+    if cfg.driver == "vllm":
+        from app.bench import vllm_client
+
+        names = decoder_names(n)
+        result = vllm_client.run_client(vllm_client.client_argv(
+            url, spec, "concurrency", cfg.warmup, cfg.warmup, cfg_tokenizer(cfg), names, 90_000))
+        res = vllm_client.sessions_of(result, n, names)[0]
+    else:
+        s = make_sessions(spec, cfg.warmup, 90_000, maker)
+        res, _, _ = asyncio.run(open_loop(url, s, spec, [0.0] * len(s), cfg.session_timeout_s))
+    for r in res:
+        if not r.ok:
+            log(f"[{system}] warm-up session failed: {r.error or [a.error for a in r.agents]}")
 
 
 def _deployable_n(cfg: ServeBenchConfig, system: str) -> int:
@@ -332,7 +384,7 @@ def run(cfg: ServeBenchConfig, log=print) -> dict:
     from app.config import load_config
     from deployments.application import build
 
-    tokenizer = str((PROJECT / cfg.tokenizer).resolve()) if not os.path.isabs(cfg.tokenizer) else cfg.tokenizer
+    tokenizer = cfg_tokenizer(cfg)
     n_max = max(cfg.fanouts)
     mset, limit = _model_set(cfg, tokenizer)
     topo = replace(cfg.topology, max_model_len=_max_model_len(cfg, limit),
@@ -344,11 +396,38 @@ def run(cfg: ServeBenchConfig, log=print) -> dict:
     tmp = os.environ.get("RAY_TMPDIR") or f"/tmp/ray-bench-{os.getpid()}"
     os.environ.setdefault("RAY_TMPDIR", tmp)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    _start_ray(tmp, log)
-    port = _free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    url = f"http://127.0.0.1:{port}"
+    on_serve = any(s not in STOCK_SYSTEMS for s in cfg.systems)
+    if on_serve:
+        _start_ray(tmp, log)
+        port = _free_port()
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+    app_url = f"http://127.0.0.1:{port}" if on_serve else ""
     points, costs, skipped, deploy_s = [], {}, [], {}
+
+    @contextlib.contextmanager
+    def deployed(system: str, n: int):
+        """The system's URL while it is up: the Serve app, or a stock vLLM server beside it."""
+        if system in STOCK_SYSTEMS:
+            from app.bench.stock_vllm import StockServer, server_argv
+
+            argv = server_argv(system, mset.base, mset.adapters, n, topo, tokenizer, _free_port())
+            server = StockServer(argv, Path(cfg.out) / f"server-{system}.log", topo.threads_bind)
+            try:
+                server.wait_ready(cfg.ready_timeout_s)
+                yield server.url
+            finally:
+                server.stop()
+            return
+        pool = f"/dev/shm/ps-bench-{os.getpid()}-{system}"
+        app_cfg = load_config(app_config(system, mset, n, topo, tokenizer, pool))
+        serve.run(build(app_cfg), name=f"bench-{system}", route_prefix="/", blocking=False)
+        try:
+            _wait_ready(app_url, cfg.ready_timeout_s)
+            yield app_url
+        finally:
+            serve.delete(f"bench-{system}")
+            shutil.rmtree(pool, ignore_errors=True)
+
     try:
         for si, system in enumerate(cfg.systems):
             n = _deployable_n(cfg, system)
@@ -360,41 +439,37 @@ def run(cfg: ServeBenchConfig, log=print) -> dict:
                 log("skip: " + skipped[-1])
             if n == 0:
                 continue
-            pool = f"/dev/shm/ps-bench-{os.getpid()}-{system}"
-            app_cfg = load_config(app_config(system, mset, n, topo, tokenizer, pool))
             t0 = time.perf_counter()
             log(f"[{system} {SYSTEMS[system]}] deploying {topo.engines(system, n)} engines ...")
-            serve.run(build(app_cfg), name=f"bench-{system}", route_prefix="/", blocking=False)
             try:
-                _wait_ready(url, cfg.ready_timeout_s)
-                deploy_s[system] = time.perf_counter() - t0
-                log(f"[{system}] ready in {deploy_s[system]:.0f}s")
-                if cfg.warmup:
-                    _warm_up(url, cfg, system, n, maker, log)
-                for L in cfg.lengths:
-                    c = _probe_costs(url, cfg, maker, L, n, si)
-                    if c is not None:
-                        costs.setdefault(L, {})[system] = c
-                        log(f"[{system}] L={L} unloaded: first {c.first_s:.3f}s next {c.marginal_s:.3f}s "
-                            f"decode {c.decode_s:.3f}s")
-                for spec in cfg.specs(n):
-                    for rep_ in range(cfg.repeats):
-                        for load in cfg.loads:
-                            p = _run_point(url, cfg, system, spec, load, maker, mset.kv_bytes_per_token, rep_)
-                            points.append(p)
-                            log(f"[{system}] {spec.label} load {load:g} rep {rep_}: ok {p.ok}/{p.sent} fan-out p95 "
-                                f"{p.fanout_latency['p95'] or float('nan'):.2f}s {p.sessions_per_s:.3f} sess/s "
-                                f"{p.output_tok_per_s:.1f} tok/s load avg {p.loadavg}"
-                                + (f" errors {p.errors[:2]}" if p.errors else ""))
+                with deployed(system, n) as url:
+                    deploy_s[system] = time.perf_counter() - t0
+                    log(f"[{system}] ready in {deploy_s[system]:.0f}s")
+                    if cfg.warmup:
+                        _warm_up(url, cfg, system, n, maker, log)
+                    for L in cfg.lengths if cfg.driver == "project" else ():  # the bound's probes are sessions
+                        c = _probe_costs(url, cfg, maker, L, n, si)
+                        if c is not None:
+                            costs.setdefault(L, {})[system] = c
+                            log(f"[{system}] L={L} unloaded: first {c.first_s:.3f}s next {c.marginal_s:.3f}s "
+                                f"decode {c.decode_s:.3f}s")
+                    for spec in cfg.specs(n):
+                        for rep_ in range(cfg.repeats):
+                            for load in cfg.loads:
+                                p = _run_point(url, cfg, system, spec, load, maker, mset.kv_bytes_per_token, rep_)
+                                points.append(p)
+                                log(f"[{system}] {spec.label} load {load:g} rep {rep_}: ok {p.ok}/{p.sent} fan-out "
+                                    f"p95 {p.fanout_latency['p95'] or float('nan'):.2f}s {p.sessions_per_s:.3f} "
+                                    f"sess/s {p.output_tok_per_s:.1f} tok/s load avg {p.loadavg}"
+                                    + (f" errors {p.errors[:2]}" if p.errors else ""))
             finally:
-                serve.delete(f"bench-{system}")
-                shutil.rmtree(pool, ignore_errors=True)
                 if points:  # partial results survive an interrupted sweep
                     doc, comps = _document(cfg, mset, topo, deploy_s, skipped, costs, points)
                     write_outputs(doc, points, comps, costs, cfg.out, log=lambda *_: None)
     finally:
-        serve.shutdown()
-        ray.shutdown()
+        if on_serve:
+            serve.shutdown()
+            ray.shutdown()
 
     doc, comps = _document(cfg, mset, topo, deploy_s, skipped, costs, points)
     write_outputs(doc, points, comps, costs, cfg.out, log)
@@ -410,7 +485,8 @@ def _document(cfg: ServeBenchConfig, mset, topo: Topology, deploy_s: dict, skipp
     comps = []
     for spec in cfg.specs(n_max):
         pts = [p for p in points if p.label == spec.label]
-        ref = [p for p in pts if p.system == "b"] or [p for p in pts if p.system == "c-lora"] or pts
+        ref = next(([p for p in pts if p.system == s] for s in ("b", "c-lora", "v-lora") if any(
+            p.system == s for p in pts)), pts)
         slo = cfg.slo_s
         if slo is None and ref:
             lowest = min(ref, key=lambda p: p.load)
@@ -449,6 +525,12 @@ def _machine() -> dict:
             "loadavg_at_end": [round(x, 1) for x in load], "time_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime())}
 
 
+_DRIVERS = {"project": "the project's client (sessions of /v1/agents/run)",
+            "vllm": "vLLM's benchmark client (vllm.benchmarks.serve, prefix_repetition in file order, the N decoders "
+                    "as --lora-modules round-robin: N /v1/completions per shared prefix; no phase-cost probes, so "
+                    "no phase bound)"}
+
+
 def render_markdown(doc: dict, points, comps, costs) -> str:
     from app.bench.report import comparison_table, costs_table, points_table
 
@@ -461,7 +543,7 @@ def render_markdown(doc: dict, points, comps, costs) -> str:
         f"{t['kv_cache_gib']} GiB, block {t['block_size']}, threads {t['threads_bind']}, "
         f"max_model_len {t['max_model_len']}; systems a and a-lora use {t['prefill_replicas']} shared prefill "
         f"replica(s); LoRA: rank {t['lora_rank']}, c-lora runs {t['colocated_replicas']} replica(s) of its "
-        f"multi-LoRA engine. Each load point ran {doc['config']['repeats']} time(s); a ratio whose spread over "
+        f"multi-LoRA engine. Driver: {_DRIVERS[doc['config'].get('driver', 'project')]}. Each load point ran {doc['config']['repeats']} time(s); a ratio whose spread over "
         "repeats includes 1.0 reads \"no measurable difference\".",
         "",
         "## Per load point",
@@ -563,7 +645,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
     a = parser.add_argument
     a("--quick", action="store_true", help="smoke run: small random model, N=2, L=128, one short load point")
     a("--systems", help="comma list of a (prefillshare), b (disagg per-model P/D), c (colocated) and their LoRA "
-      "forms a-lora, b-lora, c-lora (c-lora: one multi-LoRA engine, what vLLM users run); default a,b,c")
+      "forms a-lora, b-lora, c-lora (c-lora: one multi-LoRA engine, what vLLM users run); with --driver vllm also "
+      "the stock vLLM servers v-lora (multi-LoRA, prefix caching) and v-one (one model for every request: the "
+      "bound on sharing); default a,b,c")
+    a("--driver", choices=["project", "vllm"], help="project (default): sessions of /v1/agents/run; vllm: vLLM's "
+      "own benchmark client (prefix_repetition, --disable-shuffle, the N decoders as --lora-modules round-robin: "
+      "N /v1/completions per shared prefix); --rates are sessions/s (N requests each), --concurrency sessions in "
+      "flight, --max-sessions prefixes per concurrency point")
     a("--fanouts", type=_ints, help="N agents per round, e.g. 2,4,8")
     a("--lengths", type=_ints, help="shared context tokens L, e.g. 1024,2048,4096")
     a("--rounds", type=_ints, help="R rounds per session, e.g. 1,3")
@@ -591,7 +679,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     a("--colocated-replicas", type=int, help="c-lora: replicas of the multi-LoRA engine (default 2: one per core)")
     a("--max-engines", type=int, help="skip (and report) systems needing more engines (default 8)")
     a("--slo", type=float, dest="slo_s", help="p95 fan-out latency SLO in s (default: --slo-factor x the "
-      "baseline's p95 at the lowest load; the baseline is b, or c-lora when b did not run)")
+      "baseline's p95 at the lowest load; the baseline is b, else c-lora, else v-lora)")
     a("--slo-factor", type=float, help="default SLO as a multiple of the baseline's lowest-load p95 (default 2)")
     a("--out", help="output directory (default runs/bench/serve; with --report, beside the JSON)")
     a("--report", metavar="RESULTS_JSON", nargs="+", help="measure nothing: make the tables and plots of saved runs "
@@ -608,7 +696,7 @@ def config_from_args(args: argparse.Namespace) -> ServeBenchConfig:
         kw["model_dir"] = "runs/bench/serve-models-quick"
     for name in ("fanouts", "lengths", "rounds", "output_tokens", "rates", "concurrency", "duration_s",
                  "max_sessions", "session_timeout_s", "warmup", "repeats", "probes", "seed", "models", "max_engines",
-                 "slo_s", "slo_factor", "out", "model_dir"):
+                 "slo_s", "slo_factor", "out", "model_dir", "driver"):
         v = getattr(args, name, None)
         if v is not None:
             kw[name] = v

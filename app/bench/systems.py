@@ -21,6 +21,10 @@ The same three with the n decoders as LoRA adapters of the base (random-weight a
   c-lora            what vLLM users run today: engines holding the n adapters, prefix caching on,
                     each adapter prefilling its own prompt (vLLM salts cached blocks per adapter);
                     ``colocated_replicas`` replicas so that it uses every core, like a and b.
+
+And two stock vLLM OpenAI servers (app/bench/stock_vllm.py; only with vLLM's client as the
+driver, since they have no ``/v1/agents/run``): ``v-lora``, one server holding the n adapters
+with prefix caching, and ``v-one``, one model answering every decoder's name (the bound on sharing).
 """
 from __future__ import annotations
 
@@ -29,9 +33,11 @@ from dataclasses import dataclass
 from app.bench.models import ModelSet
 
 SYSTEMS = {"a": "prefillshare", "b": "disagg", "c": "colocated",
-           "a-lora": "prefillshare-lora", "b-lora": "disagg-lora", "c-lora": "multi-lora"}
+           "a-lora": "prefillshare-lora", "b-lora": "disagg-lora", "c-lora": "multi-lora",
+           "v-lora": "vllm-multi-lora", "v-one": "vllm-one-model"}
 # (system under test, baseline) pairs the report compares
-PAIRS = (("a", "b"), ("a", "c"), ("a-lora", "b-lora"), ("a-lora", "c-lora"))
+PAIRS = (("a", "b"), ("a", "c"), ("a-lora", "b-lora"), ("a-lora", "c-lora"), ("a-lora", "v-lora"),
+         ("a-lora", "v-one"), ("c-lora", "v-lora"))
 
 
 @dataclass(frozen=True)
@@ -56,7 +62,7 @@ class Topology:
 
     def engines(self, system: str, n: int) -> int:
         return {"a": self.prefill_replicas + n, "b": 2 * n, "c": n, "a-lora": self.prefill_replicas + 1,
-                "b-lora": self.prefill_replicas + 1, "c-lora": self.colocated_replicas}[system]
+                "b-lora": self.prefill_replicas + 1, "c-lora": self.colocated_replicas, "v-lora": 1, "v-one": 1}[system]
 
     def group_kv_gib(self, n: int) -> float:
         return self.lora_kv_cache_gib or self.kv_cache_gib * n
@@ -75,6 +81,8 @@ def app_config(system: str, models: ModelSet, n: int, topo: Topology, tokenizer:
     """The AppConfig dict (app/config.py) of ``system`` with ``n`` decoders."""
     if system not in SYSTEMS:
         raise ValueError(f"--systems: unknown system {system!r} (choose from {', '.join(SYSTEMS)})")
+    if system.startswith("v-"):
+        raise ValueError(f"{system} is a stock vLLM server, not an app config (app/bench/stock_vllm.py)")
     have = len(models.adapters) if system.endswith("-lora") else len(models.shared)
     if n > have:
         raise ValueError(f"--fanouts: {n} decoders asked, {have} model directories prepared")

@@ -1,6 +1,8 @@
-"""Saving and loading the project's checkpoints (HF safetensors, bf16 on disk).
+"""Saving and loading the project's checkpoints (HF safetensors).
 
 A decoder directory is a complete HF checkpoint that vLLM loads, plus ``prefillshare.json``.
+A decoder is stored in its base's dtype (:func:`stored_dtype`): the KV it reads was computed
+in that dtype, and the serving check refuses a decoder whose dtype differs from its base's.
 Layer-split baselines share their lower layers with the base bit for bit, so they store only
 the layers they trained (``upper_layers.safetensors``) and are assembled on load.
 """
@@ -18,7 +20,10 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 from app.models.identity import CheckpointError
 from app.models.manifest import DecodeManifest, read_manifest, write_manifest
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+# every file a Hugging Face tokenizer may be saved as (fast, sentencepiece, BPE vocab/merges, templates)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                   "tokenizer.model", "vocab.json", "merges.txt", "chat_template.jinja", "chat_template.json")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 UPPER_LAYERS_FILE = "upper_layers.safetensors"
 
 
@@ -28,6 +33,30 @@ def copy_tokenizer(tokenizer_dir: str | Path, out_dir: str | Path) -> None:
         src = Path(tokenizer_dir) / name
         if src.is_file():
             shutil.copyfile(src, Path(out_dir) / name)
+
+
+def stored_dtype(path: str | Path) -> torch.dtype:
+    """The dtype a checkpoint's weights are stored in: config.json's ``dtype`` (``torch_dtype`` in older
+    files), else the first floating tensor of its safetensors, else float32 (what transformers assumes)."""
+    import json
+
+    from safetensors import safe_open
+
+    path = Path(path)
+    cfg = json.loads((path / "config.json").read_text()) if (path / "config.json").is_file() else {}
+    name = cfg.get("dtype") or cfg.get("torch_dtype")
+    if name:
+        if name not in DTYPES:
+            raise CheckpointError(f"{path}: config.json dtype {name!r} is not one of {', '.join(DTYPES)}")
+        return DTYPES[name]
+    for f in sorted(path.glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as st:
+            for key in st.keys():
+                t = st.get_slice(key)
+                dt = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}.get(t.get_dtype())
+                if dt is not None:
+                    return dt
+    return torch.float32
 
 
 def _staging(out_dir: Path) -> Path:
@@ -46,11 +75,13 @@ def _publish(tmp: Path, out_dir: Path) -> None:
 
 
 def save_model(model: PreTrainedModel, out_dir: str | Path, tokenizer_dir: str | Path,
-               manifest: DecodeManifest | None = None, extra_files: dict[str, str] | None = None) -> Path:
+               manifest: DecodeManifest | None = None, extra_files: dict[str, str] | None = None,
+               dtype: torch.dtype = torch.bfloat16) -> Path:
+    """A whole model in ``dtype`` (a decoder: its base's), with the tokenizer and the manifest."""
     out_dir = Path(out_dir)
     tmp = _staging(out_dir)
-    # a bf16 copy, so that config.json's dtype states what the weights are
-    copy.deepcopy(model).to(torch.bfloat16).save_pretrained(str(tmp), safe_serialization=True)
+    # a copy in ``dtype``, so that config.json's dtype states what the weights are
+    copy.deepcopy(model).to(dtype).save_pretrained(str(tmp), safe_serialization=True)
     copy_tokenizer(tokenizer_dir, tmp)
     for name, text in (extra_files or {}).items():
         (tmp / name).write_text(text, encoding="utf-8")
@@ -61,12 +92,13 @@ def save_model(model: PreTrainedModel, out_dir: str | Path, tokenizer_dir: str |
 
 
 def save_upper_layers(model: PreTrainedModel, first_layer: int, out_dir: str | Path, base_dir: str | Path,
-                      manifest: DecodeManifest) -> Path:
-    """Layer-split decoder: only layers >= ``first_layer`` and the final norm, plus the base's config."""
+                      manifest: DecodeManifest, dtype: torch.dtype = torch.bfloat16) -> Path:
+    """Layer-split decoder: only layers >= ``first_layer`` and the final norm (in ``dtype``, the base's),
+    plus the base's config."""
     out_dir = Path(out_dir)
     tmp = _staging(out_dir)
     prefixes = tuple(f"model.layers.{i}." for i in range(first_layer, model.config.num_hidden_layers)) + ("model.norm.",)
-    state = {k: v.detach().to(torch.bfloat16).contiguous() for k, v in model.state_dict().items() if k.startswith(prefixes)}
+    state = {k: v.detach().to(dtype).contiguous() for k, v in model.state_dict().items() if k.startswith(prefixes)}
     save_file(state, str(tmp / UPPER_LAYERS_FILE))
     shutil.copyfile(Path(base_dir) / "config.json", tmp / "config.json")
     copy_tokenizer(base_dir, tmp)
@@ -76,12 +108,21 @@ def save_upper_layers(model: PreTrainedModel, first_layer: int, out_dir: str | P
 
 
 def save_adapter(peft_model, out_dir: str | Path, tokenizer_dir: str | Path, manifest: DecodeManifest,
-                 extra_files: dict[str, str] | None = None) -> Path:
-    """Adapter-only decoder: PEFT's ``save_pretrained`` (adapter_config.json + adapter_model.safetensors),
-    the tokenizer and the manifest, published whole. ``extra_files``: name -> text (e.g. a chat template)."""
+                 extra_files: dict[str, str] | None = None, dtype: torch.dtype | None = None) -> Path:
+    """Adapter-only decoder: PEFT's ``save_pretrained`` (adapter_config.json + adapter_model.safetensors,
+    its tensors cast to ``dtype``, the base's, when given), the tokenizer and the manifest, published whole.
+    ``extra_files``: name -> text (e.g. a chat template)."""
     out_dir = Path(out_dir)
     tmp = _staging(out_dir)
     peft_model.save_pretrained(str(tmp), safe_serialization=True)
+    if dtype is not None:  # PEFT saves the adapter in its training dtype
+        from safetensors import safe_open
+
+        weights = tmp / "adapter_model.safetensors"
+        with safe_open(str(weights), framework="pt") as st:
+            metadata = st.metadata()
+        tensors = {k: v.to(dtype) if v.is_floating_point() else v for k, v in load_file(str(weights)).items()}
+        save_file(tensors, str(weights), metadata=metadata)
     copy_tokenizer(tokenizer_dir, tmp)
     for name, text in (extra_files or {}).items():
         (tmp / name).write_text(text, encoding="utf-8")

@@ -82,8 +82,9 @@ def configure_train(p: argparse.ArgumentParser) -> None:
                    "base tokenizer has one (the suite format)")
     p.add_argument("--system", help="system prompt agent requests get under a chat template (default: the one "
                    "every conversation of --data starts with, if shared)")
-    p.add_argument("--max-length", type=int, default=None, help="prompt + answer tokens; longer prompts lose "
-                   "context from the left (the last prompt token and the answer always stay)")
+    p.add_argument("--max-length", type=int, default=None, help="prompt + answer tokens (default: the base's "
+                   "max_position_embeddings); longer prompts lose context from the left (the last prompt token "
+                   "and the answer always stay)")
     p.add_argument("--steps", type=int, default=None, help="optimizer steps (default 300)")
     p.add_argument("--batch-size", type=int, default=None, help="examples per micro-batch (default 8)")
     p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
@@ -133,22 +134,27 @@ def _train_own(args) -> int:
     from app.training.trainer import TrainConfig, train_decoder
 
     base = Path(args.base)
-    load_config_dict(base)  # a base without config.json fails here, naming the directory
+    base_cfg = load_config_dict(base)  # a base without config.json fails here, naming the directory
     if not any((base / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")):
         raise CheckpointError(f"{base}: no tokenizer files (tokenizer.json / tokenizer_config.json)")
+    # nothing longer than the base's positions can be served on its KV: the default cut
+    positions = base_cfg.get("max_position_embeddings")
+    if args.max_length and positions and args.max_length > positions:
+        raise ValueError(f"--max-length {args.max_length} exceeds the base's max_position_embeddings {positions}")
+    max_length = args.max_length or positions
     tok = load_tokenizer(base)
     records = read_records(args.data, args.agent, args.agent_field)
     renderer = choose_renderer(records, tok, args.chat_template, args.no_chat_template, args.system, args.data)
-    train = render_records(records, tok, renderer, args.max_length)
+    train = render_records(records, tok, renderer, max_length)
     evals = []
     if args.eval_data:
-        evals = render_records(read_records(args.eval_data, args.agent, args.agent_field), tok, renderer, args.max_length)
+        evals = render_records(read_records(args.eval_data, args.agent, args.agent_field), tok, renderer, max_length)
     steps = args.steps or 300
     cfg = TrainConfig(method=args.method, steps=steps, batch_size=args.batch_size or 8, grad_accum=args.grad_accum,
                       lr=args.lr, warmup=args.warmup if args.warmup is not None else steps // 10, seed=args.seed,
                       lora=args.lora, lora_rank=args.lora_rank, shared_layers=args.shared_layers,
                       eval_every=args.eval_every, precision=args.precision,
-                      gradient_checkpointing=args.gradient_checkpointing, max_length=args.max_length,
+                      gradient_checkpointing=args.gradient_checkpointing, max_length=max_length,
                       report_to=args.report_to)
     agents = [args.agent] if args.agent else list(dict.fromkeys(r.agent for r in records))
     for agent in agents:

@@ -14,7 +14,8 @@ the answer tokens of the whole accumulated batch), evaluation during training, `
 save/resume and multi-GPU through accelerate. Gradient checkpointing keeps the prefix KV: the
 decoder's layers read a read-only prefix cache (``batches.FrozenPrefixLayer``) that a
 recomputed layer sees unchanged. Exports: a merged checkpoint (what vLLM loads) and, for LoRA,
-the adapter alone (PEFT ``save_pretrained`` + manifest), both published whole.
+the adapter alone (PEFT ``save_pretrained`` + manifest), both published whole and both in the
+base's dtype (weights train in float32; config, tokenizer and everything else come from the base).
 """
 from __future__ import annotations
 
@@ -300,12 +301,13 @@ def train_decoder(
         training.update(lora_rank=cfg.lora_rank, lora_alpha=cfg.lora_alpha or 2 * cfg.lora_rank,
                         lora_targets=list(cfg.lora_targets))
     base_id, tok_hash = prefill_module_id(base_dir), tokenizer_hash(base_dir)
+    dtype = checkpoint.stored_dtype(base_dir)  # trained in float32, stored the way the base is
     extra = renderer.extra_files()
     if cfg.lora and adapter_out is not None:
         adapter = AdapterSpec(base_id, cfg.lora_rank, tuple(cfg.lora_targets), float(cfg.lora_alpha or 2 * cfg.lora_rank))
         checkpoint.save_adapter(model, adapter_out, base_dir,
                                 DecodeManifest(agent, base_id, tok_hash, training, prompt=renderer.fmt, adapter=adapter),
-                                extra_files=extra)
+                                extra_files=extra, dtype=dtype)
     if cfg.lora:
         model = model.merge_and_unload()
     model.eval()
@@ -314,9 +316,9 @@ def train_decoder(
         training.update(shared_layers=cfg.shared_layers, weights="upper_layers")
     manifest = DecodeManifest(agent, base_id, tok_hash, training, prompt=renderer.fmt)
     if cfg.method == "layer_split":
-        path = checkpoint.save_upper_layers(model, cfg.shared_layers, out_dir, base_dir, manifest)
+        path = checkpoint.save_upper_layers(model, cfg.shared_layers, out_dir, base_dir, manifest, dtype=dtype)
     else:
-        path = checkpoint.save_model(model, out_dir, base_dir, manifest, extra_files=extra)
+        path = checkpoint.save_model(model, out_dir, base_dir, manifest, extra_files=extra, dtype=dtype)
     shutil.rmtree(state_dir, ignore_errors=True)
     return path
 
