@@ -543,7 +543,8 @@ def render_markdown(doc: dict, points, comps, costs) -> str:
         f"{t['kv_cache_gib']} GiB, block {t['block_size']}, threads {t['threads_bind']}, "
         f"max_model_len {t['max_model_len']}; systems a and a-lora use {t['prefill_replicas']} shared prefill "
         f"replica(s); LoRA: rank {t['lora_rank']}, c-lora runs {t['colocated_replicas']} replica(s) of its "
-        f"multi-LoRA engine. Driver: {_DRIVERS[doc['config'].get('driver', 'project')]}. Each load point ran {doc['config']['repeats']} time(s); a ratio whose spread over "
+        f"multi-LoRA engine. Driver: {_DRIVERS[doc['config'].get('driver', 'project')]}. "
+        f"Each load point ran {doc['config']['repeats']} time(s); a ratio whose spread over "
         "repeats includes 1.0 reads \"no measurable difference\".",
         "",
         "## Per load point",
@@ -551,10 +552,9 @@ def render_markdown(doc: dict, points, comps, costs) -> str:
         "",
         "## Ratios (PrefillShare vs baseline) beside the work bound",
         comparison_table(comps),
-        "",
-        "## Unloaded phase costs (bound inputs)",
-        costs_table(costs),
     ]
+    if costs:  # none in a run driven by vLLM's client
+        lines += ["", "## Unloaded phase costs (bound inputs)", costs_table(costs)]
     if doc.get("merged_from"):
         lines[2:2] = [f"Runs drawn together: {', '.join(doc['merged_from'])} (machine, models and settings "
                       "below are the first run's; each comparison uses its own run's phase costs).", ""]

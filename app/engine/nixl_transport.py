@@ -17,7 +17,8 @@ Two sides, one per node:
 The control channel is a small TCP protocol (JSON lines: a challenge-response over the
 cluster's KV secret (:mod:`app.engine.kv_auth`), then hello, fetch, done); the bulk bytes move
 only through NIXL. A peer that fails the challenge gets no agent metadata and no block
-address; the server counts it (``nixl_auth_refused``) and logs it. On this CPU-only machine UCX moves DRAM to DRAM (CMA or TCP).
+address; the server counts it (``nixl_auth_refused``) and logs it. On this CPU-only machine
+UCX moves DRAM to DRAM (CMA or TCP).
 """
 from __future__ import annotations
 
