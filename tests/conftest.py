@@ -114,3 +114,8 @@ def _name(p: psutil.Process) -> str:
         return f"{p.name()} [{' '.join(p.cmdline())[:120]}]"
     except psutil.Error:
         return "?"
+
+
+# The Serve test app (tests/serve_test_app.py): module-scoped, so each module that asks for
+# ``app`` gets its own (the functional and the fault tests run on separate apps).
+from serve_test_app import app, baseline, client, reference  # noqa: E402, F401

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import yaml
 from random_models import free_port
-from test_serve_app import _get, _post
+from serve_test_app import _get, _post
 
 from app.training import tasks
 
