@@ -2,6 +2,7 @@
 even one orphaned and renamed like vLLM's engine cores, fails the run and is stopped by pid."""
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -33,9 +34,11 @@ def test_waits_for_what_it_starts():
 def _run(tmp_path: Path, body: str) -> subprocess.CompletedProcess:
     shutil.copy(HERE / "conftest.py", tmp_path / "conftest.py")
     (tmp_path / "test_it.py").write_text(body)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE), str(HERE.parent)]))
+    env.pop("PREFILLSHARE_TEST_SESSION", None)  # the inner session marks its own
     return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                            f"--basetemp={tmp_path / 'base'}", str(tmp_path / "test_it.py")],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=120)
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
 
 
 def test_a_leftover_process_fails_the_session_and_is_stopped(tmp_path):
