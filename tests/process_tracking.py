@@ -3,9 +3,10 @@
 vLLM renames its engine cores (``VLLM::EngineCore``) and an orphan loses its parent, so neither a
 command line nor the process tree at the end says what a test started. A :class:`ProcessTracker`
 samples the descendants of one root process about once a second, by pid and start time (so a
-process orphaned later is still known, and a reused pid is not mistaken for it), and also takes
-every process whose environment carries a marker that the root's children inherit (so one that was
-orphaned before a sample is found too).
+process orphaned later is still known, and a reused pid is not mistaken for it); an explicit
+:meth:`sample` and :meth:`stop` also take every process whose environment carries a marker that
+the root's children inherit (so one orphaned between samples is found too; reading every
+process's environment is too costly to do each second on a shared machine).
 """
 from __future__ import annotations
 
@@ -26,15 +27,15 @@ class ProcessTracker:
 
     def _run(self) -> None:
         while not self._stop.wait(SAMPLE_S):
-            self.sample()
+            self.sample(by_marker=False)
 
-    def sample(self) -> None:
+    def sample(self, by_marker: bool = True) -> None:
         procs = []
         try:
             procs = self.root.children(recursive=True)
         except psutil.Error:
             pass
-        if self.marker is not None:
+        if by_marker and self.marker is not None:
             key, value = self.marker
             for p in psutil.process_iter():
                 try:
