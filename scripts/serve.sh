@@ -33,7 +33,14 @@ URL="http://127.0.0.1:${PORT}"
 
 "$SERVE" run "$CONFIG" &
 SERVE_PID=$!
-stop() { kill -TERM "$SERVE_PID" 2>/dev/null; wait "$SERVE_PID" 2>/dev/null; }
+# SIGTERM: Serve's graceful shutdown (each replica stops its engine). If that hangs, SIGKILL after
+# 90 s: the Ray daemons `serve run` started die with it, and each engine core with its replica.
+stop() {
+  kill -TERM "$SERVE_PID" 2>/dev/null
+  for _ in $(seq 1 90); do kill -0 "$SERVE_PID" 2>/dev/null || break; sleep 1; done
+  kill -KILL "$SERVE_PID" 2>/dev/null
+  wait "$SERVE_PID" 2>/dev/null
+}
 trap 'stop; exit 130' INT TERM
 
 echo "starting the app (engines take 1-3 minutes on 2 cores); waiting for ${URL}/ready ..." >&2

@@ -81,7 +81,7 @@ def served(tmp_path_factory):
     finally:
         os.killpg(proc.pid, signal.SIGTERM)  # what Ctrl-C of `make serve` sends its process group
         try:
-            proc.wait(timeout=90)
+            proc.wait(timeout=120)  # serve.sh waits up to 90 s for a graceful stop
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
         # waiting for the app's processes to exit, not a timing assertion
