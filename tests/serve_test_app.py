@@ -17,7 +17,6 @@ import json
 import os
 import re
 import shutil
-import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -100,12 +99,9 @@ def _post(url: str, body: bytes | dict, timeout: float = 120, key: str | None = 
 
 @pytest.fixture(scope="module")
 def app(tmp_path_factory):
-    import ray
-    from random_models import free_port
-    from ray import serve
+    from random_models import serve_app
 
     from app.config import load_config
-    from app.serve_app import build
 
     paths = _make_models(tmp_path_factory.mktemp("models"))
     pool_dir = f"/dev/shm/ps-test-{os.getpid()}"
@@ -113,30 +109,9 @@ def app(tmp_path_factory):
     keys_file.write_text(f"{KEY_A}: acme\n{KEY_B}: globex\n")
     cfg = load_config(_app_config(paths, pool_dir, keys_file))
     tmp = f"/tmp/rs{os.getpid()}"
-    os.environ["RAY_TMPDIR"] = tmp
-    for attempt in range(3):  # Ray gives its raylet a fixed 30 s to register; a busy 2-core box can miss it
-        try:
-            ray.init(num_cpus=4, include_dashboard=False, _temp_dir=tmp)
-            break
-        except Exception:  # noqa: BLE001
-            ray.shutdown()
-            if attempt == 2:
-                raise
-    port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    serve.run(build(cfg), name="ps", route_prefix="/")
-    base = f"http://127.0.0.1:{port}"
-    for _ in range(120):  # every engine answers (not a timing assertion: just waiting for startup)
-        status, _ = _get(base + "/ready")
-        if status == 200:
-            break
-        time.sleep(2)
-    else:
-        pytest.fail(f"/ready never returned 200: {_get(base + '/ready')}")
-    yield {"url": base, "paths": paths, "cfg": cfg, "ray_tmp": tmp, "port": port}
-    serve.shutdown()
-    ray.shutdown()
-    shutil.rmtree(pool_dir, ignore_errors=True)
+    # a private Ray cluster, started with retries (a busy 2-core box can miss the raylet's 30 s)
+    with serve_app(cfg, "ps", tmp, pool_dir) as base:
+        yield {"url": base, "paths": paths, "cfg": cfg, "ray_tmp": tmp, "port": int(base.rsplit(":", 1)[1])}
     shutil.rmtree(tmp, ignore_errors=True)
 
 
