@@ -1,6 +1,7 @@
-"""Stopping the app gives back what it took: `serve run` started twice and stopped with SIGTERM
-each time (what Ctrl-C of `make serve` sends), once with a decoder replica killed by SIGKILL
-before, leaves no process and no /dev/shm file behind. Every process is tracked by ancestry (a
+"""Stopping the app gives back what it took: `serve run` started twice, leaves no process and no
+/dev/shm file behind. The first run loses a decoder replica to SIGKILL and then gets SIGTERM
+(serve run only exits: Ray kills the replicas, no replica shutdown runs); the second gets SIGINT
+(Ctrl-C, what `make serve` forwards: Serve's graceful shutdown). Every process is tracked by ancestry (a
 descendant of `serve run`, sampled while it runs) and by an environment marker it inherits, so
 vLLM's renamed ``VLLM::EngineCore`` processes are seen whatever their command line says.
 
@@ -68,8 +69,8 @@ def models(tmp_path_factory):
     return make_models(tmp_path_factory.mktemp("models"), {"alpha": (1, {})})
 
 
-def _run_and_stop(tmp: Path, models: dict[str, Path], pool: str, kill_a_decoder: bool) -> dict:
-    """One `serve run` from start to SIGTERM; what was left of it after, and what it had."""
+def _run_and_stop(tmp: Path, models: dict[str, Path], pool: str, kill_a_decoder: bool, stop: signal.Signals) -> dict:
+    """One `serve run` from start to ``stop``; what was left of it after, and what it had."""
     tmp.mkdir()
     port = free_port()
     cfg = tmp / "serve.yaml"
@@ -101,7 +102,7 @@ def _run_and_stop(tmp: Path, models: dict[str, Path], pool: str, kill_a_decoder:
             replica.kill()
             _, alive = psutil.wait_procs(cores, timeout=60)
             out["killed_cores_left"] = [c for c in alive if is_running(c)]  # waiting for the parent watch
-        os.kill(proc.pid, signal.SIGTERM)
+        os.kill(proc.pid, stop)
         proc.wait(timeout=180)
         # waiting for the processes to finish exiting, not a timing assertion
         tracked.sample()
@@ -121,15 +122,17 @@ def _run_and_stop(tmp: Path, models: dict[str, Path], pool: str, kill_a_decoder:
 def test_serve_run_stopped_twice_leaves_no_process_and_no_shm_file(tmp_path, models):
     pool = f"/dev/shm/ps-stop-{os.getpid()}"
     shm_before = _shm()
-    first = _run_and_stop(tmp_path / "first", models, pool, kill_a_decoder=True)
-    second = _run_and_stop(tmp_path / "second", models, pool, kill_a_decoder=False)
+    first = _run_and_stop(tmp_path / "first", models, pool, kill_a_decoder=True, stop=signal.SIGTERM)
+    second = _run_and_stop(tmp_path / "second", models, pool, kill_a_decoder=False, stop=signal.SIGINT)
     for run in (first, second):
         assert run["cores"] >= 2, run  # the tracking saw the prefill's and the decoder's engine cores
         assert run["left"] == [], run
     assert first["killed_cores_left"] == [], "a SIGKILLed replica's engine core outlived it"
     new_shm = _shm() - shm_before
     assert new_shm - {Path(pool).name} == set(), new_shm
-    # POOL (issue 25 item 2, the pool's lifetime, another branch): a clean stop removes the KV pool.
+    # POOL (issue 25 item 2, the pool's lifetime, another branch): the clean stop (the second run's
+    # SIGINT) removes the KV pool; the first run's, left by a stop without replica shutdown, is
+    # reclaimed by the second start.
     # Until that part is merged the test ends here as an expected failure; the merge drops the `if`.
     if Path(pool).exists():
         shutil.rmtree(pool, ignore_errors=True)
