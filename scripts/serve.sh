@@ -48,7 +48,7 @@ stop() {
   kill -KILL "$SERVE_PID" 2>/dev/null
   wait "$SERVE_PID" 2>/dev/null
 }
-trap 'stop; exit 130' INT TERM
+trap 'stop; exit 130' INT TERM HUP  # serve run is in its own process group: stop it on any of these
 
 echo "starting the app (engines take 1-3 minutes on 2 cores); waiting for ${URL}/ready ..." >&2
 for _ in $(seq 1 300); do
