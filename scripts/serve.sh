@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Brings the default PrefillShare app (serve_config.yaml) up on this machine and says how to
-# reach it. What `make serve` runs. Ctrl-C stops the app and the local Ray cluster it started.
+# reach it. What `make serve` runs. Ctrl-C (or SIGTERM to this script) stops the app gracefully and
+# the local Ray cluster it started.
 #
 # Auth: Ray's ports listen on every interface, so the local cluster keeps Ray's token auth
 # (RAY_AUTH_MODE=token; Ray writes the token to ~/.ray/auth_token). Other shells need the same
@@ -31,10 +32,23 @@ then exit 1; fi
 PORT=$("$PY" -c "import yaml,sys; print(yaml.safe_load(open(sys.argv[1]))['http_options'].get('port', 8000))" "$CONFIG")
 URL="http://127.0.0.1:${PORT}"
 
-"$SERVE" run "$CONFIG" &
+# serve run in its own process group with SIGINT restored (bash ignores SIGINT in background
+# jobs), so that a stop is one SIGINT from the trap below: serve run turns it into Serve's
+# graceful shutdown, where each replica stops its engine (on SIGTERM serve run only exits, and
+# Ray then kills the replicas without it). A stop that hangs ends with SIGKILL after 90 s: the Ray
+# daemons serve run started die with it, and each engine core with its replica.
+set -m
+"$PY" -c 'import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); os.execv(sys.argv[1], sys.argv[1:])' \
+  "$SERVE" run "$CONFIG" &
 SERVE_PID=$!
-stop() { kill -TERM "$SERVE_PID" 2>/dev/null; wait "$SERVE_PID" 2>/dev/null; }
-trap 'stop; exit 130' INT TERM
+set +m
+stop() {
+  kill -INT "$SERVE_PID" 2>/dev/null
+  for _ in $(seq 1 90); do kill -0 "$SERVE_PID" 2>/dev/null || break; sleep 1; done
+  kill -KILL "$SERVE_PID" 2>/dev/null
+  wait "$SERVE_PID" 2>/dev/null
+}
+trap 'stop; exit 130' INT TERM HUP  # serve run is in its own process group: stop it on any of these
 
 echo "starting the app (engines take 1-3 minutes on 2 cores); waiting for ${URL}/ready ..." >&2
 for _ in $(seq 1 300); do

@@ -1,41 +1,51 @@
-"""Suite-wide hygiene: nothing a test started outlives the session.
+"""Suite-wide hygiene: nothing a test started outlives the session, and a leftover fails the run.
 
-A vLLM engine core or a Ray daemon left behind by a failed or interrupted test is a
-non-daemon child of pytest; at exit Python would wait for it forever and CI would hang
-after the summary. Stop whatever is left, and say what it was.
+What the tests start is tracked by ancestry and by an environment marker every child inherits
+(tests/process_tracking.py), never by command line (vLLM renames its engine cores
+``VLLM::EngineCore``; an orphan has lost its parent). At session end whatever of it still runs is
+named, stopped by pid (SIGTERM, then SIGKILL), and the session fails.
 """
 from __future__ import annotations
 
+import os
 import sys
+import uuid
 
 import psutil
 import pytest
+from process_tracking import ProcessTracker, kill_all, title
+
+MARKER = "PREFILLSHARE_TEST_SESSION"
+_tracker: ProcessTracker | None = None
+
+
+def pytest_sessionstart(session):
+    global _tracker
+    marker = os.environ.setdefault(MARKER, uuid.uuid4().hex)
+    _tracker = ProcessTracker(psutil.Process(), (MARKER, marker))
 
 
 @pytest.hookimpl(trylast=True)
 def pytest_sessionfinish(session, exitstatus):
-    left = psutil.Process().children(recursive=True)
+    if _tracker is None:
+        return
+    left = [p for p in _tracker.stop() if not _pytest_helper(p)]
     if not left:
         return
-    names = sorted({_name(p) for p in left})
-    print(f"\nconftest: stopping {len(left)} process(es) the tests left running: {', '.join(names)}",
-          file=sys.stderr)
-    for p in left:
-        try:
-            p.terminate()
-        except psutil.Error:
-            pass
-    _, alive = psutil.wait_procs(left, timeout=20)
-    for p in alive:
-        try:
-            p.kill()
-        except psutil.Error:
-            pass
-    psutil.wait_procs(alive, timeout=10)
+    print(f"\nconftest: FAIL: {len(left)} process(es) the tests started outlived them: "
+          f"{', '.join(sorted(f'{title(p)} (pid {p.pid})' for p in left))}; stopping them", file=sys.stderr)
+    kill_all(left, grace_s=20)
+    session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
-def _name(p: psutil.Process) -> str:
+def _pytest_helper(p: psutil.Process) -> bool:
+    """pytest's own multiprocessing resource tracker, which ends when pytest does."""
     try:
-        return p.name()
+        return p.ppid() == os.getpid() and "multiprocessing.resource_tracker" in " ".join(p.cmdline())
     except psutil.Error:
-        return "?"
+        return False
+
+
+# The Serve test app (tests/serve_test_app.py): module-scoped, so each module that asks for
+# ``app`` gets its own (the functional and the fault tests run on separate apps).
+from serve_test_app import app, baseline, client, reference  # noqa: E402, F401

@@ -17,10 +17,12 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
+import psutil
 import pytest
 import yaml
+from process_tracking import ProcessTracker, kill_all, title
 from random_models import free_port
-from test_serve_app import _get, _post
+from serve_test_app import _get, _post
 
 from app.training import tasks
 
@@ -30,6 +32,7 @@ ROOT = Path(__file__).resolve().parent.parent
 SERVE = str(ROOT / ".venv" / "bin" / "serve")
 SHIPPED = ROOT / "checkpoints"
 NUM_CONTEXTS = 6
+MARKER = "PREFILLSHARE_CLI_TEST"
 
 
 def _serve_config(port: int, pool: str) -> dict:
@@ -39,22 +42,6 @@ def _serve_config(port: int, pool: str) -> dict:
     app_cfg = cfg["applications"][0]["args"]["config"]
     app_cfg["pool"]["path"] = pool
     return cfg
-
-
-def _kill_tree_by_marker(marker: str) -> None:
-    """Kill leftovers of this test's cluster only: processes whose command line names its temp dir."""
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
-        try:
-            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        if marker in cmd and int(pid) != os.getpid():
-            try:
-                os.kill(int(pid), signal.SIGKILL)
-            except OSError:
-                pass
 
 
 @pytest.fixture(scope="module")
@@ -68,10 +55,12 @@ def served(tmp_path_factory):
     cfg_path.write_text(yaml.safe_dump(_serve_config(port, pool)))
     ray_tmp = f"/tmp/rc{os.getpid()}"
     # serve.sh's default: Ray's token auth on (the token given here instead of ~/.ray/auth_token)
+    marker = secrets.token_hex(8)  # inherited by every process of the app (see process_tracking)
     env = dict(os.environ, PREFILLSHARE_SERVE_CONFIG=str(cfg_path), RAY_TMPDIR=ray_tmp,
-               RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(16))
+               RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(16), **{MARKER: marker})
     proc = subprocess.Popen(["bash", "scripts/serve.sh"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    tracked = ProcessTracker(psutil.Process(proc.pid), (MARKER, marker))
     lines: list[str] = []
     ready = threading.Event()
 
@@ -90,13 +79,17 @@ def served(tmp_path_factory):
         yield {"url": f"http://127.0.0.1:{port}", "env": env, "cfg_path": cfg_path, "port": port,
                "pool": pool, "lines": lines, "proc": proc}
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
+        os.killpg(proc.pid, signal.SIGTERM)  # what Ctrl-C of `make serve` sends its process group
         try:
-            proc.wait(timeout=90)
+            proc.wait(timeout=120)  # serve.sh waits up to 90 s for a graceful stop
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
-        _kill_tree_by_marker(ray_tmp)
+        # waiting for the app's processes to exit, not a timing assertion
+        psutil.wait_procs(tracked.running(), timeout=60)
+        left = tracked.stop()
+        kill_all(left)  # by pid: vLLM's renamed engine cores carry no marker in their command line
         subprocess.run(["rm", "-rf", ray_tmp, pool], check=False)
+        assert not left, f"make serve, stopped, left processes running: {[title(p) for p in left]}"
 
 
 def _fan_out(url: str, context: str, agents: list[tuple[str, str, str]]) -> dict:

@@ -34,7 +34,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
-from app.engine import compute_dtype, kv_pool
+from app.engine import compute_dtype, core_lifetime, kv_pool
 from app.engine.handover_mode import PREFILLSHARE
 from app.sampling import Sampling, TokenLogprob, token_logprobs
 
@@ -305,6 +305,15 @@ def _engine_env(cfg: EngineConfig):
             os.environ.update(saved)
 
 
+_REAP_TIMEOUT_S = 10.0
+
+
+def _core_processes(llm) -> list:
+    """The engine-core processes vLLM started for ``llm`` (its process manager's; none in-process)."""
+    resources = getattr(getattr(llm, "engine_core", None), "resources", None)
+    return list(getattr(getattr(resources, "engine_manager", None), "processes", None) or [])
+
+
 class Engine:
     """An ``AsyncLLM`` with typed inputs and outputs and errors that surface."""
 
@@ -318,6 +327,7 @@ class Engine:
             from vllm.lora.request import LoRARequest
 
             self._loras = {name: LoRARequest(name, i + 1, path) for i, (name, path) in enumerate(cfg.lora_adapters)}
+        core_lifetime.install()  # the engine core dies with this process, even by SIGKILL
         with _engine_env(cfg):
             try:
                 self._llm = AsyncLLM.from_engine_args(cfg.engine_args())
@@ -471,14 +481,20 @@ class Engine:
             raise EngineError(f"engine unhealthy: {e}") from e
 
     def shutdown(self) -> None:
-        """Stop the engine-core process; safe to call twice."""
+        """Stop the engine-core process and reap it; safe to call twice."""
         if self._closed:
             return
         self._closed = True
         llm = getattr(self, "_llm", None)
         if llm is not None:
+            cores = _core_processes(llm)
             with contextlib.suppress(Exception):
-                llm.shutdown()
+                llm.shutdown()  # SIGTERM, a 5 s grace, then SIGKILL of the core's tree
+            for proc in cores:  # vLLM does not wait for the cores it kills
+                proc.join(_REAP_TIMEOUT_S)
+                if proc.is_alive():
+                    proc.kill()
+                    proc.join(_REAP_TIMEOUT_S)
             # Drop the reference now: AsyncLLM.__del__ at interpreter exit is noisy.
             self._llm = None
 

@@ -1,0 +1,140 @@
+"""Stopping the app gives back what it took: `serve run` started twice, leaves no process and no
+/dev/shm file behind. The first run loses a decoder replica to SIGKILL and then gets SIGTERM
+(serve run only exits: Ray kills the replicas, no replica shutdown runs); the second gets SIGINT
+(Ctrl-C, what `make serve` forwards: Serve's graceful shutdown). Every process is tracked by ancestry (a
+descendant of `serve run`, sampled while it runs) and by an environment marker it inherits, so
+vLLM's renamed ``VLLM::EngineCore`` processes are seen whatever their command line says.
+
+A small app of random models (one prefill replica, one decoder). Run through scripts/test.sh
+(loopback-only network namespace).
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import time
+import urllib.error
+import urllib.request
+import uuid
+from pathlib import Path
+
+import psutil
+import pytest
+import yaml
+from process_tracking import ProcessTracker, is_running, kill_all, title
+from random_models import free_port, make_models
+
+pytestmark = [pytest.mark.serve, pytest.mark.engine]
+
+ROOT = Path(__file__).resolve().parent.parent
+SERVE = str(ROOT / ".venv" / "bin" / "serve")
+MARKER = "PREFILLSHARE_STOP_TEST"
+
+
+def _serve_config(paths: dict[str, Path], pool: str, port: int) -> dict:
+    engine = {"dtype": "float32", "max_model_len": 128, "kv_cache_memory_bytes": "64MiB", "block_size": 32,
+              "max_num_seqs": 2, "threads_bind": "nobind"}
+    return {
+        "proxy_location": "HeadOnly",
+        "http_options": {"host": "127.0.0.1", "port": port},
+        "applications": [{"name": "stoptest", "route_prefix": "/", "import_path": "deployments.application:build_app",
+                          "args": {"config": {
+                              "tokenizer": str(paths["tokenizer"]),
+                              "pool": {"path": pool, "capacity_bytes": "64MiB"},
+                              "engine_env": {"VLLM_HOST_IP": "127.0.0.1"},
+                              "prefill_modules": [{"name": "base", "model": str(paths["base"]), "engine": engine,
+                                                   "placement": {"num_replicas": 1, "num_cpus": 0.25}}],
+                              "decoders": [{"name": "alpha", "model": str(paths["alpha"]), "engine": engine,
+                                            "placement": {"num_cpus": 0.25}}],
+                          }}}],
+    }
+
+
+def _ready(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url + "/ready", timeout=10) as r:
+            return r.status == 200
+    except (urllib.error.URLError, ConnectionError, TimeoutError):
+        return False
+
+
+def _shm() -> set[str]:
+    return set(os.listdir("/dev/shm"))
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    return make_models(tmp_path_factory.mktemp("models"), {"alpha": (1, {})})
+
+
+def _run_and_stop(tmp: Path, models: dict[str, Path], pool: str, kill_a_decoder: bool, stop: signal.Signals) -> dict:
+    """One `serve run` from start to ``stop``; what was left of it after, and what it had."""
+    tmp.mkdir()
+    port = free_port()
+    cfg = tmp / "serve.yaml"
+    cfg.write_text(yaml.safe_dump(_serve_config(models, pool, port)))
+    marker = uuid.uuid4().hex
+    ray_tmp = f"/tmp/rst{os.getpid()}{tmp.name[0]}"  # short: Ray's socket paths have a length limit
+    env = dict(os.environ, RAY_TMPDIR=ray_tmp, **{MARKER: marker})
+    log = open(tmp / "serve.log", "w")  # noqa: SIM115 - closed below
+    proc = subprocess.Popen([SERVE, "run", str(cfg)], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    tracked = ProcessTracker(psutil.Process(proc.pid), (MARKER, marker))
+    out = {"killed_cores_left": []}
+    try:
+        url = f"http://127.0.0.1:{port}"
+        for _ in range(300):  # waiting for startup, not a timing assertion
+            if proc.poll() is not None:
+                pytest.fail(f"serve run exited ({proc.returncode}) before the app was ready; see {log.name}")
+            if _ready(url):
+                break
+            time.sleep(2)
+        else:
+            pytest.fail(f"the app was not ready in 10 minutes; see {log.name}")
+        tracked.sample()
+        out["cores"] = sum("EngineCore" in title(p) for p in tracked.running())
+        if kill_a_decoder:  # a replica dies by SIGKILL: its engine core must not outlive it
+            (replica,) = [p for p in tracked.running() if "Decode-alpha" in title(p) and "EngineCore" not in title(p)]
+            cores = [c for c in replica.children(recursive=True) if "EngineCore" in title(c)]
+            assert cores, [title(c) for c in replica.children(recursive=True)]
+            replica.kill()
+            _, alive = psutil.wait_procs(cores, timeout=60)
+            out["killed_cores_left"] = [c for c in alive if is_running(c)]  # waiting for the parent watch
+        os.kill(proc.pid, stop)
+        proc.wait(timeout=180)
+        # waiting for the processes to finish exiting, not a timing assertion
+        tracked.sample()
+        psutil.wait_procs(tracked.running(), timeout=60)
+    finally:
+        left = tracked.stop()
+        out["left"] = [f"{p.pid} {title(p)}" for p in left]
+        kill_all(left)  # never leave them running, even when the assertions below fail
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        log.close()
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+    return out
+
+
+def test_serve_run_stopped_twice_leaves_no_process_and_no_shm_file(tmp_path, models):
+    pool = f"/dev/shm/ps-stop-{os.getpid()}"
+    shm_before = _shm()
+    first = _run_and_stop(tmp_path / "first", models, pool, kill_a_decoder=True, stop=signal.SIGTERM)
+    second = _run_and_stop(tmp_path / "second", models, pool, kill_a_decoder=False, stop=signal.SIGINT)
+    for run in (first, second):
+        assert run["cores"] >= 2, run  # the tracking saw the prefill's and the decoder's engine cores
+        assert run["left"] == [], run
+    assert first["killed_cores_left"] == [], "a SIGKILLed replica's engine core outlived it"
+    new_shm = _shm() - shm_before
+    assert new_shm - {Path(pool).name} == set(), new_shm
+    # POOL (issue 25 item 2, the pool's lifetime, another branch): the clean stop (the second run's
+    # SIGINT) removes the KV pool; the first run's, left by a stop without replica shutdown, is
+    # reclaimed by the second start.
+    # Until that part is merged the test ends here as an expected failure; the merge drops the `if`.
+    if Path(pool).exists():
+        shutil.rmtree(pool, ignore_errors=True)
+        pytest.xfail("the KV pool is still in /dev/shm after a clean stop (pool removal not merged)")
+    assert not Path(pool).exists()
