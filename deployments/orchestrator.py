@@ -175,6 +175,8 @@ class Orchestrator:
             dp = self.plan.decoder(a.model)
             if dp.prefill_module is None:
                 self._fallback(dp.private_reason or "private")
+            elif a.sampling.private_prefill_reason is not None:  # e.g. the decoder's own prompt logprobs
+                self._fallback(a.sampling.private_prefill_reason)
             elif len(a.prompt) > 1:
                 groups.setdefault(dp.prefill_module, []).append(a)
         await asyncio.gather(*[self._prefill_group(m, g, f"{request_id}-{m}", salt) for m, g in groups.items()])

@@ -35,10 +35,11 @@ from deployments.decode_call import DecoderCall
 from deployments.errors import ApiError, Failure, error_body
 from deployments.messages import AgentRunRequest, AgentSpec, AppPlan, CompletionJob, DecodeChunk
 from deployments.openai_format import Answer, ToolCallOut
+from deployments.prompt_options import cache_salt, chat_echo, chat_switches, chat_turns, prompt_logprobs_of, truncated
 from deployments.prompts import Prompter, RenderError
 from deployments.request_options import check_unsupported, sampling_from
 from deployments.schemas import AgentRunBody, ChatBody, CompletionBody, parse, read_body
-from deployments.tools import ToolPlan, plan_tools, read_tool_output, turns
+from deployments.tools import ToolPlan, plan_tools, read_tool_output
 
 
 class _StreamFailed(Exception):
@@ -247,6 +248,11 @@ class Router:
     def _salt(self, tenant: Tenant | None) -> str | None:
         return tenant.salt if tenant else None
 
+    def _answer_options(self, body, ids: list[int]) -> dict:
+        """vLLM's answer switches (return_token_ids, return_tokens_as_token_ids) for Answer."""
+        return {"token_ids": bool(body.return_token_ids), "tokens_as_ids": bool(body.return_tokens_as_token_ids),
+                "first_token": self.prompter.tok.decode(ids[:1])}
+
     # --- routes ---
     @api.get("/healthz")
     async def healthz(self):
@@ -268,10 +274,7 @@ class Router:
         body, tenant = await self._accept(request, CompletionBody)
         check_unsupported(body)
         dp = self._decoder(body.model)
-        if body.echo and body.logprobs is not None:
-            raise ApiError.invalid("echo", "echo: not supported together with logprobs (the prompt's KV comes from "
-                                   "the prefill module, so the decoder computes no prompt log-probabilities)")
-        sampling = self._sampling(body, logprobs=body.logprobs)
+        sampling = self._sampling(body, logprobs=body.logprobs, prompt_logprobs=prompt_logprobs_of(body, body.logprobs))
         if isinstance(body.prompt, list) and body.prompt and isinstance(body.prompt[0], str):
             if len(body.prompt) != 1:
                 raise ApiError.invalid("prompt", "prompt: batches of prompts are not supported; send one")
@@ -279,20 +282,22 @@ class Router:
         if isinstance(body.prompt, str):
             if not body.prompt.strip():
                 raise ApiError.invalid("prompt", "prompt is empty")
-            ids = self.prompter.encode(body.prompt)
+            ids = self.prompter.encode(body.prompt, body.add_special_tokens is not False)
         else:
             ids = list(body.prompt)
             bad = next((i for i, t in enumerate(ids) if not 0 <= t < self.prompter.vocab_size), None)
             if bad is not None:
                 raise ApiError.invalid("prompt", f"prompt[{bad}]: token id {ids[bad]} is outside the vocabulary "
                                        f"[0, {self.prompter.vocab_size})")
+        whole = len(ids)
+        ids = truncated(ids, body, dp.max_model_len, sampling.max_tokens)
         self._check_length(ids, sampling, dp.max_model_len, "prompt")
         job = CompletionJob(f"cmpl-{uuid.uuid4().hex}", body.model, tuple(ids), sampling, "completions",
-                            cache_salt=self._salt(tenant))
+                            cache_salt=cache_salt(self._salt(tenant), body.cache_salt))
         echo = None
         if body.echo:
-            echo = body.prompt if isinstance(body.prompt, str) else self.prompter.decode(ids)
-        answer = Answer(job, chat=False, echo=echo, logprobs=body.logprobs is not None)
+            echo = body.prompt if isinstance(body.prompt, str) and len(ids) == whole else self.prompter.decode(ids)
+        answer = Answer(job, chat=False, echo=echo, logprobs=body.logprobs is not None, **self._answer_options(body, ids))
         return await self._completion(answer, body, None)
 
     @api.post("/v1/chat/completions")
@@ -310,19 +315,26 @@ class Router:
         sampling = self._sampling(
             body, max_tokens=body.max_completion_tokens, max_tokens_param=mt_param,
             logprobs=(body.top_logprobs or 0) if body.logprobs else None, logprobs_param="top_logprobs",
-            constraint=tools.constraint if tools is not None else None)
-        chat_turns = turns(body.messages)
-        if tools is not None:
-            chat_turns = [("system", tools.prompt_line), *chat_turns]
-        try:
-            ids = self.prompter.chat_prompt(chat_turns, model=body.model)
-        except RenderError as e:
-            raise ApiError.invalid("messages", f"messages: {e}") from None
+            constraint=tools.constraint if tools is not None else None,
+            prompt_logprobs=prompt_logprobs_of(body, body.top_logprobs or 0))
+        ids, conversation = self._chat_ids(body, dp, tools)
+        ids = truncated(ids, body, dp.max_model_len, sampling.max_tokens)
         self._check_length(ids, sampling, dp.max_model_len, "messages", mt_param)
         job = CompletionJob(f"chatcmpl-{uuid.uuid4().hex}", body.model, tuple(ids), sampling, "chat",
-                            cache_salt=self._salt(tenant))
-        answer = Answer(job, chat=True, logprobs=body.logprobs)
+                            cache_salt=cache_salt(self._salt(tenant), body.cache_salt))
+        answer = Answer(job, chat=True, logprobs=body.logprobs, echo=chat_echo(body, conversation),
+                        **self._answer_options(body, ids))
         return await self._completion(answer, body, tools)
+
+    def _chat_ids(self, body, dp, tools: ToolPlan | None) -> tuple[list[int], list[tuple[str, str]]]:
+        """A chat body's prompt ids in its decoder's rendering (the chat route and /tokenize)."""
+        conversation = chat_turns(body)
+        if tools is not None:
+            conversation = [("system", tools.prompt_line), *conversation]
+        try:
+            return self.prompter.chat_prompt(conversation, model=dp.name, **chat_switches(body)), conversation
+        except RenderError as e:
+            raise ApiError.invalid("messages", f"messages: {e}") from None
 
     async def _completion(self, answer: Answer, body, tools: ToolPlan | None):
         job = answer.job

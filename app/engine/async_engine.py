@@ -34,7 +34,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
 from app.engine import compute_dtype, kv_pool
-from app.sampling import Sampling, TokenLogprob, token_logprobs
+from app.sampling import Sampling, TokenLogprob, prompt_logprobs, token_logprobs
 
 __all__ = [
     "EngineConfig",
@@ -195,6 +195,7 @@ class EngineOutput:
     new_logprobs: list[TokenLogprob] | None = None  # when the sampling asked for logprobs
     stop_reason: str | int | None = None
     new_text: str = ""  # the text this step added
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # once, when the sampling asked for them
 
 
 @dataclass
@@ -389,6 +390,9 @@ class Engine:
                     return
                 except TimeoutError as e:
                     raise EngineError(f"request {rid} timed out after {self.cfg.request_timeout_s}s") from e
+                plps = None
+                if params.prompt_logprobs is not None and out.prompt_logprobs:
+                    plps = prompt_logprobs(out.prompt_token_ids or ids, out.prompt_logprobs, params.prompt_logprobs)
                 for j, comp in enumerate(out.outputs):
                     new = list(comp.token_ids)
                     ids_so_far = token_ids.setdefault(comp.index, [])
@@ -409,6 +413,7 @@ class Engine:
                                       if params.logprobs is not None else None),
                         stop_reason=comp.stop_reason,
                         new_text=comp.text or "",
+                        prompt_logprobs=plps if j == 0 else None,
                     )
                 if out.finished:
                     return
