@@ -40,6 +40,7 @@ from deployments.prompts import Prompter, RenderError
 from deployments.request_options import check_unsupported, sampling_from
 from deployments.schemas import AgentRunBody, ChatBody, CompletionBody, parse, read_body
 from deployments.tools import ToolPlan, plan_tools, read_tool_output
+from deployments.vllm_endpoints import DetokenizeBody, TokenizeChatBody, tokenize_answer, tokenize_body, version
 
 
 class _StreamFailed(Exception):
@@ -449,6 +450,40 @@ class Router:
             rounds.append(tuple(specs))
         return AgentRunRequest(f"run-{uuid.uuid4().hex}", body.context, tuple(rounds), body.join_outputs,
                                cache_salt=self._salt(tenant))
+
+    # --- vLLM's extra endpoints (deployments/vllm_endpoints.py) ---
+    @api.post("/tokenize")
+    async def tokenize(self, request: Request):
+        body = tokenize_body(await read_body(request, self.limits.max_body_bytes))
+        dp = self._decoder(body.model or self.plan.decoders[0].name)
+        if isinstance(body, TokenizeChatBody):
+            check_unsupported(body)
+            ids, _ = self._chat_ids(body, dp, plan_tools(body, dp.tool_call_format, dp.name))
+        else:
+            ids = self.prompter.encode(body.prompt, body.add_special_tokens)
+        return tokenize_answer(self.prompter.tok, ids, dp.max_model_len, body.return_token_strs)
+
+    @api.post("/detokenize")
+    async def detokenize(self, request: Request):
+        body = parse(await read_body(request, self.limits.max_body_bytes), DetokenizeBody)
+        self._decoder(body.model or self.plan.decoders[0].name)
+        bad = next((i for i, t in enumerate(body.tokens) if not 0 <= t < self.prompter.vocab_size), None)
+        if bad is not None:
+            raise ApiError.invalid("tokens", f"tokens[{bad}]: token id {body.tokens[bad]} is outside the vocabulary "
+                                   f"[0, {self.prompter.vocab_size})")
+        return {"prompt": self.prompter.tok.decode(body.tokens)}
+
+    @api.get("/version")
+    async def version(self):
+        return version()
+
+    @api.get("/health")
+    async def health(self):
+        """vLLM's liveness answer: 200 with an empty body while every deployment is healthy."""
+        app_status = serve.status().applications.get(serve.get_replica_context().app_name)
+        healthy = app_status is None or all(str(d.status).split(".")[-1] == "HEALTHY"
+                                            for d in app_status.deployments.values())
+        return Response(status_code=200 if healthy else 503)
 
     @api.get("/ready")
     async def ready(self):
