@@ -32,7 +32,7 @@ from app.config import AuthConfig, LimitsConfig
 from app.sampling import Sampling
 from deployments.admission import Admission, Outcome, Slot
 from deployments.decode_call import DecoderCall
-from deployments.errors import ApiError, Failure, error_body
+from deployments.errors import ApiError, ErrorCode, Failure, error_body
 from deployments.messages import AgentRunRequest, AgentSpec, AppPlan, CompletionJob, DecodeChunk
 from deployments.openai_format import Answer, ToolCallOut
 from deployments.prompt_options import cache_salt, chat_echo, chat_switches, chat_turns, prompt_logprobs_of, truncated
@@ -154,6 +154,7 @@ class Router:
 
     def _admit(self, route: str) -> Slot:
         if not self.admission.try_enter():
+            self.metrics.overloaded.remote("ingress")
             raise _overloaded(f"server busy: {self.admission.limit} requests in flight on this replica; retry later",
                               self.limits.retry_after_s)
         return Slot(self.admission, route)
@@ -164,12 +165,15 @@ class Router:
         try:
             return await gen.__anext__()
         except BackPressureError as e:
+            self.metrics.overloaded.remote("serve_queue")
             raise _overloaded(f"server busy: {e.message}", self.limits.retry_after_s) from None
         except DeploymentUnavailableError as e:
             raise ApiError(503, f"service unavailable: {e}", None, "unavailable", "server_error",
                            {"Retry-After": str(self.limits.retry_after_s)}) from None
 
     def _failure(self, failure: Failure) -> ApiError:
+        if failure.code is ErrorCode.OVERLOADED:
+            self.metrics.overloaded.remote("engine_queue")
         return ApiError.from_failure(failure, self.limits.retry_after_s)
 
     async def _serve(self, route: str, gen, stream: bool,
