@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 from random_models import make_models, serve_app
+from random_models import post_json as _post
 
 pytestmark = [pytest.mark.serve, pytest.mark.engine]
 
@@ -29,15 +30,6 @@ PROMPT = "order\nname:maya\nitem:lamp\nqty:3\ncity:oslo\nday:tue\ncolor:teal\nsu
 TEMPLATE = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}{% if not (loop.last and continue_final_message is "
             "defined and continue_final_message) %}</{{ m.role }}>{% endif %}{% endfor %}"
             "{% if add_generation_prompt %}<assistant>{% endif %}{% if shout %}!{% endif %}")
-
-
-def _post(url: str, body: dict, timeout: float = 120) -> tuple[int, dict]:
-    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
 
 
 def _get(url: str) -> tuple[int, bytes]:
