@@ -180,6 +180,8 @@ class AppMetrics:
             "prefillshare_overloaded_requests",
             "Requests answered 429 by where the app shed them (ingress admission, a Serve queue, an engine queue)",
             ["stage"], registry=r)
+        for stage in ("ingress", "serve_queue", "engine_queue"):  # zero until the first 429: charts show 0
+            self.overloaded.labels(stage)
         self.router_failovers = Counter(
             "prefillshare_router_failovers",
             "Requests a project request router failed on (by exception type) and left to Serve's default choice",

@@ -7,9 +7,11 @@ route. Like vLLM's server, these routes need no API key.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
-import importlib.metadata
+import importlib.util
 import json
+from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 
@@ -53,5 +55,14 @@ def tokenize_answer(tok, ids: list[int], max_model_len: int, token_strs: bool | 
 
 @functools.cache
 def version() -> dict:
-    """/version as vLLM answers it: the vLLM release the engines run."""
-    return {"version": importlib.metadata.version("vllm")}
+    """/version as vLLM answers it: the vLLM release the engines run (read from vLLM's
+    ``_version.py``; importing the ``vllm`` package itself takes seconds)."""
+    spec = importlib.util.find_spec("vllm")
+    names: dict = {}
+    with contextlib.suppress(Exception):
+        exec(Path(spec.origin).with_name("_version.py").read_text(), names)  # noqa: S102 - vLLM's own file
+    if "__version__" not in names:
+        from vllm.version import __version__
+
+        names["__version__"] = __version__
+    return {"version": names["__version__"]}
