@@ -159,3 +159,22 @@ def test_answer_shapes_token_ids_and_echoed_prompt_logprobs():
     ids = Answer(job, chat=True, logprobs=True, tokens_as_ids=True)
     ids.add(DecodeChunk("cmpl-1", "m", "c", [7], True, "length", logprobs=gen))
     assert ids.choice(0)["logprobs"]["content"][0]["token"] == "token_id:7"
+
+
+def test_streamed_chunks_carry_token_ids_and_the_prompt_ids_once():
+    import json
+
+    from deployments.messages import CompletionJob, DecodeChunk
+    from deployments.openai_format import Answer
+
+    job = CompletionJob("c", "m", (1, 5), Sampling(max_tokens=2))
+    for chat in (False, True):
+        a = Answer(job, chat=chat, token_ids=True)
+        events = []
+        for i, (text, tid) in enumerate((("x", 7), ("y", 8))):
+            chunk = DecodeChunk("c", "m", text, [tid], i == 1, "length" if i == 1 else None)
+            a.add(chunk)
+            events.append(json.loads(a.delta_event(chunk, first=i == 0)[len("data: "):]))
+        assert [e["choices"][0]["token_ids"] for e in events] == [[7], [8]]
+        where = (lambda e: e.get("prompt_token_ids")) if chat else (lambda e: e["choices"][0].get("prompt_token_ids"))
+        assert [where(e) for e in events] == [[1, 5], None]
