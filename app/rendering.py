@@ -81,10 +81,12 @@ class Renderer:
         return {self.fmt.template_file: self.template} if self.format == "chat_template" else {}
 
     # --- chat templates ---
-    def _render(self, tok, messages: Messages, add_generation_prompt: bool) -> str:
+    def _render(self, tok, messages: Messages, add_generation_prompt: bool, continue_final_message: bool = False,
+                template_kwargs: dict | None = None) -> str:
         try:
             text = tok.apply_chat_template([{"role": r, "content": c} for r, c in messages], chat_template=self.template,
-                                           add_generation_prompt=add_generation_prompt, tokenize=False)
+                                           add_generation_prompt=add_generation_prompt, tokenize=False,
+                                           continue_final_message=continue_final_message, **(template_kwargs or {}))
         except Exception as e:  # noqa: BLE001 - jinja raises many types; all mean "cannot render"
             raise RenderError(f"chat template does not render: {type(e).__name__}: {e}") from None
         if not isinstance(text, str):
@@ -116,10 +118,19 @@ class Renderer:
         return prompt, full[len(prompt):]
 
     # --- the three entry points ---
-    def chat_ids(self, tok, messages: Messages) -> list[int]:
-        """A conversation ending in a user turn -> prompt ids (generation prompt included)."""
+    def chat_ids(self, tok, messages: Messages, add_generation_prompt: bool = True,
+                 continue_final_message: bool = False, template_kwargs: dict | None = None) -> list[int]:
+        """A conversation ending in a user turn -> prompt ids (generation prompt included unless
+        ``add_generation_prompt`` is off). ``continue_final_message``: the conversation ends in a
+        partial assistant turn, which the prompt leaves open. ``template_kwargs`` reach a chat
+        template (the suite and text formats have none to read them)."""
         if self.format == "chat_template":
-            return self._ids(tok, self._render(tok, messages, True))
+            return self._ids(tok, self._render(tok, messages, add_generation_prompt, continue_final_message,
+                                               template_kwargs))
+        if continue_final_message:  # the answer so far, as training puts an answer after its prompt
+            *head, (_, partial) = messages
+            sep = " " if self.format == "suite" else ""
+            return self.chat_ids(tok, head) + list(tok(sep + partial, add_special_tokens=False)["input_ids"])
         *earlier, (_, last) = messages  # suite/text: earlier turns are the context, one line each
         text = join_suite("\n".join(c for _, c in earlier), last) if earlier else last
         return list(tok(text)["input_ids"])

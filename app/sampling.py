@@ -29,15 +29,24 @@ class SamplingError(ValueError):
 @dataclass(frozen=True)
 class StructuredOutput:
     """A constraint on the generated text, enforced by vLLM's structured-output backend from
-    the first generated token: any JSON object, or JSON valid against ``json_schema`` (JSON text,
-    so the message stays hashable and cheap to send)."""
+    the first generated token: any JSON object, JSON valid against ``json_schema`` (JSON text,
+    so the message stays hashable and cheap to send), text matching ``regex``, one of
+    ``choice``, or text of an EBNF ``grammar`` (vLLM's ``structured_outputs`` kinds)."""
 
     json_object: bool = False
     json_schema: str | None = None
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
 
     def __post_init__(self) -> None:
-        if self.json_object == (self.json_schema is not None):
-            raise SamplingError("response_format", "give exactly one of json_object or json_schema")
+        if self.choice is not None:
+            object.__setattr__(self, "choice", tuple(self.choice))
+        kinds = [self.json_object, self.json_schema is not None, self.regex is not None, self.choice is not None,
+                 self.grammar is not None]
+        if sum(kinds) != 1:
+            raise SamplingError("structured_outputs", "give exactly one of json_object, json, regex, choice or "
+                                "grammar")
 
     @classmethod
     def for_schema(cls, schema: dict[str, Any]) -> StructuredOutput:
@@ -48,7 +57,11 @@ class StructuredOutput:
 
         if self.json_object:
             return StructuredOutputsParams(json_object=True)
-        return StructuredOutputsParams(json=self.json_schema)
+        if self.json_schema is not None:
+            return StructuredOutputsParams(json=self.json_schema)
+        if self.choice is not None:
+            return StructuredOutputsParams(choice=list(self.choice))
+        return StructuredOutputsParams(regex=self.regex, grammar=self.grammar)
 
 
 @dataclass(frozen=True)
@@ -65,6 +78,13 @@ class Sampling:
     stop: tuple[str, ...] = ()  # the text ends before the first stop string (not included, as in OpenAI)
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    min_tokens: int = 0  # neither eos nor stop_token_ids end a sequence before this many tokens
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    bad_words: tuple[str, ...] = ()  # never generated (vLLM bans each word's token sequence)
+    allowed_token_ids: tuple[int, ...] | None = None  # the only tokens that may be sampled
+    prompt_logprobs: int | None = None  # alternatives per prompt token: needs the decoder's own prefill
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
@@ -81,6 +101,18 @@ class Sampling:
         if isinstance(self.logit_bias, dict):
             object.__setattr__(self, "logit_bias", tuple(sorted(self.logit_bias.items())))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        object.__setattr__(self, "bad_words", tuple(self.bad_words))
+        if self.allowed_token_ids is not None:
+            object.__setattr__(self, "allowed_token_ids", tuple(self.allowed_token_ids))
+            if not self.allowed_token_ids:
+                raise SamplingError("allowed_token_ids", "must not be empty")
+        for t in self.stop_token_ids:
+            _int_range("stop_token_ids", t, 0, INT64_MAX)
+        for t in self.allowed_token_ids or ():
+            _int_range("allowed_token_ids", t, 0, INT64_MAX)
+        for i, w in enumerate(self.bad_words):
+            if not isinstance(w, str) or not w:
+                raise SamplingError("bad_words", f"bad_words[{i}] must be a non-empty string")
         if self.max_tokens is not None:
             _int_range("max_tokens", self.max_tokens, 1, INT64_MAX)
         _float_range("temperature", self.temperature, 0.0, 2.0)
@@ -103,6 +135,18 @@ class Sampling:
             _float_range("logit_bias", bias, -100.0, 100.0)
         if self.logprobs is not None:
             _int_range("logprobs", self.logprobs, 0, INT64_MAX)
+        if self.prompt_logprobs is not None:
+            _int_range("prompt_logprobs", self.prompt_logprobs, 0, INT64_MAX)
+        _int_range("min_tokens", self.min_tokens, 0, INT64_MAX)
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise SamplingError("min_tokens", f"must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
+
+    @property
+    def private_prefill_reason(self) -> str | None:
+        """Why this request must prefill on its decoder (a fallback reason), or None: prompt
+        log-probabilities are the decoder's own, and vLLM computes them only for tokens it
+        prefills itself (it reads neither its prefix cache nor a KV connector for them)."""
+        return "prompt_logprobs" if self.prompt_logprobs is not None else None
 
     def to_vllm(self):
         """vLLM's SamplingParams (delta outputs: each step carries only what is new)."""
@@ -120,6 +164,13 @@ class Sampling:
             stop=list(self.stop) or None,
             stop_token_ids=list(self.stop_token_ids),
             ignore_eos=self.ignore_eos,
+            min_tokens=self.min_tokens,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            skip_special_tokens=self.skip_special_tokens,
+            spaces_between_special_tokens=self.spaces_between_special_tokens,
+            bad_words=list(self.bad_words) or None,
+            allowed_token_ids=list(self.allowed_token_ids) if self.allowed_token_ids is not None else None,
+            prompt_logprobs=self.prompt_logprobs,
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty,
@@ -135,6 +186,7 @@ class TopLogprob:
     token_id: int
     token: str
     logprob: float
+    rank: int | None = None  # 1 for the most likely token
 
 
 @dataclass(frozen=True)
@@ -145,6 +197,7 @@ class TokenLogprob:
     token: str
     logprob: float
     top: tuple[TopLogprob, ...] = ()
+    rank: int | None = None
 
 
 def token_logprobs(token_ids, logprobs, k: int) -> list[TokenLogprob]:
@@ -157,7 +210,17 @@ def token_logprobs(token_ids, logprobs, k: int) -> list[TokenLogprob]:
                      key=lambda x: x[1].rank)
         out.append(TokenLogprob(
             int(tid), (chosen.decoded_token or "") if chosen else "", _finite(chosen.logprob if chosen else -math.inf),
-            tuple(TopLogprob(int(t), lp.decoded_token or "", _finite(lp.logprob)) for t, lp in top)))
+            tuple(TopLogprob(int(t), lp.decoded_token or "", _finite(lp.logprob), lp.rank) for t, lp in top),
+            chosen.rank if chosen else None))
+    return out
+
+
+def prompt_logprobs(prompt_ids, logprobs, k: int) -> list[TokenLogprob | None]:
+    """vLLM's prompt log-probabilities -> one entry per prompt token; the first is None (nothing
+    precedes it), as in vLLM's answer."""
+    out: list[TokenLogprob | None] = []
+    for tid, pos in zip(prompt_ids, logprobs or ()):
+        out.append(None if pos is None else token_logprobs([tid], [pos], k)[0])
     return out
 
 

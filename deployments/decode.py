@@ -78,4 +78,5 @@ class DecodeServer(EngineHost):
                 finish_reason=out.finish_reason, num_prompt_tokens=out.num_prompt_tokens,
                 num_cached_tokens=out.num_cached_tokens, num_generated_tokens=out.num_generated_tokens,
                 ttft_s=ttft, index=out.index, logprobs=out.new_logprobs, stop_reason=out.stop_reason,
+                prompt_logprobs=out.prompt_logprobs,
             )

@@ -89,6 +89,7 @@ class Output:
     error: Failure | None = None
     prefill_module: str | None = None  # who computed the shared KV (None: private prefill)
     prefill_replica: str | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # the decoder's, when the sampling asked
 
     def seq(self, index: int = 0) -> Sequence:
         return self.seqs.get(index) or Sequence()
@@ -101,6 +102,8 @@ class Output:
         q = self.seqs.setdefault(chunk.index, Sequence())
         q.add(chunk)
         self.num_cached_tokens = chunk.num_cached_tokens
+        if chunk.prompt_logprobs is not None:
+            self.prompt_logprobs = chunk.prompt_logprobs
         return q
 
 

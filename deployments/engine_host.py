@@ -1,17 +1,20 @@
 """EngineHost: what every engine-running replica (prefill or decode) shares.
 
 One vLLM engine per replica, an in-flight count reported to the Metrics deployment (the
-router's load signal and the queue gauge), and the health probe Serve calls periodically:
-a dead engine core marks the replica unhealthy, so Serve restarts it.
+router's load signal and the queue gauge), the engine's own vllm:* metrics sent there too
+(deployments/metrics.py), and the health probe Serve calls periodically: a dead engine core
+marks the replica unhealthy, so Serve restarts it.
 """
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import Iterator
 
 from ray import serve
 
 from app.engine.async_engine import Engine, EngineConfig
+from deployments.metrics import ENGINE_PUSH_S, engine_samples
 
 
 class EngineHost:
@@ -24,6 +27,16 @@ class EngineHost:
         self.replica_id = ctx.replica_id.unique_id
         self.deployment = ctx.deployment
         self.in_flight = 0
+        if metrics is not None:
+            self._engine_metrics = asyncio.get_running_loop().create_task(self._push_engine_metrics())
+
+    async def _push_engine_metrics(self) -> None:
+        """vLLM's stat logger keeps this replica's vllm:* metrics; the Metrics deployment exports them."""
+        name = next(iter(self._identity().values()), self.deployment)
+        while True:
+            with contextlib.suppress(Exception):  # a missed push only delays the next scrape's numbers
+                self.metrics.engine.remote(self.deployment, self.replica_id, engine_samples(name))
+            await asyncio.sleep(ENGINE_PUSH_S)
 
     @contextlib.contextmanager
     def _in_flight(self) -> Iterator[None]:

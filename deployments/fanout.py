@@ -89,6 +89,8 @@ class FanOut:
             dp = self.plan.decoder(p.leg.model)
             if dp.prefill_module is None:
                 self.engines.fallback(dp.private_reason or "private")
+            elif p.leg.sampling.private_prefill_reason is not None:  # e.g. the decoder's own prompt logprobs
+                self.engines.fallback(p.leg.sampling.private_prefill_reason)
             elif len(p.leg.prompt) > 1:  # a one-token prompt has nothing to hand over
                 groups.setdefault(dp.prefill_module, []).append(p)
         await asyncio.gather(*[self._prefill_group(m, g, f"{request_id}-{m}", salt) for m, g in groups.items()])

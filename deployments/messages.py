@@ -69,6 +69,7 @@ class DecodeChunk:
     index: int = 0
     logprobs: list[TokenLogprob] | None = None
     stop_reason: str | int | None = None  # the stop string (or token id) that ended the sequence
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # the decoder's, once (Sampling.prompt_logprobs)
     prefill_module: str | None = None  # set by the caller (decode_call.py): who computed the shared KV
     prefill_replica: str | None = None
 

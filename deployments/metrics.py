@@ -2,15 +2,21 @@
 
 Prefill, decode and routing happen in different replicas; each reports plain events here
 (fire-and-forget) and `GET /metrics` on the ingress renders this one registry, so a scrape
-sees the whole app without Ray's metrics agent. Every name is documented in docs/serving.md.
+sees the whole app without Ray's metrics agent. Beside the project's ``prefillshare_*`` names
+it carries vLLM's own ``vllm:*`` metrics: vLLM's Prometheus stat logger runs inside every engine
+replica, which sends its samples here every ``ENGINE_PUSH_S`` (:func:`engine_samples`); they are
+exported labelled by ``deployment`` and ``replica``, with vLLM's ``model_name`` set to the served
+decoder (or prefill module), as Ray Serve LLM labels them. Every name is documented in
+docs/serving.md; k8s/chart/dashboards/prefillshare.json charts them.
 """
 from __future__ import annotations
 
 import re
+import time
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from ray import serve
 
 disable_created_metrics()  # no *_created series: they double every counter's lines for no use here
@@ -89,6 +95,50 @@ class PoolCollector:
                                     value=hits / (hits + misses))
 
 
+ENGINE_PUSH_S = 2.0  # how often an engine replica sends its vllm:* samples
+ENGINE_STALE_S = 30.0  # samples of a replica silent this long are dropped (a replica that is gone)
+
+# (family name, help, type, [(sample name, labels, value)]): plain data, sent through Ray
+EngineFamily = tuple[str, str, str, list[tuple[str, dict[str, str], float]]]
+
+
+def engine_samples(model_name: str, registry=None) -> list[EngineFamily]:
+    """The ``vllm:*`` families of this process (vLLM's stat logger registers them in the default
+    registry), with vLLM's ``model_name`` label set to the served name."""
+    from prometheus_client import REGISTRY
+
+    out = []
+    for fam in (registry or REGISTRY).collect():
+        if not fam.name.startswith("vllm:"):
+            continue
+        samples = [(x.name, {**x.labels, "model_name": model_name} if "model_name" in x.labels else dict(x.labels),
+                    x.value) for x in fam.samples]
+        out.append((fam.name, fam.documentation, fam.type, samples))
+    return out
+
+
+class EngineCollector:
+    """The engines' vllm:* families, one per name, each sample labelled by its replica."""
+
+    def __init__(self) -> None:
+        self.replicas: dict[tuple[str, str], tuple[float, list[EngineFamily]]] = {}
+
+    def update(self, deployment: str, replica: str, families: list[EngineFamily]) -> None:
+        self.replicas[(deployment, replica)] = (time.monotonic(), families)
+
+    def collect(self):
+        now = time.monotonic()
+        for key in [k for k, (t, _) in self.replicas.items() if now - t > ENGINE_STALE_S]:
+            del self.replicas[key]
+        merged: dict[str, Metric] = {}
+        for (deployment, replica), (_, families) in sorted(self.replicas.items()):
+            for name, doc, kind, samples in families:
+                m = merged.setdefault(name, Metric(name, doc, kind))
+                for sample, labels, value in samples:
+                    m.add_sample(sample, {**labels, "deployment": deployment, "replica": replica}, value)
+        yield from merged.values()
+
+
 class AppMetrics:
     """The registry and its instruments; pure prometheus_client, usable without Ray."""
 
@@ -96,6 +146,8 @@ class AppMetrics:
         r = self.registry = CollectorRegistry()
         if pool_path:
             r.register(PoolCollector(pool_path))
+        self.engines = EngineCollector()
+        r.register(self.engines)
         ma = ["model", "agent"]
         self.ttft = Histogram("prefillshare_ttft_seconds", "Time to first token seen by the app",
                               ma, buckets=_LATENCY_BUCKETS, registry=r)
@@ -124,6 +176,12 @@ class AppMetrics:
         self.bytes_moved = Counter("prefillshare_kv_bytes_moved",
                                    "Bytes of KV decoders loaded from the pool", ["model"], registry=r)
         self.fallbacks = Counter("prefillshare_fallbacks", "Fallbacks by reason", ["reason"], registry=r)
+        self.overloaded = Counter(
+            "prefillshare_overloaded_requests",
+            "Requests answered 429 by where the app shed them (ingress admission, a Serve queue, an engine queue)",
+            ["stage"], registry=r)
+        for stage in ("ingress", "serve_queue", "engine_queue"):  # zero until the first 429: charts show 0
+            self.overloaded.labels(stage)
         self.router_failovers = Counter(
             "prefillshare_router_failovers",
             "Requests a project request router failed on (by exception type) and left to Serve's default choice",
@@ -200,9 +258,14 @@ class MetricsServer:
 
     def vllm_nixl(self, module: str, increments: dict[str, float]) -> None:
         self.m.vllm_nixl(module, increments)
+    def overloaded(self, stage: str) -> None:
+        self.m.overloaded.labels(stage).inc()
 
     def queue(self, deployment: str, replica: str, n: int) -> None:
         self.m.queue.labels(deployment, replica).set(n)
+
+    def engine(self, deployment: str, replica: str, families: list[EngineFamily]) -> None:
+        self.m.engines.update(deployment, replica, families)
 
     def render(self) -> bytes:
         return self.m.render()

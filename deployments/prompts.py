@@ -42,21 +42,22 @@ class Prompter:
     def renderer(self, model: str | None) -> Renderer:
         return self.renderers.get(model, _SUITE) if model is not None else _SUITE
 
-    def encode(self, text: str) -> list[int]:
-        """Ids as the engines' tokenizer makes them (BOS from the post-processor)."""
-        return list(self.tok(text)["input_ids"])
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Ids as the engines' tokenizer makes them (BOS from the post-processor unless
+        ``add_special_tokens`` is off)."""
+        return list(self.tok(text, add_special_tokens=add_special_tokens)["input_ids"])
 
     def agent_prompt(self, context: str, instruction: str, model: str | None = None) -> list[int]:
         """One agent's prompt: the shared context first, then its instruction, in ``model``'s format."""
         return self.renderer(model).agent_ids(self.tok, context, instruction)
 
-    def chat_prompt(self, messages: Sequence[tuple[str, str]], model: str | None = None) -> list[int]:
+    def chat_prompt(self, messages: Sequence[tuple[str, str]], model: str | None = None, **switches) -> list[int]:
         """(role, content) text turns ending in a user turn -> prompt ids in ``model``'s format: its
         chat template with the generation prompt, or (suite) earlier turns as context lines and the
-        last turn as the instruction."""
+        last turn as the instruction. ``switches``: vLLM's chat-template switches (Renderer.chat_ids)."""
         if not messages:
             raise RenderError("messages: at least one message is needed")
-        return self.renderer(model).chat_ids(self.tok, messages)
+        return self.renderer(model).chat_ids(self.tok, messages, **switches)
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.tok.decode(list(ids), skip_special_tokens=True)

@@ -34,14 +34,30 @@ UNSUPPORTED: dict[str, tuple[tuple, str]] = {
     "prompt_cache_retention": ((None,), "prefix-cache retention is managed by the server"),
 }
 
-# vLLM's own request extensions that change the output and are not implemented: refused rather
-# than ignored (a client that sends them expects them to act).
-VLLM_UNSUPPORTED = ("structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
-                    "min_tokens", "ignore_eos", "stop_token_ids", "include_stop_str_in_output", "bad_words",
-                    "allowed_token_ids", "prompt_logprobs", "use_beam_search", "length_penalty",
-                    "truncate_prompt_tokens", "skip_special_tokens", "add_special_tokens", "logprob_token_ids",
-                    "chat_template", "chat_template_kwargs", "add_generation_prompt", "continue_final_message",
-                    "echo_prompt", "min_p_tokens", "priority", "thinking_token_budget")
+# vLLM 0.32's request extensions that cannot mean here what they mean on vLLM's server: name ->
+# (values that mean "off", why not). Refused by name rather than ignored (a client that sends
+# them expects them to act); docs/serving.md has the table of every extension.
+_REMOVED_GUIDED = "removed from vLLM (0.32 ignores it, leaving the output unconstrained); use structured_outputs"
+VLLM_UNSUPPORTED: dict[str, tuple[tuple, str]] = {
+    **{f"guided_{k}": ((None,), _REMOVED_GUIDED)
+       for k in ("json", "regex", "choice", "grammar", "decoding_backend", "whitespace_pattern")},
+    "use_beam_search": ((None, False), "beam search is not implemented"),
+    "length_penalty": ((None, 1, 1.0), "beam search is not implemented"),
+    "logprob_token_ids": ((None, []), "log-probabilities of chosen token ids are not implemented; use logprobs"),
+    "chat_template": ((None,), "a decoder is rendered the way it was trained (its manifest's prompt format)"),
+    "thinking_token_budget": ((None, -1), "the decoders are not reasoning models"),
+    "prompt_embeds": ((None,), "the shared prefill works on token ids, not embeddings"),
+    "kv_transfer_params": ((None,), "the app moves the KV between its engines itself"),
+    "ec_transfer_params": ((None,), "the decoders have no encoders"),
+    "vllm_xargs": ((None,), "the engines load no custom extensions"),
+    "repetition_detection": ((None,), "repetition detection is not implemented"),
+    "watermarking": ((None, False), "watermarking is not implemented"),
+    "documents": ((None,), "the decoders' renderings take no documents"),
+    "mm_processor_kwargs": ((None,), "the decoders take text only"),
+    "media_io_kwargs": ((None,), "the decoders take text only"),
+    "echo_prompt": ((None,), "not an option of this server; use echo"),
+    "min_p_tokens": ((None,), "not an option of this server"),
+}
 
 
 def check_unsupported(body) -> None:
@@ -52,17 +68,21 @@ def check_unsupported(body) -> None:
             value = getattr(body, name)
             if value not in off:
                 raise ApiError(400, f"{name}: not supported by this server ({why})", name, "unsupported_parameter")
-    for name in VLLM_UNSUPPORTED:
-        if name in (body.model_extra or {}):
-            raise ApiError(400, f"{name}: vLLM's extension is not supported by this server", name,
+    extra = body.model_extra or {}
+    for name, (off, why) in VLLM_UNSUPPORTED.items():
+        if name in extra and extra[name] not in off:
+            raise ApiError(400, f"{name}: vLLM's extension is not supported by this server ({why})", name,
                            "unsupported_parameter")
 
 
 @functools.lru_cache(maxsize=256)
-def _checked_schema(text: str) -> str | None:
-    """The problem xgrammar (the engines' structured-output backend) finds in a JSON schema."""
+def _checked_schema(text: str, kind: str = "json") -> str | None:
+    """The problem xgrammar (the engines' structured-output backend) finds in a JSON schema (or a
+    regex, or an EBNF grammar: ``kind``)."""
+    build = {"json": xgrammar.Grammar.from_json_schema, "regex": xgrammar.Grammar.from_regex,
+             "grammar": xgrammar.Grammar.from_ebnf}[kind]
     try:
-        xgrammar.Grammar.from_json_schema(text)
+        build(text)
     except Exception as e:  # noqa: BLE001 - any refusal is the client's schema
         line = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
         return re.sub(r"^\[[^\]]*\]\s*\S+:\d+:\s*", "", line)[:300]  # drop xgrammar's time and source line
@@ -85,6 +105,42 @@ def structured(response_format, param: str) -> StructuredOutput | None:
     return schema_constraint(schema, f"{where}.schema")
 
 
+def structured_outputs(so, response_format, param: str) -> StructuredOutput | None:
+    """vLLM's ``structured_outputs`` (one kind, checked here like a schema) or ``response_format``."""
+    if so is None:
+        return structured(response_format, param + "response_format")
+    if response_format is not None and response_format.type != "text":
+        raise ApiError.invalid(param + "structured_outputs", f"{param}structured_outputs: give it or "
+                               "response_format, not both")
+    where = param + "structured_outputs"
+    given = [k for k in ("json_", "regex", "choice", "grammar", "json_object") if getattr(so, k) not in (None, False)]
+    if len(given) != 1:
+        raise ApiError.invalid(where, f"{where}: give exactly one of json, regex, choice, grammar or json_object")
+    kind = given[0]
+    if kind == "json_":
+        schema = so.json_ if isinstance(so.json_, dict) else _json_object(so.json_, where + ".json")
+        return schema_constraint(schema, where + ".json")
+    if kind == "json_object":
+        return StructuredOutput(json_object=True)
+    if kind == "choice":
+        return StructuredOutput(choice=tuple(so.choice))
+    text = getattr(so, kind)
+    problem = _checked_schema(text, kind)
+    if problem is not None:
+        raise ApiError.invalid(f"{where}.{kind}", f"{where}.{kind}: not a usable {kind}: {problem}")
+    return StructuredOutput(**{kind: text})
+
+
+def _json_object(text: str, param: str) -> dict:
+    try:
+        schema = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ApiError.invalid(param, f"{param}: not JSON: {e}") from None
+    if not isinstance(schema, dict):
+        raise ApiError.invalid(param, f"{param}: a JSON schema object is required")
+    return schema
+
+
 def schema_constraint(schema: dict[str, Any], param: str) -> StructuredOutput:
     text = json.dumps(schema, sort_keys=True)
     problem = _checked_schema(text)
@@ -96,7 +152,7 @@ def schema_constraint(schema: dict[str, Any], param: str) -> StructuredOutput:
 def sampling_from(body, limits: LimitsConfig, eos_token_id: int | None, vocab_size: int, *, prefix: str = "",
                   max_tokens: int | None = None, max_tokens_param: str = "max_tokens",
                   logprobs: int | None = None, logprobs_param: str = "logprobs",
-                  constraint: StructuredOutput | None = None) -> Sampling:
+                  constraint: StructuredOutput | None = None, prompt_logprobs: int | None = None) -> Sampling:
     """The request's Sampling, within the app's caps (limits.*), or ApiError naming the field."""
     p = prefix
     if max_tokens is None:
@@ -124,7 +180,25 @@ def sampling_from(body, limits: LimitsConfig, eos_token_id: int | None, vocab_si
                                    f"got {k!r}")
         bias.append((int(k), float(v)))
     if constraint is None:
-        constraint = structured(body.response_format, p + "response_format")
+        constraint = structured_outputs(body.structured_outputs, body.response_format, p)
+    elif body.structured_outputs is not None:
+        raise ApiError.invalid(p + "structured_outputs", f"{p}structured_outputs: cannot be combined with tools (the "
+                               "tool call is the structured output)")
+    if body.priority not in (None, 0):
+        raise ApiError.invalid(p + "priority", f"{p}priority: the engines schedule first come, first served; vLLM "
+                               "refuses a priority other than 0 too unless started with --scheduling-policy priority")
+    for name in ("stop_token_ids", "allowed_token_ids"):
+        for t in getattr(body, name) or ():
+            if not 0 <= t < vocab_size:
+                raise ApiError.invalid(p + name, f"{p}{name}: token ids are in [0, {vocab_size}), got {t}")
+    if prompt_logprobs is not None and prompt_logprobs > limits.max_logprobs:
+        raise ApiError.invalid(p + "prompt_logprobs", f"{p}prompt_logprobs must be <= {limits.max_logprobs}, "
+                               f"got {prompt_logprobs}")
+    ignore_eos = bool(body.ignore_eos)
+    # eos ends a sequence through stop_token_ids (the decoders' own generation configs may not name
+    # it); ignore_eos leaves it out, as vLLM's server leaves out the eos check
+    stop_ids = [] if ignore_eos or eos_token_id is None else [eos_token_id]
+    stop_ids += [t for t in body.stop_token_ids or () if t not in stop_ids]
     defaults = Sampling()
     try:
         return Sampling(
@@ -136,7 +210,15 @@ def sampling_from(body, limits: LimitsConfig, eos_token_id: int | None, vocab_si
             seed=body.seed,
             n=n,
             stop=tuple(stop),
-            stop_token_ids=() if eos_token_id is None else (eos_token_id,),
+            stop_token_ids=tuple(stop_ids),
+            ignore_eos=ignore_eos,
+            min_tokens=body.min_tokens or 0,
+            include_stop_str_in_output=bool(body.include_stop_str_in_output),
+            skip_special_tokens=_flag(body.skip_special_tokens, True),
+            spaces_between_special_tokens=_flag(body.spaces_between_special_tokens, True),
+            bad_words=tuple(body.bad_words or ()),
+            allowed_token_ids=tuple(body.allowed_token_ids) if body.allowed_token_ids is not None else None,
+            prompt_logprobs=prompt_logprobs,
             presence_penalty=_num(body.presence_penalty, 0.0),
             frequency_penalty=_num(body.frequency_penalty, 0.0),
             repetition_penalty=_num(body.repetition_penalty, 1.0),
@@ -150,4 +232,8 @@ def sampling_from(body, limits: LimitsConfig, eos_token_id: int | None, vocab_si
 
 
 def _num(value, default: float) -> float:
+    return default if value is None else value
+
+
+def _flag(value: bool | None, default: bool) -> bool:
     return default if value is None else value

@@ -34,15 +34,17 @@ from app.plan import AppPlan
 from app.sampling import Sampling
 from deployments.admission import Admission, Outcome, Slot
 from deployments.decode_call import DecoderCall, Output
-from deployments.errors import ApiError, Failure, error_body
+from deployments.errors import ApiError, ErrorCode, Failure, error_body
 from deployments.fanout import FanOut, Leg
 from deployments.messages import AgentRunRequest, AgentSpec, CompletionJob, DecodeChunk
 from deployments.openai_format import Answer, ToolCallOut
+from deployments.prompt_options import cache_salt, chat_echo, chat_switches, chat_turns, prompt_logprobs_of, truncated
 from deployments.prompts import Prompter, RenderError
 from deployments.request_options import check_unsupported, sampling_from
 from deployments.schemas import AgentRunBody, ChatBody, CompletionBody, parse, read_body
 from deployments.serve_engines import ServeEngines
-from deployments.tools import ToolPlan, plan_tools, read_tool_output, turns
+from deployments.tools import ToolPlan, plan_tools, read_tool_output
+from deployments.vllm_endpoints import DetokenizeBody, TokenizeChatBody, tokenize_answer, tokenize_body, version
 
 
 class _StreamFailed(Exception):
@@ -155,6 +157,7 @@ class Router:
 
     def _admit(self, route: str) -> Slot:
         if not self.admission.try_enter():
+            self.metrics.overloaded.remote("ingress")
             raise _overloaded(f"server busy: {self.admission.limit} requests in flight on this replica; retry later",
                               self.limits.retry_after_s)
         return Slot(self.admission, route)
@@ -165,12 +168,15 @@ class Router:
         try:
             return await gen.__anext__()
         except BackPressureError as e:
+            self.metrics.overloaded.remote("serve_queue")
             raise _overloaded(f"server busy: {e.message}", self.limits.retry_after_s) from None
         except DeploymentUnavailableError as e:
             raise ApiError(503, f"service unavailable: {e}", None, "unavailable", "server_error",
                            {"Retry-After": str(self.limits.retry_after_s)}) from None
 
     def _failure(self, failure: Failure, route: str) -> ApiError:
+        if failure.code is ErrorCode.OVERLOADED:
+            self.metrics.overloaded.remote("engine_queue")
         return ApiError.from_failure(failure, route, self.limits.retry_after_s)
 
     async def _serve(self, route: str, gen, stream: bool,
@@ -251,6 +257,11 @@ class Router:
     def _salt(self, tenant: Tenant | None) -> str | None:
         return tenant.salt if tenant else None
 
+    def _answer_options(self, body, ids: list[int]) -> dict:
+        """vLLM's answer switches (return_token_ids, return_tokens_as_token_ids) for Answer."""
+        return {"token_ids": bool(body.return_token_ids), "tokens_as_ids": bool(body.return_tokens_as_token_ids),
+                "first_token": self.prompter.tok.decode(ids[:1])}
+
     # --- routes ---
     @api.get("/healthz")
     async def healthz(self):
@@ -272,10 +283,7 @@ class Router:
         body, tenant = await self._accept(request, CompletionBody)
         check_unsupported(body)
         dp = self._decoder(body.model)
-        if body.echo and body.logprobs is not None:
-            raise ApiError.invalid("echo", "echo: not supported together with logprobs (the prompt's KV comes from "
-                                   "the prefill module, so the decoder computes no prompt log-probabilities)")
-        sampling = self._sampling(body, logprobs=body.logprobs)
+        sampling = self._sampling(body, logprobs=body.logprobs, prompt_logprobs=prompt_logprobs_of(body, body.logprobs))
         if isinstance(body.prompt, list) and body.prompt and isinstance(body.prompt[0], str):
             if len(body.prompt) != 1:
                 raise ApiError.invalid("prompt", "prompt: batches of prompts are not supported; send one")
@@ -283,20 +291,23 @@ class Router:
         if isinstance(body.prompt, str):
             if not body.prompt.strip():
                 raise ApiError.invalid("prompt", "prompt is empty")
-            ids = self.prompter.encode(body.prompt)
+            ids = self.prompter.encode(body.prompt, body.add_special_tokens is not False)
         else:
             ids = list(body.prompt)
             bad = next((i for i, t in enumerate(ids) if not 0 <= t < self.prompter.vocab_size), None)
             if bad is not None:
                 raise ApiError.invalid("prompt", f"prompt[{bad}]: token id {ids[bad]} is outside the vocabulary "
                                        f"[0, {self.prompter.vocab_size})")
+        whole = len(ids)
+        ids = truncated(ids, body, dp.max_model_len, sampling.max_tokens)
         self._check_length(ids, sampling, dp.max_model_len, "prompt")
         job = CompletionJob(f"cmpl-{uuid.uuid4().hex}", body.model, tuple(ids), sampling, "completions",
-                            cache_salt=self._salt(tenant))
+                            cache_salt=cache_salt(self._salt(tenant), body.cache_salt))
         echo = None
         if body.echo:
-            echo = body.prompt if isinstance(body.prompt, str) else self.prompter.decode(ids)
-        return await self._completion(job, body, None, chat=False, echo=echo, logprobs=body.logprobs is not None)
+            echo = body.prompt if isinstance(body.prompt, str) and len(ids) == whole else self.prompter.decode(ids)
+        return await self._completion(job, body, None, chat=False, echo=echo, logprobs=body.logprobs is not None,
+                                      **self._answer_options(body, ids))
 
     @api.post("/v1/chat/completions")
     async def chat(self, request: Request):
@@ -313,23 +324,30 @@ class Router:
         sampling = self._sampling(
             body, max_tokens=body.max_completion_tokens, max_tokens_param=mt_param,
             logprobs=(body.top_logprobs or 0) if body.logprobs else None, logprobs_param="top_logprobs",
-            constraint=tools.constraint if tools is not None else None)
-        chat_turns = turns(body.messages)
-        if tools is not None:
-            chat_turns = [("system", tools.prompt_line), *chat_turns]
-        try:
-            ids = self.prompter.chat_prompt(chat_turns, model=body.model)
-        except RenderError as e:
-            raise ApiError.invalid("messages", f"messages: {e}") from None
+            constraint=tools.constraint if tools is not None else None,
+            prompt_logprobs=prompt_logprobs_of(body, body.top_logprobs or 0))
+        ids, conversation = self._chat_ids(body, dp, tools)
+        ids = truncated(ids, body, dp.max_model_len, sampling.max_tokens)
         self._check_length(ids, sampling, dp.max_model_len, "messages", mt_param)
         job = CompletionJob(f"chatcmpl-{uuid.uuid4().hex}", body.model, tuple(ids), sampling, "chat",
-                            cache_salt=self._salt(tenant))
-        return await self._completion(job, body, tools, chat=True, logprobs=bool(body.logprobs))
+                            cache_salt=cache_salt(self._salt(tenant), body.cache_salt))
+        return await self._completion(job, body, tools, chat=True, echo=chat_echo(body, conversation),
+                                      logprobs=bool(body.logprobs), **self._answer_options(body, ids))
+
+    def _chat_ids(self, body, dp, tools: ToolPlan | None) -> tuple[list[int], list[tuple[str, str]]]:
+        """A chat body's prompt ids in its decoder's rendering (the chat route and /tokenize)."""
+        conversation = chat_turns(body)
+        if tools is not None:
+            conversation = [("system", tools.prompt_line), *conversation]
+        try:
+            return self.prompter.chat_prompt(conversation, model=dp.name, **chat_switches(body)), conversation
+        except RenderError as e:
+            raise ApiError.invalid("messages", f"messages: {e}") from None
 
     async def _completion(self, job: CompletionJob, body, tools: ToolPlan | None, chat: bool,
-                          echo: str | None = None, logprobs: bool = False):
+                          echo: str | None = None, logprobs: bool = False, **options):
         call = _Completion(self.fanout, job)
-        answer = Answer(job, chat, call.output, echo, logprobs)
+        answer = Answer(job, chat, call.output, echo, logprobs, **options)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
         async def events(head, call) -> AsyncIterator[str]:
@@ -438,6 +456,40 @@ class Router:
             rounds.append(tuple(specs))
         return AgentRunRequest(f"run-{uuid.uuid4().hex}", body.context, tuple(rounds), body.join_outputs,
                                cache_salt=self._salt(tenant))
+
+    # --- vLLM's extra endpoints (deployments/vllm_endpoints.py) ---
+    @api.post("/tokenize")
+    async def tokenize(self, request: Request):
+        body = tokenize_body(await read_body(request, self.limits.max_body_bytes))
+        dp = self._decoder(body.model or self.plan.decoders[0].name)
+        if isinstance(body, TokenizeChatBody):
+            check_unsupported(body)
+            ids, _ = self._chat_ids(body, dp, plan_tools(body, dp.tool_call_format, dp.name))
+        else:
+            ids = self.prompter.encode(body.prompt, body.add_special_tokens)
+        return tokenize_answer(self.prompter.tok, ids, dp.max_model_len, body.return_token_strs)
+
+    @api.post("/detokenize")
+    async def detokenize(self, request: Request):
+        body = parse(await read_body(request, self.limits.max_body_bytes), DetokenizeBody)
+        self._decoder(body.model or self.plan.decoders[0].name)
+        bad = next((i for i, t in enumerate(body.tokens) if not 0 <= t < self.prompter.vocab_size), None)
+        if bad is not None:
+            raise ApiError.invalid("tokens", f"tokens[{bad}]: token id {body.tokens[bad]} is outside the vocabulary "
+                                   f"[0, {self.prompter.vocab_size})")
+        return {"prompt": self.prompter.tok.decode(body.tokens)}
+
+    @api.get("/version")
+    async def version(self):
+        return version()
+
+    @api.get("/health")
+    async def health(self):
+        """vLLM's liveness answer: 200 with an empty body while every deployment is healthy."""
+        app_status = serve.status().applications.get(serve.get_replica_context().app_name)
+        healthy = app_status is None or all(str(d.status).split(".")[-1] == "HEALTHY"
+                                            for d in app_status.deployments.values())
+        return Response(status_code=200 if healthy else 503)
 
     @api.get("/ready")
     async def ready(self):

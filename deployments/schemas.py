@@ -26,6 +26,19 @@ class ResponseFormat(BaseModel):
     json_schema: dict[str, Any] | None = None
 
 
+class StructuredOutputs(BaseModel):
+    """vLLM's ``structured_outputs``: exactly one constraint kind (json, regex, choice, grammar,
+    json_object). vLLM's other keys (structural_tag, whitespace options) are refused by name."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    json_: dict[str, Any] | StrictStr | None = Field(None, alias="json")
+    regex: StrictStr | None = None
+    choice: list[StrictStr] | None = Field(None, min_length=1)
+    grammar: StrictStr | None = None
+    json_object: StrictBool | None = None
+
+
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -46,10 +59,20 @@ class _SamplingFields(BaseModel):
     frequency_penalty: Number | None = None
     logit_bias: dict[str, Number] | None = None
     response_format: ResponseFormat | None = None
-    # vLLM's sampling extensions (not OpenAI's), supported as vLLM's own server does
+    # vLLM's sampling extensions (not OpenAI's), honoured as vLLM's own server does (docs/serving.md)
     top_k: StrictInt | None = None
     min_p: Number | None = None
     repetition_penalty: Number | None = None
+    ignore_eos: StrictBool | None = None
+    min_tokens: StrictInt | None = None
+    stop_token_ids: list[StrictInt] | None = None
+    include_stop_str_in_output: StrictBool | None = None
+    skip_special_tokens: StrictBool | None = None
+    spaces_between_special_tokens: StrictBool | None = None
+    bad_words: list[StrictStr] | None = None
+    allowed_token_ids: list[StrictInt] | None = None
+    structured_outputs: StructuredOutputs | None = None
+    priority: StrictInt | None = None
 
 
 class _OpenAIFields(_SamplingFields):
@@ -59,6 +82,14 @@ class _OpenAIFields(_SamplingFields):
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     user: StrictStr | None = None  # an end-user id for abuse monitoring: accepted, no effect
+    # vLLM's request extensions of both OpenAI routes
+    prompt_logprobs: StrictInt | None = None
+    truncate_prompt_tokens: StrictInt | None = None
+    truncation_side: Literal["left", "right"] | None = None
+    return_token_ids: StrictBool | None = None
+    return_tokens_as_token_ids: StrictBool | None = None
+    cache_salt: StrictStr | None = Field(None, min_length=1, max_length=1024)
+    add_special_tokens: StrictBool | None = None
 
 
 class CompletionBody(_OpenAIFields):
@@ -124,6 +155,11 @@ class ChatBody(_OpenAIFields):
     metadata: dict[str, StrictStr] | None = None
     safety_identifier: StrictStr | None = None
     prompt_cache_key: StrictStr | None = None
+    # vLLM's chat-template switches (the decoder's recorded rendering applies them)
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False
+    echo: StrictBool = False  # vLLM's: the answer repeats the final message it continues
     # OpenAI fields this server does not implement (request_options.UNSUPPORTED)
     audio: dict[str, Any] | None = None
     modalities: list[StrictStr] | None = None

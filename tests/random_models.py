@@ -21,6 +21,24 @@ import torch
 TOKENIZER = Path(__file__).resolve().parent.parent / "checkpoints" / "tokenizer"
 
 
+def post_json(url: str, body: dict, timeout: float = 120) -> tuple[int, dict]:
+    """POST a JSON body; (status, JSON answer), errors included."""
+    import json
+    import urllib.error
+    import urllib.request
+
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        raw = e.read()
+        try:
+            return e.code, json.loads(raw)
+        except ValueError:  # not the app's JSON error (a proxy's page, a dying server)
+            return e.code, {"error": {"message": raw.decode(errors="replace")}}
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

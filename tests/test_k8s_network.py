@@ -85,7 +85,8 @@ def test_the_chart_secret_holds_a_random_kv_secret_and_the_policy_can_be_turned_
     assert set(secret["data"]) == {"auth_token", KV_SECRET_KEY}
     again = [d for d in _template("variant=gpu") if d["kind"] == "Secret"][0]
     assert again["data"][KV_SECRET_KEY] != secret["data"][KV_SECRET_KEY], "random per install"
-    assert {d["kind"] for d in _template("variant=gpu", "networkPolicy.enabled=false")} == {"RayService", "Secret"}
+    kinds = {d["kind"] for d in _template("variant=gpu", "networkPolicy.enabled=false", "grafanaDashboard.enabled=false")}
+    assert kinds == {"RayService", "Secret"}
 
 
 def test_the_secret_command_prints_a_kv_secret_too():

@@ -28,7 +28,7 @@ import torch
 
 pytest.importorskip("nixl._api")
 
-from random_models import free_port, make_models
+from random_models import free_port, make_models, post_json
 
 pytestmark = [pytest.mark.serve, pytest.mark.engine]
 
@@ -77,16 +77,7 @@ def _get(url: str, timeout: float = 30) -> tuple[int, bytes]:
 
 
 def _post(url: str, body: dict, timeout: float = 300) -> tuple[int, dict]:
-    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        raw = e.read()
-        try:
-            return e.code, json.loads(raw)
-        except ValueError:
-            return e.code, {"error": {"message": raw.decode(errors="replace")}}
+    return post_json(url, body, timeout)
 
 
 PREFILL_NODE = {"num_cpus": 0, "resources": {"prefill_node": 1, "beta_slot": 1}}

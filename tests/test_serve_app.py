@@ -459,7 +459,6 @@ def test_content_parts_and_chat_logprobs(app, client):
     ("/v1/completions", {**_OK, "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
     ("/v1/completions", {**_OK, "stop": "s" * 65}, 400, "stop"),
     ("/v1/completions", {**_OK, "logprobs": MAX_LOGPROBS + 1}, 400, "logprobs"),
-    ("/v1/completions", {**_OK, "echo": True, "logprobs": 1}, 400, "echo"),
     ("/v1/completions", {**_OK, "seed": 2 ** 70}, 400, "seed"),
     ("/v1/completions", {**_OK, "presence_penalty": 3}, 400, "presence_penalty"),
     ("/v1/completions", {**_OK, "logit_bias": {"x": 1}}, 400, "logit_bias"),

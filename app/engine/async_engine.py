@@ -36,7 +36,7 @@ from typing import Any, Literal
 
 from app.engine import compute_dtype, core_lifetime, kv_pool
 from app.engine.handover_mode import PREFILLSHARE
-from app.sampling import Sampling, TokenLogprob, token_logprobs
+from app.sampling import Sampling, TokenLogprob, prompt_logprobs, token_logprobs
 
 __all__ = [
     "EngineConfig",
@@ -210,6 +210,7 @@ class EngineOutput:
     index: int = 0
     new_logprobs: list[TokenLogprob] | None = None  # when the sampling asked for logprobs
     stop_reason: str | int | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # once, when the sampling asked for them
 
 
 @dataclass
@@ -405,6 +406,9 @@ class Engine:
                     return
                 except TimeoutError as e:
                     raise EngineError(f"request {rid} timed out after {self.cfg.request_timeout_s}s") from e
+                plps = None
+                if params.prompt_logprobs is not None and out.prompt_logprobs:
+                    plps = prompt_logprobs(out.prompt_token_ids or ids, out.prompt_logprobs, params.prompt_logprobs)
                 for j, comp in enumerate(out.outputs):  # DELTA outputs: each step's new tokens and text
                     new = list(comp.token_ids)
                     generated[comp.index] = generated.get(comp.index, 0) + len(new)
@@ -422,6 +426,7 @@ class Engine:
                         new_logprobs=(token_logprobs(new, comp.logprobs, params.logprobs)
                                       if params.logprobs is not None else None),
                         stop_reason=comp.stop_reason,
+                        prompt_logprobs=plps if j == 0 else None,
                     )
                 if out.finished:
                     return
