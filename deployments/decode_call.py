@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from app.handover import shared_length
@@ -139,21 +139,34 @@ class DecoderCall:
             yield self._failed(plan.error)
             return
         module, replica = out.prefill_module, out.prefill_replica
-        try:
-            self._stream = self.engines.decode(plan.model, plan.request)
-            async for chunk in self._stream:
-                if chunk.error:
-                    out.error = chunk.error
-                else:
-                    if out.ttft_s is None and chunk.delta_token_ids:
-                        out.ttft_s = time.perf_counter() - self.t0
-                    out.add(chunk)
-                chunk.prefill_module, chunk.prefill_replica = module, replica
-                yield chunk
-        except Shed as e:
-            yield self._failed(Failure(ErrorCode.OVERLOADED, f"decoder {plan.model}: {e}"))
-        except Exception as e:  # noqa: BLE001 - a dead replica fails this request only
-            yield self._failed(Failure(ErrorCode.DECODER_UNAVAILABLE, f"decoder {plan.model}: {type(e).__name__}: {e}"))
+        request, retried = plan.request, False
+        while True:
+            sent = False  # a chunk reached the caller: the request can no longer be repeated
+            try:
+                self._stream = self.engines.decode(plan.model, request)
+                async for chunk in self._stream:
+                    if chunk.error:
+                        out.error = chunk.error
+                    else:
+                        if out.ttft_s is None and chunk.delta_token_ids:
+                            out.ttft_s = time.perf_counter() - self.t0
+                        out.add(chunk)
+                    chunk.prefill_module, chunk.prefill_replica = module, replica
+                    sent = True
+                    yield chunk
+            except Shed as e:
+                yield self._failed(Failure(ErrorCode.OVERLOADED, f"decoder {plan.model}: {e}"))
+            except Exception as e:  # noqa: BLE001 - a dead replica fails this request only
+                if not sent and not retried:
+                    # Nothing of it reached the caller: repeat it once, on the restarted replica or
+                    # another; its connector loads the shared KV if the pool still holds it, else
+                    # it prefills privately (counted as kv_miss).
+                    retried = True
+                    self.engines.fallback("decoder_retry")
+                    request = replace(request, request_id=f"{request.request_id}-retry")
+                    continue
+                yield self._failed(Failure(ErrorCode.DECODER_UNAVAILABLE, f"decoder {plan.model}: {type(e).__name__}: {e}"))
+            break
         self._record()
 
     def _record(self) -> None:

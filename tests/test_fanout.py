@@ -50,8 +50,9 @@ class FakeEngines:
     """Records every call; ``prefill_raises``/``decode_raises`` make those calls fail."""
 
     def __init__(self, prefill_raises: Exception | None = None, decode_raises: Exception | None = None,
-                 cached: int = 7):
+                 cached: int = 7, dead_before_output: int = 0):
         self.prefill_raises, self.decode_raises, self.cached = prefill_raises, decode_raises, cached
+        self.dead_before_output = dead_before_output  # this many decode calls fail before any chunk
         self.prefills: list[tuple[str, object, float]] = []
         self.decodes: list[tuple[str, object]] = []
         self.fallbacks: list[str] = []
@@ -69,6 +70,9 @@ class FakeEngines:
         rid = req.request_id
         chunks = [DecodeChunk(rid, model, "he", [5], False, num_cached_tokens=self.cached),
                   DecodeChunk(rid, model, "llo", [6, 7], True, "stop", num_cached_tokens=self.cached, stop_reason="x")]
+        if self.dead_before_output > 0:
+            self.dead_before_output -= 1
+            return FakeStream([], ConnectionError("replica died"))
         return FakeStream(chunks[:1] if self.decode_raises else chunks, self.decode_raises)
 
     def fallback(self, reason):
@@ -183,6 +187,25 @@ def test_a_decoder_failing_mid_stream_ends_with_one_typed_error_chunk(raised, co
     assert [c.delta_text for c in chunks] == ["he", ""] and chunks[-1].error.code is code and chunks[-1].finished
     assert call.output.error.code is code and call.output.seq(0).text == "he"
     assert engines.records[0].ok is False and engines.fallbacks == []  # a failed call is no kv_miss
+
+
+def test_a_decoder_that_died_before_any_output_is_retried_once_then_fails_typed():
+    engines = FakeEngines(dead_before_output=1)
+    fan = FanOut(PLAN, engines)
+    [plan] = _run(fan.prepare([_leg("alpha", list(range(1, 12)))], "c", "completions", None))
+    call = fan.decode(plan, 0.0)
+    chunks = _run(_drain(call))
+    assert [c.delta_text for c in chunks] == ["he", "llo"] and call.output.error is None
+    assert [req.request_id for _, req in engines.decodes] == ["d-1", "d-1-retry"]
+    assert engines.fallbacks == ["decoder_retry"] and engines.records[0].ok
+
+    twice = FakeEngines(dead_before_output=2)
+    fan = FanOut(PLAN, twice)
+    [plan] = _run(fan.prepare([_leg("alpha", list(range(1, 12)))], "c", "completions", None))
+    call = fan.decode(plan, 0.0)
+    chunks = _run(_drain(call))
+    assert len(chunks) == 1 and chunks[0].error.code is ErrorCode.DECODER_UNAVAILABLE
+    assert len(twice.decodes) == 2 and twice.fallbacks == ["decoder_retry"]  # one retry, never more
 
 
 def test_cancel_stops_the_decoder_stream():
