@@ -18,7 +18,9 @@ from app.bench.overload_report import render, summarize
 def test_fault_specs_parse_and_bad_ones_are_named():
     assert FaultSpec.parse("120:kill:Decode-lookup") == FaultSpec(120, "kill", "Decode-lookup")
     assert FaultSpec.parse("30:stall:Prefill-base:5").hold_s == 5
-    for bad, match in (("x:kill:D", "expected"), ("1:boom:D", "kind"), ("1:stall:D", "SECONDS"), ("-1:kill:D", ">= 0")):
+    assert FaultSpec.parse("60:fill-pool:/dev/shm/p:30") == FaultSpec(60, "fill-pool", "/dev/shm/p", 30)
+    for bad, match in (("x:kill:D", "expected"), ("1:boom:D", "kind"), ("1:stall:D", "SECONDS"), ("-1:kill:D", ">= 0"),
+                       ("1:fill-pool:/p", "SECONDS")):
         with pytest.raises(FaultError, match=match):
             FaultSpec.parse(bad)
     with pytest.raises(ValueError, match="after the run's end"):
@@ -29,6 +31,21 @@ def test_fault_specs_parse_and_bad_ones_are_named():
 
 def test_no_replica_of_an_unknown_deployment():
     assert replica_pids("no-such-app", "Decode-x") == []
+
+
+def test_fill_pool_pins_every_free_slot_until_the_deadline(tmp_path):
+    from app.bench.faults import fill_pool
+    from app.engine.kv_pool import KVPool, PoolSpec
+
+    owner = KVPool(PoolSpec(path=str(tmp_path / "pool"), capacity_bytes=1 << 20))
+    pinned = fill_pool(owner.path, hold_s=30, block_bytes=1 << 16)
+    assert pinned == 16  # 1 MiB of 64 KiB blocks
+    stats = owner.stats()
+    assert stats.pinned_blocks == 16
+    res = owner.reserve(["ab" * 16], 1 << 16, [1], "x")  # nothing more fits while the pins hold
+    assert res.stored == [False]
+    with pytest.raises(FaultError, match="no KV pool"):
+        fill_pool(str(tmp_path / "none"), hold_s=1)
 
 
 def test_answers_are_classified_typed_or_lost():

@@ -6,6 +6,9 @@ replica processes are found by the title Ray gives every actor process,
 without a Ray dashboard. ``kill`` sends SIGKILL to one replica (Serve restarts it; its
 engines die with it); ``stall`` stops one with SIGSTOP for a while and resumes it, which is
 what a hung peer looks like to its callers (a NIXL block server, an engine in a long GC).
+``fill-pool`` names a KV pool directory instead of a deployment: it pins blocks until the pool
+has no free space for ``SECONDS`` (the pins' deadline), so producers cannot store a prompt's KV
+and decoders must fall back to private prefill until the pins expire.
 """
 from __future__ import annotations
 
@@ -18,8 +21,9 @@ from typing import Literal
 
 import psutil
 
-FaultKind = Literal["kill", "stall"]
-FAULT_KINDS: tuple[FaultKind, ...] = ("kill", "stall")
+FaultKind = Literal["kill", "stall", "fill-pool"]
+FAULT_KINDS: tuple[FaultKind, ...] = ("kill", "stall", "fill-pool")
+HELD = ("stall", "fill-pool")  # kinds that last SECONDS
 
 
 class FaultError(ValueError):
@@ -30,12 +34,12 @@ class FaultError(ValueError):
 class FaultSpec:
     at_s: float  # since the overload phase started
     kind: FaultKind
-    deployment: str
-    hold_s: float = 0.0  # stall: how long the replica stays stopped
+    deployment: str  # fill-pool: the pool's directory
+    hold_s: float = 0.0  # stall: how long the replica stays stopped; fill-pool: how long the pins hold
 
     @classmethod
     def parse(cls, text: str) -> FaultSpec:
-        """``AT:kill:DEPLOYMENT`` or ``AT:stall:DEPLOYMENT:SECONDS``."""
+        """``AT:kill:DEPLOYMENT``, ``AT:stall:DEPLOYMENT:SECONDS`` or ``AT:fill-pool:POOL_DIR:SECONDS``."""
         parts = text.strip().split(":")
         try:
             at, kind, dep = float(parts[0]), parts[1], parts[2]
@@ -44,15 +48,15 @@ class FaultSpec:
             raise FaultError(f"fault {text!r}: expected AT:kill:DEPLOYMENT or AT:stall:DEPLOYMENT:SECONDS") from None
         if kind not in FAULT_KINDS:
             raise FaultError(f"fault {text!r}: kind must be one of {', '.join(FAULT_KINDS)}")
-        if kind == "stall" and hold <= 0:
-            raise FaultError(f"fault {text!r}: a stall needs SECONDS > 0")
+        if kind in HELD and hold <= 0:
+            raise FaultError(f"fault {text!r}: {kind} needs SECONDS > 0")
         if at < 0:
             raise FaultError(f"fault {text!r}: AT must be >= 0")
         return cls(at, kind, dep, hold)
 
     @property
     def label(self) -> str:
-        return f"{self.kind} {self.deployment}" + (f" {self.hold_s:g}s" if self.kind == "stall" else "")
+        return f"{self.kind} {self.deployment}" + (f" {self.hold_s:g}s" if self.kind in HELD else "")
 
 
 def replica_pids(app: str, deployment: str) -> list[int]:
@@ -69,8 +73,32 @@ def replica_pids(app: str, deployment: str) -> list[int]:
     return sorted(pids)
 
 
+def fill_pool(path: str, hold_s: float, block_bytes: int = 1 << 16) -> int:
+    """Pin blocks of ``block_bytes`` in the pool at ``path`` until none fits; returns how many.
+    The pins expire after ``hold_s`` (the pool's own deadline), so the pool recovers by itself."""
+    import secrets
+
+    from app.engine.kv_pool import KVPool, PoolMissing
+
+    try:
+        pool = KVPool.attach(path)
+    except PoolMissing as e:
+        raise FaultError(f"fault fill-pool: {e}") from None
+    pool.lease_timeout_s = hold_s
+    pinned = 0
+    while True:
+        keys = [secrets.token_hex(16) for _ in range(64)]
+        res = pool.reserve(keys, block_bytes, [1] * len(keys), "fill-pool", pins=1, scope="fault")
+        pinned += sum(res.stored)
+        if not all(res.stored):
+            return pinned
+
+
 def inject(spec: FaultSpec, app: str) -> int:
-    """Apply ``spec`` to the first replica of its deployment; returns that replica's PID."""
+    """Apply ``spec`` to the first replica of its deployment; returns that replica's PID (for
+    fill-pool: the number of blocks pinned)."""
+    if spec.kind == "fill-pool":
+        return fill_pool(spec.deployment, spec.hold_s)
     pids = replica_pids(app, spec.deployment)
     if not pids:
         raise FaultError(f"fault {spec.label}: no replica process of {app}:{spec.deployment} on this machine")
