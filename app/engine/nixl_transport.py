@@ -281,8 +281,10 @@ class NixlPuller:
         """Answer the server's challenge and check its proof (:mod:`app.engine.kv_auth`)."""
         greeting = json.loads(rfile.readline() or b"{}")
         challenge = greeting.get("challenge")
-        if challenge is None:
-            return  # a loopback server without a secret
+        if challenge is None:  # a server without a secret (loopback only)
+            if self.secret is not None:  # this node has one: a server that cannot prove it is not trusted
+                raise kv_auth.KVAuthError(f"NIXL peer {addr} does not ask for the KV secret")
+            return
         if self.secret is None:
             raise kv_auth.KVAuthError(f"NIXL peer {addr} asks for the KV secret; set {kv_auth.KV_SECRET_ENV}")
         nonce = kv_auth.new_challenge()
