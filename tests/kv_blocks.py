@@ -2,10 +2,13 @@
 (reserve / publish, check_entries / verify around a copy)."""
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+import shutil
+import uuid
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
-from app.engine.kv_pool import BlockEntry, KVPool
+from app.engine.kv_pool import BlockEntry, KVPool, PoolSpec
 
 
 @dataclass(frozen=True)
@@ -35,3 +38,13 @@ def read(pool: KVPool, entry: BlockEntry) -> bytes:
     data = bytes(pool.view(entry))
     pool.check_entries([entry])
     return data
+
+
+@contextlib.contextmanager
+def temp_pool(capacity_bytes: int) -> Iterator[KVPool]:
+    """A fresh pool in /dev/shm, removed afterwards."""
+    path = f"/dev/shm/ps-test-{uuid.uuid4().hex[:8]}"
+    try:
+        yield KVPool(PoolSpec(path, capacity_bytes=capacity_bytes))
+    finally:
+        shutil.rmtree(path, ignore_errors=True)

@@ -3,8 +3,6 @@ scheduler outputs over a real node pool (what tokens a request takes, what a pro
 why a request prefills privately, what request_finished counts)."""
 from __future__ import annotations
 
-import shutil
-import uuid
 from dataclasses import dataclass, field
 from types import SimpleNamespace as NS
 
@@ -13,8 +11,7 @@ import pytest
 from app.engine.connector.metadata import ConnectorSettings
 from app.engine.connector.scheduler import ShareScheduler
 from app.engine.kv_keys import key_salt, shared_block_keys
-from app.engine.kv_pool import KVPool, PoolSpec
-from tests.kv_blocks import Block, put
+from tests.kv_blocks import Block, put, temp_pool
 
 BS = 32
 LAYOUT = "L"
@@ -70,10 +67,8 @@ class FakeOutput:
 
 @pytest.fixture
 def pool():
-    path = f"/dev/shm/ps-test-sched-{uuid.uuid4().hex[:8]}"
-    p = KVPool(PoolSpec(path, capacity_bytes=1 << 20))
-    yield p
-    shutil.rmtree(path, ignore_errors=True)
+    with temp_pool(1 << 20) as p:
+        yield p
 
 
 def scheduler(pool, role="consumer", **kw) -> ShareScheduler:

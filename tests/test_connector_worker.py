@@ -3,8 +3,6 @@ keeps them, a producer worker saving a request's blocks and a consumer worker lo
 over a real node pool (bytes, partial block, fan-out pins, a torn slot)."""
 from __future__ import annotations
 
-import shutil
-import uuid
 from types import SimpleNamespace as NS
 
 import pytest
@@ -14,7 +12,7 @@ from app.engine.connector.metadata import ConnectorSettings, LoadSpec, PrefillSh
 from app.engine.connector.worker import ShareWorker
 from app.engine.cpu_layout import BlockLayout
 from app.engine.kv_keys import shared_block_keys
-from app.engine.kv_pool import KVPool, PoolSpec
+from tests.kv_blocks import temp_pool
 
 BS, HEADS, HEAD, LAYERS, NB = 16, 2, 32, 3, 8
 CFG = NS(kv_cache_groups=[NS(kv_cache_spec=NS(num_kv_heads=HEADS, head_size=HEAD))], num_blocks=NB)
@@ -22,10 +20,8 @@ CFG = NS(kv_cache_groups=[NS(kv_cache_spec=NS(num_kv_heads=HEADS, head_size=HEAD
 
 @pytest.fixture
 def pool():
-    path = f"/dev/shm/ps-test-worker-{uuid.uuid4().hex[:8]}"
-    p = KVPool(PoolSpec(path, capacity_bytes=4 << 20))
-    yield p
-    shutil.rmtree(path, ignore_errors=True)
+    with temp_pool(4 << 20) as p:
+        yield p
 
 
 def worker(pool, role, seed=None):

@@ -232,3 +232,16 @@ def test_sequence_text_can_be_replaced_after_reading_a_tool_call():
     q.text = "x"
     q.add(DecodeChunk("r", "m", "y", [2], True, "stop"))
     assert (q.text, q.num_chars, q.finish_reason) == ("xy", 2, "stop")
+
+
+def test_the_request_path_library_imports_no_ray():
+    """Ray stays behind deployments/serve_engines.py: the library's own modules never import it."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent / "deployments"
+    for name in ("fanout.py", "decode_call.py"):
+        tree = ast.parse((root / name).read_text())
+        imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        imported |= {n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+        assert not any(m == "ray" or m.startswith("ray.") for m in imported), (name, sorted(imported))

@@ -16,11 +16,12 @@ from __future__ import annotations
 import hashlib
 import hmac
 import ipaddress
+import json
 import os
 import secrets
 
 __all__ = ["KV_SECRET_ENV", "KV_SECRET_FILE_ENV", "KVAuthError", "load_secret", "new_challenge", "answer",
-           "check", "is_loopback"]
+           "check", "is_loopback", "admit", "authenticate"]
 
 KV_SECRET_ENV = "PREFILLSHARE_KV_SECRET"
 KV_SECRET_FILE_ENV = "PREFILLSHARE_KV_SECRET_FILE"
@@ -65,3 +66,48 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
+
+
+def _send(wfile, msg: dict) -> None:
+    wfile.write(json.dumps(msg).encode() + b"\n")
+    wfile.flush()
+
+
+def admit(secret: bytes | None, rfile, wfile) -> bool:
+    """Server side of a connection's first exchange (JSON lines): whether the peer proved it holds
+    ``secret``; a refused peer has been told so. Without a secret every peer is admitted."""
+    challenge = new_challenge() if secret else None
+    _send(wfile, {"challenge": challenge})
+    if secret is None:
+        return True
+    try:
+        msg = json.loads(rfile.readline() or b"{}")
+    except (ValueError, OSError):
+        msg = {}
+    if isinstance(msg, dict) and msg.get("op") == "auth" and check(secret, "client", challenge, msg.get("mac")):
+        _send(wfile, {"ok": True, "mac": answer(secret, "server", str(msg.get("nonce")))})
+        return True
+    try:
+        _send(wfile, {"error": "unauthorized: no valid KV secret"})
+    except OSError:
+        pass
+    return False
+
+
+def authenticate(secret: bytes | None, peer: str, rfile, wfile) -> None:
+    """Client side: answer the server's challenge and check its proof; KVAuthError if either
+    side lacks the secret (a client that holds one trusts no server that does not ask for it)."""
+    challenge = json.loads(rfile.readline() or b"{}").get("challenge")
+    if challenge is None:  # a server without a secret (loopback only)
+        if secret is not None:
+            raise KVAuthError(f"KV peer {peer} does not ask for the KV secret")
+        return
+    if secret is None:
+        raise KVAuthError(f"KV peer {peer} asks for the KV secret; set {KV_SECRET_ENV}")
+    nonce = new_challenge()
+    _send(wfile, {"op": "auth", "mac": answer(secret, "client", challenge), "nonce": nonce})
+    reply = json.loads(rfile.readline() or b"{}")
+    if not reply.get("ok"):
+        raise KVAuthError(f"KV peer {peer} refused this node: {reply.get('error', 'closed')}")
+    if not check(secret, "server", nonce, reply.get("mac")):
+        raise KVAuthError(f"KV peer {peer} does not hold the KV secret")

@@ -133,27 +133,15 @@ class NixlBlockServer:
         self.progress = threading.Thread(target=self._progress, daemon=True)
 
     def admit(self, rfile, wfile, peer: str) -> bool:
-        """The connection's first exchange: the peer proves it holds the KV secret (and gets the
-        server's proof back), or it is refused, counted and logged."""
-        challenge = kv_auth.new_challenge() if self.secret else None
-        _send(wfile, {"challenge": challenge})
-        if self.secret is None:
-            return True
-        try:
-            msg = json.loads(rfile.readline() or b"{}")
-        except (ValueError, OSError):
-            msg = {}
-        if isinstance(msg, dict) and msg.get("op") == "auth" and kv_auth.check(self.secret, "client", challenge,
-                                                                               msg.get("mac")):
-            _send(wfile, {"ok": True, "mac": kv_auth.answer(self.secret, "server", str(msg.get("nonce")))})
+        """The connection's first exchange (:func:`app.engine.kv_auth.admit`); a refused peer is
+        counted and logged."""
+        if kv_auth.admit(self.secret, rfile, wfile):
             return True
         with self.lock:
             self.refused += 1
         self.pool.add("", {"nixl_auth_refused": 1})
         self.pool.flush()
         log.warning("NIXL block server: refused %s (no valid KV secret)", peer)
-        with contextlib.suppress(OSError):
-            _send(wfile, {"error": "unauthorized: no valid KV secret"})
         return False
 
     def _progress(self) -> None:
@@ -273,26 +261,9 @@ class NixlPuller:
             sock = socket.create_connection(parse_addr(addr), timeout=self.timeout_s)
             self.peers[addr] = (sock, None, "")  # so that a failed hello closes it
             rfile = sock.makefile("rb")
-            self._authenticate(addr, sock, rfile)
+            kv_auth.authenticate(self.secret, addr, rfile, sock.makefile("wb"))
             self.peers[addr] = (sock, rfile, self._hello(addr, sock, rfile))
         return self.peers[addr]
-
-    def _authenticate(self, addr: str, sock, rfile) -> None:
-        """Answer the server's challenge and check its proof (:mod:`app.engine.kv_auth`)."""
-        greeting = json.loads(rfile.readline() or b"{}")
-        challenge = greeting.get("challenge")
-        if challenge is None:
-            return  # a loopback server without a secret
-        if self.secret is None:
-            raise kv_auth.KVAuthError(f"NIXL peer {addr} asks for the KV secret; set {kv_auth.KV_SECRET_ENV}")
-        nonce = kv_auth.new_challenge()
-        msg = {"op": "auth", "mac": kv_auth.answer(self.secret, "client", challenge), "nonce": nonce}
-        sock.sendall(json.dumps(msg).encode() + b"\n")
-        reply = json.loads(rfile.readline() or b"{}")
-        if not reply.get("ok"):
-            raise kv_auth.KVAuthError(f"NIXL peer {addr} refused this node: {reply.get('error', 'closed')}")
-        if not kv_auth.check(self.secret, "server", nonce, reply.get("mac")):
-            raise kv_auth.KVAuthError(f"NIXL peer {addr} does not hold the KV secret")
 
     def _drop(self, addr: str) -> None:
         peer = self.peers.pop(addr, None)

@@ -18,7 +18,6 @@ on the CPU). What this module knows:
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -131,12 +130,3 @@ def side_channel_env(port: int | None = None, host: str = "127.0.0.1",
     env = {"VLLM_NIXL_SIDE_CHANNEL_HOST": host, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(int(port))}
     env.update(settings.env)
     return env
-
-
-def is_nixl_config(kv_transfer_config: dict[str, Any] | None) -> bool:
-    return bool(kv_transfer_config) and kv_transfer_config.get("kv_connector") == NIXL_CONNECTOR
-
-
-def environ_settings() -> dict[str, str]:
-    """The UCX variables set in this process (what an engine started here inherits)."""
-    return {k: v for k, v in os.environ.items() if k.startswith("UCX_")}

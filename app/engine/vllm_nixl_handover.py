@@ -25,12 +25,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from app.engine.vllm_nixl import lease_for_timeout
 from app.handover import shared_length
 from app.sampling import Sampling
 
-__all__ = ["Lease", "HandoverCounters", "FALLBACK_REASONS", "default_margin", "prefill_leases", "decode",
-           "read_vllm_nixl_counters"]
+__all__ = ["Lease", "HandoverCounters", "FALLBACK_REASONS", "default_margin", "prefill_leases", "usable", "decode",
+           "read_vllm_nixl_counters", "CounterDeltas"]
 
 # Why a decoder request prefilled privately instead of pulling (counted per reason).
 FALLBACK_REASONS = ("no_lease", "lease_expiring", "pull_incomplete")
@@ -144,11 +143,6 @@ async def decode(engine, prompt_token_ids: Sequence[int], sampling: Sampling | A
             counters.pulls += 1
             counters.pulled_tokens += out.num_cached_tokens
     return out
-
-
-def lease_seconds(request_timeout_s: float) -> int:
-    """The lease this mode configures for a request timeout (one rule: :func:`lease_for_timeout`)."""
-    return lease_for_timeout(request_timeout_s)
 
 
 # vLLM's NIXL counters (vllm/distributed/kv_transfer/kv_connector/v1/nixl/stats.py), as its stat
