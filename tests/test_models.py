@@ -142,6 +142,7 @@ def _adapter_from(base: Path, out: Path, base_id: str | None = None, rank: int =
 def test_adapter_manifest_round_trip_and_compat(base, tmp_path):
     out = _adapter_from(base, tmp_path / "ad")
     assert (out / "adapter_config.json").is_file() and not (out / "config.json").exists()
+    assert not (out / "README.md").exists()  # no generated model card
     m = read_manifest(out)
     assert m.weights == "adapter" and m.adapter.rank == 4 and set(m.adapter.target_modules) == {"q_proj", "v_proj"}
     assert m.adapter.base_prefill_module_id == prefill_module_id(base) and m.prompt.format == "suite"

@@ -115,6 +115,7 @@ def save_adapter(peft_model, out_dir: str | Path, tokenizer_dir: str | Path, man
     out_dir = Path(out_dir)
     tmp = _staging(out_dir)
     peft_model.save_pretrained(str(tmp), safe_serialization=True)
+    (tmp / "README.md").unlink(missing_ok=True)  # PEFT's generated model card: boilerplate naming the run's scratch base
     if dtype is not None:  # PEFT saves the adapter in its training dtype
         from safetensors import safe_open
 
