@@ -36,8 +36,13 @@ yaml.safe_dump(cfg, open(sys.argv[1], "w"), sort_keys=False)
 EOF
 APP=$("$PY" -c "import yaml,sys; print(yaml.safe_load(open(sys.argv[1]))['applications'][0]['name'])" "$CONFIG")
 shm_before=$(ls /dev/shm | sort)
-setsid .venv/bin/serve run "$CONFIG" >"$OUT/serve.log" 2>&1 &
-SERVE_PID=$!  # its own process group: the stop below reaches serve run and the cluster it started
+# serve run in its own process group with SIGINT restored (a background job ignores it), so
+# the stop below is Serve's graceful shutdown, as in scripts/serve.sh
+set -m
+"$PY" -c 'import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); os.execv(sys.argv[1], sys.argv[1:])' \
+  .venv/bin/serve run "$CONFIG" >"$OUT/serve.log" 2>&1 &
+SERVE_PID=$!
+set +m
 for _ in $(seq 1 300); do
   "$PY" -c "import urllib.request,sys; sys.exit(0 if urllib.request.urlopen('http://127.0.0.1:8000/ready', timeout=10).status == 200 else 1)" 2>/dev/null && break
   sleep 2
@@ -50,9 +55,11 @@ t=$((DURATION / 6))
   --fault "$((t * 5)):fill-pool:$POOL:30" 2>&1 | tee -a "$OUT/run.log"
 rc=${PIPESTATUS[0]}
 echo "load average at the end: $(cut -d' ' -f1-3 /proc/loadavg)" | tee -a "$OUT/run.log"
-kill -INT -- "-$SERVE_PID" 2>/dev/null  # serve run's graceful stop (as Ctrl-C)
-for _ in $(seq 1 90); do kill -0 "$SERVE_PID" 2>/dev/null || break; sleep 1; done
+kill -INT "$SERVE_PID" 2>/dev/null  # serve run's graceful stop (as Ctrl-C)
+for _ in $(seq 1 120); do kill -0 "$SERVE_PID" 2>/dev/null || break; sleep 1; done
+kill -0 "$SERVE_PID" 2>/dev/null && echo "serve run did not stop in 120 s: SIGKILL" | tee -a "$OUT/run.log"
 kill -KILL -- "-$SERVE_PID" 2>/dev/null
+wait "$SERVE_PID" 2>/dev/null
 sleep 5
 left=$(comm -13 <(echo "$shm_before") <(ls /dev/shm | sort))
 echo "/dev/shm entries left after the stop: ${left:-none}" | tee -a "$OUT/run.log"

@@ -74,11 +74,12 @@ class OverloadSpec:
     rate: float | None = None  # fixed arrival rate (requests/s): skips the search
     search_start: float = 0.25
     search_step_s: float = 20.0
-    search_max_steps: int = 6
+    search_max_steps: int = 8
     window_s: float = 10.0
     drain_s: float = 60.0  # after the last arrival: how long answers may still come
     timeout_s: float = 180.0
     sample_s: float = 2.0  # memory sampler period
+    max_outstanding: int = 256  # requests in flight from this client at most (more: recorded not_sent)
     faults: tuple[FaultSpec, ...] = ()
     models: tuple[str, ...] = ()
     api_key: str | None = None
@@ -86,6 +87,8 @@ class OverloadSpec:
     seed: int = 0
 
     def __post_init__(self) -> None:
+        if self.max_outstanding < 1:
+            raise ValueError("overload max_outstanding must be >= 1")
         for name in ("duration_s", "overload", "search_start", "search_step_s", "window_s", "timeout_s", "sample_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"overload {name} must be > 0")
@@ -102,7 +105,7 @@ class Sample:
     stream: bool
     sent_s: float  # since the overload phase started
     latency_s: float
-    outcome: str  # ok | shed | disconnected | bad_input_ok | error <code> | lost <why> | bad_input_wrong <status>
+    outcome: str  # ok | shed | disconnected | bad_input_ok | not_sent | error <code> | lost <why> | bad_input_wrong <status>
 
 
 def _error_code(raw: bytes) -> str | None:
@@ -218,24 +221,54 @@ class Traffic:
 async def open_loop(traffic: Traffic, rate: float, duration_s: float, seed: int,
                     on_tick=None) -> tuple[list[Sample], float]:
     """Poisson arrivals at ``rate``/s for ``duration_s``; waits for every answer (bounded by
-    the client timeout). ``on_tick(elapsed_s)`` runs between arrivals (faults fire there)."""
+    the client timeout). ``on_tick(elapsed_s)`` runs once a second on its own task (faults fire
+    there). At most ``spec.max_outstanding`` requests are in flight from this client: an arrival
+    beyond that is recorded as ``not_sent`` (the client, not the app, would be the bottleneck:
+    an HTTP pool with thousands of queued requests spends its CPU finding them a connection)."""
     import httpx
 
     rng = random.Random(seed)
-    limits = httpx.Limits(max_connections=512, max_keepalive_connections=64)
+    cap = traffic.spec.max_outstanding
+    limits = httpx.Limits(max_connections=cap, max_keepalive_connections=cap)
     async with httpx.AsyncClient(timeout=traffic.spec.timeout_s, limits=limits) as client:
         t0 = time.perf_counter()
         tasks: list[asyncio.Task] = []
+        skipped: list[Sample] = []
+        outstanding = 0
+        done = asyncio.Event()
+
+        async def one(arrival) -> Sample:
+            nonlocal outstanding
+            try:
+                return await traffic.send(client, t0, arrival)
+            finally:
+                outstanding -= 1
+
+        async def ticker() -> None:
+            while not done.is_set():
+                on_tick(time.perf_counter() - t0)
+                try:
+                    await asyncio.wait_for(done.wait(), 1.0)
+                except TimeoutError:
+                    pass
+
+        tick = asyncio.create_task(ticker()) if on_tick is not None else None
         next_at = rng.expovariate(rate)
         while next_at < duration_s:
             delay = t0 + next_at - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)
-            if on_tick is not None:
-                on_tick(time.perf_counter() - t0)
-            tasks.append(asyncio.create_task(traffic.send(client, t0, traffic.arrival(rng))))
+            arrival = traffic.arrival(rng)
+            if outstanding >= cap:
+                skipped.append(Sample(arrival[0], arrival[1], next_at, 0.0, "not_sent"))
+            else:
+                outstanding += 1
+                tasks.append(asyncio.create_task(one(arrival)))
             next_at += rng.expovariate(rate)
-        samples = list(await asyncio.gather(*tasks))
+        samples = list(await asyncio.gather(*tasks)) + skipped
+        done.set()
+        if tick is not None:
+            await tick
         return samples, time.perf_counter() - t0
 
 
@@ -250,7 +283,7 @@ def find_saturation(traffic: Traffic, spec: OverloadSpec, log=print) -> tuple[fl
     for i in range(spec.search_max_steps):
         samples, _ = asyncio.run(open_loop(traffic, rate, spec.search_step_s, spec.seed + 101 * i))
         done = completed_rate(samples, spec.search_step_s)
-        real = sum(1 for s in samples if s.kind != "bad") / spec.search_step_s
+        real = sum(1 for s in samples if s.kind != "bad" and s.outcome != "not_sent") / spec.search_step_s
         steps.append({"offered_per_s": rate, "sent_per_s": real, "completed_per_s": done,
                       "shed": sum(1 for s in samples if s.outcome == "shed")})
         log(f"search: offered {rate:.2f}/s, completed {done:.2f}/s")
@@ -413,6 +446,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="e.g. 120:kill:Decode-lookup, 300:stall:Prefill-base:20 (repeatable)")
     parser.add_argument("--window", type=float, default=10.0, help="seconds per report window")
     parser.add_argument("--drain", type=float, default=60.0, help="max seconds to wait for answers after the end")
+    parser.add_argument("--max-outstanding", type=int, default=256,
+                        help="requests in flight from this client at most; arrivals beyond are recorded not_sent")
     parser.add_argument("--models", default="", help="comma-separated decoders (default: all of /v1/models)")
     parser.add_argument("--fanout-share", type=float, default=0.4)
     parser.add_argument("--stream-share", type=float, default=0.5)
@@ -430,7 +465,7 @@ def spec_from_args(args: argparse.Namespace) -> OverloadSpec:
               disconnect_share=args.disconnect_share, bad_share=args.bad_share, max_tokens=args.max_tokens)
     return OverloadSpec(url=args.url.rstrip("/"), app=args.app, duration_s=args.duration, overload=args.overload,
                         rate=args.rate, search_start=args.search_start, search_step_s=args.search_step,
-                        window_s=args.window, drain_s=args.drain, faults=tuple(FaultSpec.parse(f) for f in args.fault),
+                        window_s=args.window, drain_s=args.drain, max_outstanding=args.max_outstanding, faults=tuple(FaultSpec.parse(f) for f in args.fault),
                         models=tuple(m for m in args.models.split(",") if m), api_key=args.api_key, mix=mix,
                         seed=args.seed)
 
