@@ -105,7 +105,17 @@ def test_stalled_peer_is_a_bounded_counted_miss_and_the_next_pull_is_not_confuse
     for its in (a, b, c):
         put(producer_pool, its)
     pool = NixlStore(PoolSpec(path=dst, nixl_peers=[addr], nixl_timeout_s=1.0, transport="nixl"))
-    pool.release(pool.fetch([it.key for it in a])[1])  # the control connection is up
+
+    def fetch_held(its, tries=5):
+        """A 1 s budget can miss on a loaded machine (UCX wire-up): a miss is retried, never wrong data."""
+        for _ in range(tries):
+            entries, lease = pool.fetch([it.key for it in its])
+            if entries:
+                return entries, lease
+        pytest.fail(f"no pull succeeded in {tries} tries")
+
+    pool.release(fetch_held(a)[1])  # the control connection is up
+    errors, pulls = (pool.local.stats().get(k) for k in ("nixl_errors", "nixl_pulls"))
     os.kill(proc.pid, signal.SIGSTOP)
     try:
         t0 = time.monotonic()
@@ -113,12 +123,12 @@ def test_stalled_peer_is_a_bounded_counted_miss_and_the_next_pull_is_not_confuse
         stalled_s = time.monotonic() - t0
     finally:
         os.kill(proc.pid, signal.SIGCONT)
-    assert pool.local.stats().get("nixl_errors") == 1
-    entries, lease = pool.fetch([it.key for it in c])
+    assert pool.local.stats().get("nixl_errors") == errors + 1
+    entries, lease = fetch_held(c)
     assert [e.key for e in entries] == [it.key for it in c]
     assert all(bytes(read(pool.local, e)) == it.data for e, it in zip(entries, c))
     pool.release(lease)
-    assert pool.local.stats().get("nixl_pulls") == 2
+    assert pool.local.stats().get("nixl_pulls") == pulls + 1
     print(f"\nstalled NIXL peer: miss after {stalled_s:.1f} s (nixl_timeout_s 1.0)")
 
 

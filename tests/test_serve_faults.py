@@ -315,13 +315,13 @@ def test_killing_a_decoder_replica_mid_stream_fails_clearly_and_the_app_recovers
 def _replaced_and_sharing_again(app, reference, killed: str) -> None:
     """After a prefill replica was killed: two live prefill replicas, none of them the killed one,
     and a fan-out loads the base's KV again (no restart of the app)."""
-    for _ in range(150):  # an engine start on a busy 2-core machine takes minutes
-        status, body = _get(app["url"] + "/ready")
-        if status == 200:
+    for _ in range(300):  # Serve starts the replacement (an engine start: minutes on a busy 2-core box);
+        status, body = _get(app["url"] + "/ready")  # /ready is 200 with one prefill replica already
+        live = _replica_actor("Prefill-base")
+        if status == 200 and len(live) == 2:
             break
         time.sleep(2)
     assert status == 200, body
-    live = _replica_actor("Prefill-base")
     assert len(live) == 2 and not _replica_actor("Prefill-base", killed)
     ctx = "after the fault\nname:ivan\nitem:cup\nqty:2\ncity:kyiv\nday:mon\ncolor:gold\nnote:leave at door"
     agents = [{"name": "p", "model": "alpha", "instruction": "what is the item?", "max_tokens": MAX_NEW},

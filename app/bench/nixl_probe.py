@@ -5,8 +5,8 @@ weights, or a LoRA adapter of the base; prefix caching off) each run in their ow
 NixlConnector over ``kv_buffer_device: cpu``. Per prompt: a prefill request on the producer
 (``max_tokens=1``, ``do_remote_decode``), then the decoder's request with the returned
 ``kv_transfer_params`` (shared), and the same decoder request without them (private prefill).
-It records per-request wall times, the decoder's ``num_cached_tokens`` (L-1 when it pulled the
-prompt), its greedy tokens against ``app.reference.shared_greedy`` (shipped models) and vLLM's
+It records per-request wall times, the decoder's ``num_cached_tokens`` (L when it pulled the
+prompt: vLLM counts every prompt token and recomputes the last), its greedy tokens against ``app.reference.shared_greedy`` (shipped models) and vLLM's
 NIXL counters, under one named transport setting (:data:`SETTINGS`). Each setting starts fresh
 engines (UCX reads its variables at start-up).
 
