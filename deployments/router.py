@@ -25,6 +25,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 from ray import serve
+from ray.exceptions import RayActorError
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -45,6 +46,14 @@ from deployments.schemas import AgentRunBody, ChatBody, CompletionBody, parse, r
 from deployments.serve_engines import ServeEngines
 from deployments.tools import ToolPlan, plan_tools, read_tool_output
 from deployments.vllm_endpoints import DetokenizeBody, TokenizeChatBody, tokenize_answer, tokenize_body, version
+
+
+class _ReplicaGone(Exception):
+    """The replica a call went to died before it sent anything back."""
+
+    def __init__(self, cause: Exception):
+        super().__init__(str(cause))
+        self.cause = cause
 
 
 class _StreamFailed(Exception):
@@ -162,11 +171,18 @@ class Router:
                               self.limits.retry_after_s)
         return Slot(self.admission, route)
 
+    def _unavailable(self, e: Exception) -> ApiError:
+        return ApiError(503, f"service unavailable: {type(e).__name__}: {e}", None, "unavailable", "server_error",
+                        {"Retry-After": str(self.limits.retry_after_s)})
+
     async def _first(self, gen):
         """A stream's first item, awaited before any status is sent: Serve's own rejections
-        downstream become OpenAI-shaped 429 / 503 answers."""
+        downstream become OpenAI-shaped 429 / 503 answers; a replica that died before its first
+        item is :class:`_ReplicaGone` (the caller may repeat the call: nothing was sent)."""
         try:
             return await gen.__anext__()
+        except RayActorError as e:  # ActorDiedError, ActorUnavailableError: the deployment's replica is gone
+            raise _ReplicaGone(e) from None
         except BackPressureError as e:
             self.metrics.overloaded.remote("serve_queue")
             raise _overloaded(f"server busy: {e.message}", self.limits.retry_after_s) from None
@@ -193,14 +209,25 @@ class Router:
         streaming = False
         outcome: Outcome = "failed"
         try:
-            head = await self._first(call)
+            try:
+                head = await self._first(call)
+            except _ReplicaGone:  # e.g. the Orchestrator died: nothing reached the client, so repeat it once
+                self.metrics.fallback.remote("router_retry", 1)
+                call = gen()
+                try:
+                    head = await self._first(call)
+                except _ReplicaGone as gone:
+                    raise self._unavailable(gone.cause) from None
             if isinstance(head, DecodeChunk) and head.error:
                 raise self._failure(head.error, route)
             if stream:
                 streaming = True
                 return StreamingResponse(self._sse(events(head, call), call, slot, route),
                                          media_type="text/event-stream")
-            result = await collect(head, call)
+            try:
+                result = await collect(head, call)
+            except RayActorError as e:  # the replica died mid-answer; the client has received nothing yet
+                raise self._unavailable(e) from None
             outcome = "completed"
             return result
         except asyncio.CancelledError:
@@ -222,6 +249,9 @@ class Router:
         except _StreamFailed as e:
             outcome = "failed"
             yield "data: " + json.dumps(self._failure(e.failure, route).body()) + "\n\n"
+        except RayActorError as e:  # the replica relaying this stream (the Orchestrator) died
+            outcome = "failed"
+            yield "data: " + json.dumps(self._unavailable(e).body()) + "\n\n"
         except Exception as e:  # noqa: BLE001 - the stream is already open; report in-band
             outcome = "failed"
             yield "data: " + json.dumps(error_body(f"internal error: {e}", "server_error", None, "internal")) + "\n\n"

@@ -1,5 +1,5 @@
 """`prefillshare overload`: the classification and the report's arithmetic (no app), and a short
-run against a real app at twice its saturation with a decoder replica killed (-9) under it."""
+run against a real app at twice its saturation with the Orchestrator killed (-9) under it."""
 from __future__ import annotations
 
 import os
@@ -102,7 +102,7 @@ def test_report_measures_recovery_drift_leaks_and_accounting():
 # --- a short run against a real app ----------------------------------------------------------
 @pytest.mark.serve
 @pytest.mark.engine
-def test_overload_with_a_decoder_killed_loses_nothing(tmp_path):
+def test_overload_with_the_orchestrator_killed_loses_nothing(tmp_path):
     import ray
     from random_models import free_port, make_models
     from ray import serve
@@ -138,7 +138,7 @@ def test_overload_with_a_decoder_killed_loses_nothing(tmp_path):
                 pass
             time.sleep(2)
         spec = OverloadSpec(url=url, app="ps", duration_s=60, search_start=1.0, search_step_s=10, search_max_steps=3,
-                            drain_s=30, timeout_s=120, faults=(FaultSpec(20, "kill", "Decode-beta"),),
+                            drain_s=30, settle_s=35, timeout_s=120, faults=(FaultSpec(20, "kill", "Orchestrator"),),
                             mix=Mix(max_tokens=8, bad_share=0.1, disconnect_share=0.2))
         raw = overload.run(spec, log=print)
     finally:
@@ -156,6 +156,7 @@ def test_overload_with_a_decoder_killed_loses_nothing(tmp_path):
     assert raw["saturation_per_s"] > 0 and raw["rate_per_s"] == pytest.approx(2 * raw["saturation_per_s"])
     lost = {k: v for k, v in report["outcomes"].items() if k.startswith("lost")}
     assert not lost, report["outcomes"]
+    assert "error internal" not in report["outcomes"], report["outcomes"]  # a dead replica is a typed 503, never a 500
     p = report["promises"]
     assert p["shed_with_retry_after"] and p["bad_input_refused"], report["outcomes"]
     assert p["server_accounted"], report["server"]

@@ -80,6 +80,7 @@ class OverloadSpec:
     timeout_s: float = 180.0
     sample_s: float = 2.0  # memory sampler period
     max_outstanding: int = 256  # requests in flight from this client at most (more: recorded not_sent)
+    settle_s: float = 40.0  # after the drain, before the last sample: longer than the pool's lease_timeout_s
     faults: tuple[FaultSpec, ...] = ()
     models: tuple[str, ...] = ()
     api_key: str | None = None
@@ -420,8 +421,9 @@ def run(spec: OverloadSpec, log=print) -> dict:
         if after and after.get("inflight") == 0:
             break
         time.sleep(2)
-    time.sleep(min(10.0, spec.drain_s))
+    time.sleep(spec.settle_s)  # fan-out pins whose decoders never came expire after the pool's lease
     mem = sampler.stop()
+    mem.append({"t_s": time.perf_counter() - t0, **memory_now(spec.app), **pool_gauges(spec.url)})
     return {"spec": _spec_dict(spec), "saturation_per_s": saturation, "rate_per_s": rate, "search": search,
             "wall_s": wall, "samples": [s.__dict__ for s in samples], "memory": mem, "faults": clock.fired,
             "server_before": before, "server_after": admission(spec.url)}
@@ -446,6 +448,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="e.g. 120:kill:Decode-lookup, 300:stall:Prefill-base:20 (repeatable)")
     parser.add_argument("--window", type=float, default=10.0, help="seconds per report window")
     parser.add_argument("--drain", type=float, default=60.0, help="max seconds to wait for answers after the end")
+    parser.add_argument("--settle", type=float, default=40.0,
+                        help="seconds after the drain before the last sample (longer than pool.lease_timeout_s)")
     parser.add_argument("--max-outstanding", type=int, default=256,
                         help="requests in flight from this client at most; arrivals beyond are recorded not_sent")
     parser.add_argument("--models", default="", help="comma-separated decoders (default: all of /v1/models)")
@@ -465,7 +469,7 @@ def spec_from_args(args: argparse.Namespace) -> OverloadSpec:
               disconnect_share=args.disconnect_share, bad_share=args.bad_share, max_tokens=args.max_tokens)
     return OverloadSpec(url=args.url.rstrip("/"), app=args.app, duration_s=args.duration, overload=args.overload,
                         rate=args.rate, search_start=args.search_start, search_step_s=args.search_step,
-                        window_s=args.window, drain_s=args.drain, max_outstanding=args.max_outstanding, faults=tuple(FaultSpec.parse(f) for f in args.fault),
+                        window_s=args.window, drain_s=args.drain, max_outstanding=args.max_outstanding, settle_s=args.settle, faults=tuple(FaultSpec.parse(f) for f in args.fault),
                         models=tuple(m for m in args.models.split(",") if m), api_key=args.api_key, mix=mix,
                         seed=args.seed)
 
