@@ -19,7 +19,7 @@ import json
 import statistics
 from pathlib import Path
 
-from app.bench.soak import percentile
+from app.bench.soak import percentile, server_delta
 
 RECOVERY_FACTOR = 1.25
 RECOVERY_LIMIT_S = 60.0
@@ -90,22 +90,8 @@ def leaks(memory: list[dict], duration_s: float) -> dict:
 
 
 def accounting(raw: dict) -> dict | None:
-    before, after = raw.get("server_before"), raw.get("server_after")
-    if not before or not after or "outcomes" not in after:
-        return None
-
-    def totals(a: dict) -> dict[str, int]:
-        t: dict[str, int] = {}
-        for counts in a["outcomes"].values():
-            for k, v in counts.items():
-                t[k] = t.get(k, 0) + v
-        return t
-
-    tb, ta = totals(before), totals(after)
-    d = {k: after[k] - before[k] for k in ("admitted", "rejected")}
-    d.update({k: ta.get(k, 0) - tb.get(k, 0) for k in ("completed", "failed", "cancelled")})
-    d["inflight_after"] = after.get("inflight")
-    return d
+    """The Router's own counts over the run (``/ready`` before and after)."""
+    return server_delta(raw.get("server_before"), raw.get("server_after"))
 
 
 def summarize(raw: dict) -> dict:

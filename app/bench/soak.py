@@ -203,7 +203,7 @@ def _admission(url: str) -> dict | None:
     return (body or {}).get("admission")
 
 
-def _server_delta(before: dict | None, after: dict | None) -> dict | None:
+def server_delta(before: dict | None, after: dict | None) -> dict | None:
     """The app's own counts over the soak (one Router replica: they cover every request)."""
     if not before or not after or "outcomes" not in after:
         return None
@@ -231,7 +231,7 @@ def run_soak(spec: SoakSpec) -> SoakReport:
         models = [m["id"] for m in body["data"]]
     before = _admission(spec.url)
     samples, wall = asyncio.run(Soaker(spec, models).run())
-    return summarize(samples, spec.duration_s, spec.window_s, wall, _server_delta(before, _admission(spec.url)))
+    return summarize(samples, spec.duration_s, spec.window_s, wall, server_delta(before, _admission(spec.url)))
 
 
 def render(report: SoakReport) -> str:
