@@ -7,7 +7,7 @@ shares its prefix with the one before it, so stock vLLM finds that prefix in its
 the app finds it in the prefill module's cache (and the base's KV in the pool). Requests go to the
 adapters round-robin. The client sends no ``ignore_eos``.
 
-    flock /tmp/prefillshare-heavy.lock bash scripts/bench_follow_on.sh [--num-prompts 40] [--out F]
+    bash scripts/bench_follow_on.sh [--num-prompts 40] [--out F]
 
 (scripts/bench_follow_on.sh runs this file in a loopback-only network namespace.) One run of
 each server; prints and writes (``--out``, JSON) the median, p90 and p99 TTFT of each and their
