@@ -360,7 +360,7 @@ def test_helm_chart_installs_the_rendered_manifest(variant):
 def test_helm_overrides_stay_valid(crds):
     docs = _template("variant=gpu", "image=registry.local/ps:9", "imagePullPolicy=Always",
                      "serviceType=LoadBalancer", "nameOverride=ps-prod", "authSecret.create=false")
-    assert set(docs) == {"RayService", "NetworkPolicy"}
+    assert set(docs) == {"RayService", "NetworkPolicy", "ConfigMap"}  # ConfigMap: the Grafana dashboard
     doc = docs["RayService"]
     rc = doc["spec"]["rayClusterConfig"]
     containers = [c for g in [rc["headGroupSpec"], *rc["workerGroupSpecs"]] for c in g["template"]["spec"]["containers"]]
