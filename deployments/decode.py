@@ -20,6 +20,7 @@ from ray import serve
 from app.engine import vllm_nixl_handover as nixl_handover
 from app.engine.async_engine import EngineConfig, EngineRequestError
 from app.engine.vllm_nixl import lease_duration
+from app.handover import shared_length
 from deployments.engine_host import EngineHost
 from deployments.errors import ErrorCode, Failure
 from deployments.messages import DecodeChunk, DecodeRequest
@@ -90,6 +91,10 @@ class DecodeServer(EngineHost):
             params, reason = nixl_handover.pull_params(req.lease, self.lease_margin_s)
         async for out in self.engine.generate(list(req.prompt_token_ids), req.sampling, req.request_id,
                                               cache_salt=req.cache_salt, kv_transfer_params=params, lora=req.adapter):
+            if params is not None:
+                # vLLM counts the pulled last prompt token as cached too, though the decoder recomputes
+                # it with its own weights: the base's part is the hand-over convention's L-1, as in the pool
+                out.num_cached_tokens = min(out.num_cached_tokens, shared_length(out.num_prompt_tokens))
             if pulls and out.finished:
                 pulls = False  # once per request (n sequences finish one by one)
                 self._count_pull(reason, out)

@@ -16,7 +16,7 @@ import time
 from dataclasses import replace
 
 import pytest
-from serve_test_app import KEY_A, MAX_NEW, _expected, _metric, _metrics, _post
+from serve_test_app import KEY_A, MAX_NEW, TEST_ENGINE, _expected, _metric, _metrics, _post, decoder_entry
 
 pytestmark = [pytest.mark.serve, pytest.mark.engine]
 
@@ -25,10 +25,6 @@ APP = "psn"
 
 
 def _app_config(paths, pool_dir: str, keys_file) -> dict:
-    engine = {"dtype": "float32", "max_model_len": 256, "kv_cache_memory_bytes": "128MiB", "block_size": 32,
-              "max_num_seqs": 8, "threads_bind": "nobind"}
-    dec = lambda name: {"name": name, "model": str(paths[name]), "engine": engine,  # noqa: E731
-                        "placement": {"num_cpus": 0.25, "placement_group_bundles": [{"CPU": 0.25}]}}
     return {
         "tokenizer": str(paths["tokenizer"]),
         "handover": "vllm-nixl",
@@ -36,9 +32,9 @@ def _app_config(paths, pool_dir: str, keys_file) -> dict:
         "limits": {"max_tokens_default": MAX_NEW, "max_tokens_cap": 64, "max_agents": 4},
         "auth": {"keys_file": str(keys_file)},
         "engine_env": {"VLLM_HOST_IP": "127.0.0.1"},
-        "prefill_modules": [{"name": "base", "model": str(paths["base"]), "engine": engine,
+        "prefill_modules": [{"name": "base", "model": str(paths["base"]), "engine": TEST_ENGINE,
                              "placement": {"num_cpus": 0.5}}],
-        "decoders": [dec("alpha"), dec("beta")],
+        "decoders": [decoder_entry(paths, "alpha"), decoder_entry(paths, "beta")],
     }
 
 
