@@ -1,5 +1,6 @@
 """The Serve application on hand-over "vllm-nixl": vLLM's NixlConnector between the base and two
-decoders with other weights, real engines, over HTTP, on a private Ray cluster.
+decoders with other weights plus a LoRA decode group, real engines, over HTTP, on a private Ray
+cluster.
 
 Random weights of the shipped shape (tests/random_models.py), float32 so that tokens compare with
 the transformers reference. Completions and a 2-agent fan-out must give ``app.reference``'s
@@ -34,7 +35,9 @@ def _app_config(paths, pool_dir: str, keys_file) -> dict:
         "engine_env": {"VLLM_HOST_IP": "127.0.0.1"},
         "prefill_modules": [{"name": "base", "model": str(paths["base"]), "engine": TEST_ENGINE,
                              "placement": {"num_cpus": 0.5}}],
-        "decoders": [decoder_entry(paths, "alpha"), decoder_entry(paths, "beta")],
+        "decoders": [decoder_entry(paths, "alpha"), decoder_entry(paths, "beta"),
+                     {**decoder_entry(paths, "base"), "name": "group", "max_lora_rank": 8,
+                      "adapters": [{"name": "ad0", "path": str(paths["ad0"]), "rank": 8}]}],
     }
 
 
@@ -42,9 +45,13 @@ def _app_config(paths, pool_dir: str, keys_file) -> dict:
 def nixl_app(tmp_path_factory):
     from random_models import make_models, serve_app
 
+    from app.bench.models import random_adapter
     from app.config import load_config
 
-    paths = make_models(tmp_path_factory.mktemp("models"), {"alpha": (1, {}), "beta": (2, {})})
+    root = tmp_path_factory.mktemp("models")
+    paths = make_models(root, {"alpha": (1, {}), "beta": (2, {})})
+    # B ~ N(0, 0.1): the adapter changes the base's greedy tokens
+    paths["ad0"] = random_adapter(root / "ad0", paths["base"], "ad0", 8, seed=1, b_std=0.1)
     pool_dir = f"/dev/shm/ps-nixl-test-{os.getpid()}"
     keys_file = tmp_path_factory.mktemp("auth") / "keys.yaml"
     keys_file.write_text(f"{KEY_A}: acme\n")
@@ -58,12 +65,18 @@ def nixl_app(tmp_path_factory):
 @pytest.fixture(scope="module")
 def nixl_reference(nixl_app):
     import torch
+    from peft import PeftModel
     from transformers import AutoTokenizer
 
     from app.models.checkpoint import load_model
 
-    tok = AutoTokenizer.from_pretrained(str(nixl_app["paths"]["tokenizer"]))
-    return tok, {k: load_model(p, torch.float32) for k, p in nixl_app["paths"].items() if k != "tokenizer"}
+    paths = nixl_app["paths"]
+    tok = AutoTokenizer.from_pretrained(str(paths["tokenizer"]))
+    models = {k: load_model(paths[k], torch.float32) for k in ("base", "alpha", "beta")}
+    # the group's adapter on the base's KV: the merged decoder (tests/test_lora_groups.py)
+    models["ad0"] = PeftModel.from_pretrained(load_model(paths["base"], torch.float32),
+                                              str(paths["ad0"])).merge_and_unload().eval()
+    return tok, models
 
 
 def _nixl_events(url: str, module: str, event: str) -> float:
@@ -87,7 +100,7 @@ def test_completions_pull_the_bases_kv_and_match_the_shared_reference(nixl_app, 
     prompt = render_prompt(CONTEXT, "what is the city?")
     prompt_ids = tok(prompt)["input_ids"]
     url = nixl_app["url"]
-    for model in ("alpha", "beta"):
+    for model in ("alpha", "beta", "ad0"):
         status, out = _post(url + "/v1/completions", {"model": model, "prompt": prompt, "max_tokens": MAX_NEW,
                                                      "temperature": 0})
         assert status == 200, out
@@ -98,6 +111,7 @@ def test_completions_pull_the_bases_kv_and_match_the_shared_reference(nixl_app, 
         assert usage["prompt_tokens_details"]["cached_tokens"] == usage["prompt_tokens"] - 1, model  # the pull
     assert _wait_for_event(url, "alpha", "pull", 1) >= 1
     assert _wait_for_event(url, "beta", "pull", 1) >= 1
+    assert _wait_for_event(url, "group", "pull", 1) >= 1  # the group's replica counts under its deployment
 
 
 def test_fan_out_takes_one_lease_per_decoder_and_matches_the_shared_reference(nixl_app, nixl_reference):
