@@ -3,12 +3,13 @@
 The plan (app/plan.py) is resolved first, before any engine starts. Then: one PrefillServer
 deployment per prefill module (prefix-locality router), one DecodeServer deployment per decoder
 or decode group (its own placement-group bundles, node-affinity router), the Orchestrator, the
-Metrics holder and the Router ingress.
+Metrics holder and the Router ingress. ``handover`` picks each engine's connector: the project's
+KV pool ("pool", CPU nodes) or vLLM's NixlConnector ("vllm-nixl", app/engine/vllm_nixl.py; GPUs).
 """
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any
+from typing import Any, Literal
 
 from app.config import AppConfig, EngineSettings, Placement, config_from_args
 from app.engine_args import engine_config, engine_env, pool_specs
@@ -49,6 +50,15 @@ def _router_config(cls, cfg: AppConfig, **kwargs):
         "imbalance_threshold": cfg.routing.imbalance_threshold, "metrics_deployment": "Metrics", **kwargs})
 
 
+def _vllm_nixl_config(cfg: AppConfig, role: Literal["producer", "consumer"], p: Placement) -> dict[str, Any]:
+    """Hand-over "vllm-nixl": an engine's kv_transfer_config, its lease tied to the request timeout
+    (a lease never runs out while the request that reads it may still be waiting)."""
+    from app.engine.vllm_nixl import lease_for_timeout, nixl_transfer_config
+
+    return nixl_transfer_config(role, lease_s=lease_for_timeout(cfg.limits.request_timeout_s),
+                                kv_buffer_device="cuda" if p.num_gpus else "cpu")
+
+
 def _prefill_deployments(cfg: AppConfig, plan: AppPlan, pool, metrics) -> dict:
     from app.engine.async_engine import connector_config
     from deployments.prefill import PrefillServer
@@ -56,12 +66,17 @@ def _prefill_deployments(cfg: AppConfig, plan: AppPlan, pool, metrics) -> dict:
 
     prefill = {}
     for p in cfg.prefill_modules:
-        kv = connector_config("producer", plan.module(p.name).module_id, pool, scope=p.name,
-                              adapter_keys=bool(p.adapters))
+        if cfg.handover == "vllm-nixl":
+            kv = _vllm_nixl_config(cfg, "producer", p.placement)
+        else:
+            kv = connector_config("producer", plan.module(p.name).module_id, pool, scope=p.name,
+                                  adapter_keys=bool(p.adapters))
+        # a prefill engine caches prefixes in every mode: later prompts of a fan-out reuse the context
+        ec = replace(engine_config(cfg, p.model, p.engine, p.placement, kv, p), enable_prefix_caching=True)
         router = _router_config(PrefixLocalityRouter, cfg, max_tracked_prefixes=cfg.routing.max_tracked_prefixes)
         prefill[p.name] = PrefillServer.options(
             **engine_options(cfg, f"Prefill-{p.name}", p.placement, p.engine, request_router_config=router)
-        ).bind(p.name, engine_config(cfg, p.model, p.engine, p.placement, kv, p), metrics)
+        ).bind(p.name, ec, metrics)
     return prefill
 
 
@@ -77,7 +92,11 @@ def _decode_deployments(cfg: AppConfig, plan: AppPlan, pool, consumer_pool, metr
         served = [plan.decoder(n) for n in d.served_names]
         module = next((dp.prefill_module for dp in served if dp.prefill_module is not None), None)
         kv = on_prefill_node = None
-        if module is not None:  # the plan checked compatibility: the connector is told nothing more
+        if module is not None and cfg.handover == "vllm-nixl":
+            # the plan's compatibility check (app.models.compat) is the gate: vLLM's handshake no
+            # longer compares models (enforce_handshake_compat off)
+            kv = _vllm_nixl_config(cfg, "consumer", pl)
+        elif module is not None:  # the plan checked compatibility: the connector is told nothing more
             adapter_keys = bool(cfg.prefill_module(module).adapters)
 
             def consumer(pool_spec, module=module, adapter_keys=adapter_keys, d=d):
@@ -91,8 +110,12 @@ def _decode_deployments(cfg: AppConfig, plan: AppPlan, pool, consumer_pool, metr
         # a replica on the prefill's node reads the KV from that node's pool instead of pulling it
         # across nodes; on one node every replica is on it, and the router ranks by load alone
         extra = {"request_router_config": _router_config(NodeAffinityRouter, cfg)}
+        # a consumer's local cache could hold KV it computed itself after a fallback: off
+        ec = engine_config(cfg, d.model, d.engine, pl, kv, d)
+        if kv is not None:
+            ec = replace(ec, enable_prefix_caching=False)
         handle = DecodeServer.options(**engine_options(cfg, f"Decode-{d.name}", pl, d.engine, **extra)).bind(
-            d.name, engine_config(cfg, d.model, d.engine, pl, kv, d), metrics, on_prefill_node)
+            d.name, ec, metrics, on_prefill_node)
         for dp in served:
             decoders[dp.name] = handle
     return decoders

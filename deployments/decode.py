@@ -1,9 +1,11 @@
 """DecodeServer: one deployment per task decoder, streaming generation.
 
-Each replica runs a vLLM engine on the decoder with the PrefillShare connector as consumer:
-for a prompt whose base KV a prefill replica published, the engine loads it and computes only
-the last prompt token itself. Decoders without a compatible prefill module run without a
-connector and prefill privately. A replica that lands on a prefill node (one offering the
+Each replica runs a vLLM engine on the decoder with the hand-over mode's connector as consumer:
+for a prompt whose base KV a prefill replica computed, the engine loads it and computes only
+the last prompt token itself. Hand-over "vllm-nixl": the request carries the prefill's lease,
+checked here right before the engine takes the request (after any queueing): too little lease
+left and the decoder prefills privately, counted by reason. Decoders without a compatible
+prefill module run without a connector and prefill privately. A replica that lands on a prefill node (one offering the
 KV block server's resources) reads the producers' pool there, not ``pool.decode_path``.
 """
 from __future__ import annotations
@@ -15,7 +17,10 @@ from dataclasses import dataclass
 import ray
 from ray import serve
 
+from app.engine import vllm_nixl_handover as nixl_handover
 from app.engine.async_engine import EngineConfig, EngineRequestError
+from app.engine.vllm_nixl import lease_duration
+from app.handover import shared_length
 from deployments.engine_host import EngineHost
 from deployments.errors import ErrorCode, Failure
 from deployments.messages import DecodeChunk, DecodeRequest
@@ -45,6 +50,10 @@ class DecodeServer(EngineHost):
         self.model = model_name
         if on_prefill_node is not None and node_offers(on_prefill_node.resources):
             engine_config = on_prefill_node.engine_config
+        lease_s = lease_duration(engine_config.kv_transfer_config)  # None: the pool's hand-over
+        self.lease_margin_s = None if lease_s is None else nixl_handover.default_margin(lease_s)
+        self.handover_counters = nixl_handover.HandoverCounters()
+        self._vllm_nixl_deltas = nixl_handover.CounterDeltas()
         await self._start_engine(engine_config, metrics)
 
     def _identity(self) -> dict:
@@ -65,11 +74,30 @@ class DecodeServer(EngineHost):
         return DecodeChunk(req.request_id, req.adapter or self.model, "", [], True, "error",
                            error=Failure(code, str(e)))
 
+    def _count_pull(self, reason: str | None, out) -> None:
+        """Count a vllm-nixl request and send its event, and vLLM's NIXL counters' increments, to /metrics."""
+        event = nixl_handover.count_decode(self.handover_counters, reason, out.num_prompt_tokens,
+                                           out.num_cached_tokens)
+        if self.metrics is not None:
+            events = {event: 1, **self._vllm_nixl_deltas(nixl_handover.read_vllm_nixl_counters())}
+            self.metrics.vllm_nixl.remote(self.model, events)
+
     async def _stream(self, req: DecodeRequest) -> AsyncIterator[DecodeChunk]:
         t0 = time.perf_counter()
         ttft = None
+        params = reason = None
+        pulls = self.lease_margin_s is not None and req.lease is not None
+        if pulls:  # the lease is checked here, after the replica's queue
+            params, reason = nixl_handover.pull_params(req.lease, self.lease_margin_s)
         async for out in self.engine.generate(list(req.prompt_token_ids), req.sampling, req.request_id,
-                                              cache_salt=req.cache_salt, lora=req.adapter):
+                                              cache_salt=req.cache_salt, kv_transfer_params=params, lora=req.adapter):
+            if params is not None:
+                # vLLM counts the pulled last prompt token as cached too, though the decoder recomputes
+                # it with its own weights: the base's part is the hand-over convention's L-1, as in the pool
+                out.num_cached_tokens = min(out.num_cached_tokens, shared_length(out.num_prompt_tokens))
+            if pulls and out.finished:
+                pulls = False  # once per request (n sequences finish one by one)
+                self._count_pull(reason, out)
             if ttft is None and (out.new_token_ids or out.finished):
                 ttft = time.perf_counter() - t0
             yield DecodeChunk(

@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 from collections.abc import Iterator
 
+import ray
 from ray import serve
 
 from app.engine.async_engine import Engine, EngineConfig
+from app.engine.vllm_nixl import with_side_channel
 from deployments.metrics import ENGINE_PUSH_S, engine_samples
 
 
@@ -21,7 +24,8 @@ class EngineHost:
     engine: Engine
 
     async def _start_engine(self, engine_config: EngineConfig, metrics) -> None:
-        self.engine = await Engine.start(engine_config)
+        # hand-over "vllm-nixl": each engine listens for NIXL handshakes on its own port of this node
+        self.engine = await Engine.start(with_side_channel(engine_config, node_ip()))
         self.metrics = metrics
         ctx = serve.get_replica_context()
         self.replica_id = ctx.replica_id.unique_id
@@ -66,3 +70,8 @@ class EngineHost:
         engine = getattr(self, "engine", None)
         if engine is not None:
             engine.shutdown()
+
+
+def node_ip() -> str:
+    """The address other nodes reach this node's engines at (vLLM's VLLM_HOST_IP when set)."""
+    return os.environ.get("VLLM_HOST_IP") or ray.util.get_node_ip_address()

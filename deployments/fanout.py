@@ -10,6 +10,8 @@ before decoding. Decoders without a compatible module prefill privately (their r
 counted); a prefill that fails, or that no replica takes within ``limits.prefill_wait_s``,
 degrades to private prefill; a prefill deployment that sheds the call (:class:`Shed`) fails
 its legs as ``overloaded``. :meth:`FanOut.decode` streams a plan (deployments/decode_call.py).
+With hand-over "vllm-nixl" the prefill call makes one lease per prompt (a fan-out to N decoders
+takes N leases, the shared context computed first) and each decoder request carries its own.
 
 The Router runs it for a completion (one leg), the Orchestrator for each round of an agent
 run. The engines come in as :class:`Engines`: Ray Serve handles in the app
@@ -73,6 +75,7 @@ class _Prefilled:
     leg: Leg
     ticket: PrefillTicket | None = None
     error: Failure | None = None
+    index: int = 0  # this leg's prompt in its group's prefill call (its lease in the ticket, vllm-nixl)
 
 
 class FanOut:
@@ -129,13 +132,14 @@ class FanOut:
         except Exception:  # noqa: BLE001 - the decoders prefill privately instead
             self.engines.fallback("prefill_error")
             return
-        for p in group:
-            p.ticket = ticket
+        for i, p in enumerate(group):
+            p.ticket, p.index = ticket, i
 
     def _decode_plan(self, p: _Prefilled, route: str, salt: str | None) -> DecodePlan:
         leg, t = p.leg, p.ticket
         dp = self.plan.decoder(leg.model)
         req = DecodeRequest(request_id=leg.request_id, prompt_token_ids=tuple(leg.prompt), sampling=leg.sampling,
-                            cache_salt=salt, prefer_node=t.node_id if t is not None else None, adapter=dp.adapter)
+                            cache_salt=salt, prefer_node=t.node_id if t is not None else None, adapter=dp.adapter,
+                            lease=t.leases[p.index] if t is not None and t.leases else None)
         return DecodePlan(req, leg.model, leg.agent, route, ticket=t, kv_bytes_per_token=dp.kv_bytes_per_token,
                           error=p.error)

@@ -1,9 +1,10 @@
 """PrefillServer: the shared prefill group, one deployment per prefill module.
 
-Each replica runs a vLLM engine on the frozen base with the PrefillShare connector as
-producer: computing a prompt's KV publishes it to the KV pool, where decoders of other
-models load it. For a fan-out the shared context is computed first, so every agent prompt
-afterwards hits the prefix cache and only its own suffix is computed.
+Each replica runs a vLLM engine on the frozen base with the hand-over mode's connector as
+producer. Hand-over "pool": computing a prompt's KV publishes it to the KV pool, where decoders
+of other models load it. Hand-over "vllm-nixl": each prompt's prefill keeps its blocks for one
+decoder's pull and the ticket carries that lease. For a fan-out the shared context is computed
+first, so every agent prompt afterwards hits the prefix cache and only its own suffix is computed.
 """
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ import ray
 from ray import serve
 
 from app.engine.async_engine import EngineConfig
+from app.engine.vllm_nixl import lease_duration
+from app.engine.vllm_nixl_handover import lease_of
 from app.handover import shared_length
 from deployments.engine_host import EngineHost
 from deployments.messages import PrefillRequest, PrefillTicket
@@ -25,6 +28,7 @@ class PrefillServer(EngineHost):
     async def __init__(self, module_name: str, engine_config: EngineConfig, metrics=None):
         self.module = module_name
         self.node_id = ray.get_runtime_context().get_node_id()
+        self.lease_s = lease_duration(engine_config.kv_transfer_config)  # None: the pool's hand-over
         await self._start_engine(engine_config, metrics)
 
     def _identity(self) -> dict:
@@ -47,15 +51,21 @@ class PrefillServer(EngineHost):
             computed += warm.num_computed_tokens
             cached += warm.num_cached_tokens
         shared = [shared_length(len(p)) for p in req.prompts]  # tokens each decoder loads
-        # One decoder consumes each prompt's blocks: pin them for one load.
+        # One decoder consumes each prompt's blocks: pin them for one load (pool), or lend them
+        # for one pull (vllm-nixl: the lease comes back in the ticket).
+        params = {"fanout": 1} if self.lease_s is None else {"do_remote_decode": True}
+        sent = time.time()
         results = await asyncio.gather(*[
             self.engine.prefill(list(p), f"{req.request_id}-{i}", cache_salt=req.cache_salt,
-                                kv_transfer_params={"fanout": 1}, lora=lora)
-            for i, (p, s, lora) in enumerate(zip(req.prompts, shared, adapters)) if s
+                                kv_transfer_params=dict(params), lora=lora) if s else _nothing()
+            for i, (p, s, lora) in enumerate(zip(req.prompts, shared, adapters))
         ])
         for r in results:
-            computed += r.num_computed_tokens
-            cached += r.num_cached_tokens
+            if r is not None:
+                computed += r.num_computed_tokens
+                cached += r.num_cached_tokens
+        leases = () if self.lease_s is None else tuple(
+            None if r is None else lease_of(r, sent, self.lease_s) for r in results)
         seconds = time.perf_counter() - t0
         if self.metrics is not None:
             self.metrics.prefill.remote(PrefillRecord(self.module, self.replica_id, computed, cached, seconds))
@@ -68,4 +78,11 @@ class PrefillServer(EngineHost):
             num_cached_tokens=cached,
             seconds=seconds,
             node_id=self.node_id,
+            leases=leases,
         )
+
+
+async def _nothing() -> None:
+    """A prompt with nothing to hand over (one token): no prefill."""
+    return None
+

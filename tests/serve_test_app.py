@@ -48,11 +48,20 @@ def _make_models(root: Path) -> dict[str, Path]:
     return paths
 
 
+# the engine settings of every test app's engine: float32 (tokens compare with the reference), small
+TEST_ENGINE = {"dtype": "float32", "max_model_len": 256, "kv_cache_memory_bytes": "128MiB", "block_size": 32,
+               "max_num_seqs": 8, "threads_bind": "nobind"}
+
+
+def decoder_entry(paths: dict[str, Path], name: str) -> dict:
+    """A test app's decoders entry: one replica in its own small bundle."""
+    return {"name": name, "model": str(paths[name]), "engine": TEST_ENGINE,
+            "placement": {"num_cpus": 0.25, "placement_group_bundles": [{"CPU": 0.25}]}}
+
+
 def _app_config(paths: dict[str, Path], pool_dir: str, keys_file: Path) -> dict:
-    engine = {"dtype": "float32", "max_model_len": 256, "kv_cache_memory_bytes": "128MiB", "block_size": 32,
-              "max_num_seqs": 8, "threads_bind": "nobind"}
-    dec = lambda name: {"name": name, "model": str(paths[name]), "engine": engine,  # noqa: E731
-                        "placement": {"num_cpus": 0.25, "placement_group_bundles": [{"CPU": 0.25}]}}
+    engine = TEST_ENGINE
+    dec = lambda name: decoder_entry(paths, name)  # noqa: E731
     return {
         "tokenizer": str(paths["tokenizer"]),
         "pool": {"path": pool_dir, "capacity_bytes": "128MiB"},

@@ -2,8 +2,9 @@
 
 The one place a mode picks its connector class and builds vLLM's ``kv_transfer_config``.
 ``prefillshare``: this project's connector (:mod:`app.engine.connector`) over the node's KV
-pool, or that pool filled through NIXL (:mod:`app.engine.kv_store`). Another mode (vLLM's own
-NixlConnector, for example) is one more :class:`HandoverMode` in :data:`MODES`.
+pool, or that pool filled through NIXL (:mod:`app.engine.kv_store`). The app's other mode,
+``handover: vllm-nixl`` (vLLM's own NixlConnector), builds its config in
+:func:`app.engine.vllm_nixl.nixl_transfer_config`; ``deployments/application.py`` picks the mode.
 """
 from __future__ import annotations
 

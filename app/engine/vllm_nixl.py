@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 __all__ = ["NIXL_CONNECTOR", "NixlSettings", "CPU_SETTINGS", "nixl_transfer_config", "decoder_transfer_config",
-           "lease_for_timeout", "side_channel_env"]
+           "lease_for_timeout", "side_channel_env", "lease_duration", "with_side_channel"]
 
 NIXL_CONNECTOR = "NixlConnector"
 
@@ -130,3 +130,23 @@ def side_channel_env(port: int | None = None, host: str = "127.0.0.1",
     env = {"VLLM_NIXL_SIDE_CHANNEL_HOST": host, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(int(port))}
     env.update(settings.env)
     return env
+
+
+def lease_duration(kv_transfer_config: dict[str, Any] | None) -> int | None:
+    """The ``kv_lease_duration`` of an engine in this mode; None for an engine of another mode
+    (the pool's connector, or none): how a replica knows which hand-over it runs."""
+    ktc = kv_transfer_config or {}
+    if ktc.get("kv_connector") != NIXL_CONNECTOR:
+        return None
+    return int((ktc.get("kv_connector_extra_config") or {}).get("kv_lease_duration", 30))
+
+
+def with_side_channel(engine_config, host: str):
+    """``engine_config`` (an EngineConfig) with its own handshake listener on ``host`` when it runs
+    this mode, unchanged otherwise. Called in the replica that starts the engine, so that replicas
+    sharing a node each get their own free port."""
+    from dataclasses import replace
+
+    if lease_duration(engine_config.kv_transfer_config) is None:
+        return engine_config
+    return replace(engine_config, extra_env={**engine_config.extra_env, **side_channel_env(host=host)})

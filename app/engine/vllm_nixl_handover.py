@@ -29,6 +29,7 @@ from app.handover import shared_length
 from app.sampling import Sampling
 
 __all__ = ["Lease", "HandoverCounters", "FALLBACK_REASONS", "default_margin", "prefill_leases", "usable", "decode",
+           "lease_of", "pull_params", "count_decode",
            "read_vllm_nixl_counters", "CounterDeltas"]
 
 # Why a decoder request prefilled privately instead of pulling (counted per reason).
@@ -76,15 +77,20 @@ class HandoverCounters:
         return out
 
 
+def lease_of(result, sent: float, lease_s: float) -> Lease:
+    """The lease a prefill request (a PrefillResult, sent with ``do_remote_decode`` at ``sent``,
+    ``time.time()``) returned. The producer's lease starts when it finishes the request, after the
+    send: counting from the send errs on the safe side."""
+    return Lease(dict(result.kv_transfer_params or {}), sent + lease_s, result.num_prompt_tokens,
+                 result.num_computed_tokens, result.request_id)
+
+
 async def _one_prefill(engine, ids: list[int], salt: str | None, lease_s: float, lora: str | None,
                        request_id: str | None) -> Lease:
-    # The producer's lease starts when it finishes the request, after this send: counting from the
-    # send errs on the safe side.
     sent = time.time()
     res = await engine.prefill(ids, request_id, cache_salt=salt, kv_transfer_params={"do_remote_decode": True},
                                lora=lora)
-    return Lease(dict(res.kv_transfer_params or {}), sent + lease_s, res.num_prompt_tokens,
-                 res.num_computed_tokens, res.request_id)
+    return lease_of(res, sent, lease_s)
 
 
 async def prefill_leases(engine, prompt_token_ids: Sequence[int], n: int, *, lease_s: float,
@@ -118,6 +124,33 @@ def usable(lease: Lease | None, margin_s: float, now: float | None = None) -> st
     return None
 
 
+def pull_params(lease: Lease | None, margin_s: float) -> tuple[dict[str, Any] | None, str | None]:
+    """(the decoder request's ``kv_transfer_params``, None) when it may pull ``lease`` now, else
+    (None, the fallback reason): it then prefills privately."""
+    reason = usable(lease, margin_s)
+    if reason:
+        return None, reason
+    params = dict(lease.params)
+    # vLLM would report the PREFILL engine's prefix-cache hits as the decoder's cached tokens;
+    # without this key the decoder reports its own (the pulled prompt, L-1 tokens).
+    params.pop("remote_prefill_cached_tokens", None)
+    return params, None
+
+
+def count_decode(counters: HandoverCounters, reason: str | None, num_prompt_tokens: int,
+                 num_cached_tokens: int) -> str:
+    """Count one decoder request (``reason``: :func:`pull_params`'s); returns the event counted
+    (``pull`` or ``fallback:<reason>``)."""
+    if reason is None and num_cached_tokens < shared_length(num_prompt_tokens):
+        reason = "pull_incomplete"  # vLLM recomputed (kv_load_failure_policy "recompute"): a private prefill
+    if reason:
+        counters.fallbacks[reason] += 1
+        return f"fallback:{reason}"
+    counters.pulls += 1
+    counters.pulled_tokens += num_cached_tokens
+    return "pull"
+
+
 async def decode(engine, prompt_token_ids: Sequence[int], sampling: Sampling | Any, lease: Lease | None, *,
                  margin_s: float, cache_salt: str | None = None, lora: str | None = None,
                  counters: HandoverCounters | None = None, request_id: str | None = None):
@@ -126,22 +159,10 @@ async def decode(engine, prompt_token_ids: Sequence[int], sampling: Sampling | A
     engine's last output. Call it next to the engine (in the decoder's replica), so that the check
     comes after the replica's queue."""
     ids = [int(t) for t in prompt_token_ids]
-    reason = usable(lease, margin_s)
-    params = None if reason else dict(lease.params)
-    if params:
-        # vLLM would report the PREFILL engine's prefix-cache hits as the decoder's cached tokens;
-        # without this key the decoder reports its own (the pulled prompt, L-1 tokens).
-        params.pop("remote_prefill_cached_tokens", None)
+    params, reason = pull_params(lease, margin_s)
     out = await engine.complete(ids, sampling, request_id, cache_salt, params, lora)
     if counters is not None:
-        if reason:
-            counters.fallbacks[reason] += 1
-        elif out.num_cached_tokens < shared_length(len(ids)):
-            # vLLM recomputed (kv_load_failure_policy "recompute"): a private prefill, counted
-            counters.fallbacks["pull_incomplete"] += 1
-        else:
-            counters.pulls += 1
-            counters.pulled_tokens += out.num_cached_tokens
+        count_decode(counters, reason, len(ids), out.num_cached_tokens)
     return out
 
 

@@ -1,0 +1,105 @@
+"""Hand-over "vllm-nixl" in the app, without a cluster: which engine gets which connector config,
+the leases in the fan-out's decoder requests, and the replica's lease check (no Ray, no vLLM
+engine; the Serve path runs in tests/test_serve_vllm_nixl.py)."""
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+from app.config import load_config
+from app.engine import vllm_nixl_handover as ho
+from app.engine.vllm_nixl import lease_duration, lease_for_timeout, with_side_channel
+from app.handover import shared_length
+from deployments.fanout import FanOut
+from deployments.messages import PrefillTicket
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _engine_configs(handover: str):
+    """({"prefill:<module>" / "decode:<served name>": its EngineConfig}, the AppConfig) of the shipped
+    app bound in ``handover`` mode."""
+    from deployments.application import build
+
+    cfg = load_config(ROOT / "serve_config.yaml")
+    cfg = cfg.model_copy(update={"handover": handover})
+    router = build(cfg)._bound_deployment
+    prefill, decoders = router.init_args[2], router.init_args[3]
+    out = {f"prefill:{k}": a._bound_deployment.init_args[1] for k, a in prefill.items()}
+    out.update({f"decode:{k}": a._bound_deployment.init_args[1] for k, a in decoders.items()})
+    return out, cfg
+
+
+def test_vllm_nixl_mode_gives_producers_and_consumers_nixl_configs_tied_to_the_timeout():
+    configs, cfg = _engine_configs("vllm-nixl")
+    lease = lease_for_timeout(cfg.limits.request_timeout_s)
+    assert any(k.startswith("prefill:") for k in configs) and any(k.startswith("decode:") for k in configs)
+    for name, ec in configs.items():
+        ktc = ec.kv_transfer_config
+        assert ktc["kv_connector"] == "NixlConnector", name
+        assert ktc["kv_role"] == ("kv_producer" if name.startswith("prefill:") else "kv_consumer"), name
+        assert lease_duration(ktc) == lease
+        assert ec.prefix_caching is name.startswith("prefill:"), name  # decoders: off, explicitly
+        assert ktc["kv_buffer_device"] == "cpu"  # the shipped config has no GPUs
+
+
+def test_pool_mode_engines_keep_the_projects_connector():
+    configs, _ = _engine_configs("pool")
+    for name, ec in configs.items():
+        assert ec.kv_transfer_config["kv_connector"] == "PrefillShareConnector", name
+        assert lease_duration(ec.kv_transfer_config) is None
+        assert ec.prefix_caching is name.startswith("prefill:"), name
+        assert with_side_channel(ec, "10.0.0.7") is ec  # nothing to listen for
+
+
+def test_each_engine_started_in_vllm_nixl_mode_gets_its_own_handshake_port():
+    configs, _ = _engine_configs("vllm-nixl")
+    ec = next(iter(configs.values()))
+    a, b = with_side_channel(ec, "127.0.0.1"), with_side_channel(ec, "127.0.0.1")
+    assert a.extra_env["VLLM_NIXL_SIDE_CHANNEL_HOST"] == "127.0.0.1"
+    assert a.extra_env["VLLM_NIXL_SIDE_CHANNEL_PORT"] != b.extra_env["VLLM_NIXL_SIDE_CHANNEL_PORT"]
+    assert {k: v for k, v in a.extra_env.items() if not k.startswith("VLLM_NIXL_")} == ec.extra_env
+
+
+def _lease(i: int, expires_at: float) -> ho.Lease:
+    return ho.Lease({"do_remote_prefill": True, "remote_block_ids": [i], "remote_prefill_cached_tokens": 5},
+                    expires_at, 10, 10, f"p{i}")
+
+
+class _LeasingEngines:
+    """A prefill module that answers with one lease per prompt (what PrefillServer does in vllm-nixl)."""
+
+    def __init__(self):
+        self.decodes = []
+
+    async def prefill(self, module, req, wait_s):
+        leases = tuple(_lease(i, time.time() + 60) for i in range(len(req.prompts)))
+        return PrefillTicket(req.request_id, module, "replica-1", tuple(shared_length(len(p)) for p in req.prompts),
+                             num_computed_tokens=11, num_cached_tokens=0, seconds=0.01, node_id="node-a",
+                             leases=leases)
+
+    def fallback(self, reason):
+        raise AssertionError(f"no fallback expected, got {reason}")
+
+
+def test_a_fan_out_gives_each_decoder_its_own_lease():
+    from test_fanout import PLAN, _leg
+
+    shared = list(range(10, 22))
+    legs = [_leg("alpha", shared + [1, 2], "d-a"), _leg("ad0", shared + [3], "d-b")]
+    plans = asyncio.run(FanOut(PLAN, _LeasingEngines()).prepare(legs, "run", "agents", "salt"))
+    assert [p.request.lease.params["remote_block_ids"] for p in plans] == [[0], [1]]
+    assert all(p.request.cache_salt == "salt" for p in plans)
+
+
+def test_the_replicas_lease_check_pulls_or_counts_the_fallback():
+    counters = ho.HandoverCounters()
+    params, reason = ho.pull_params(_lease(0, time.time() + 60), margin_s=3)
+    assert reason is None and params["remote_block_ids"] == [0]
+    assert "remote_prefill_cached_tokens" not in params  # the decoder reports its own pull
+    assert ho.count_decode(counters, reason, 10, 9) == "pull"
+    assert ho.pull_params(_lease(0, time.time() + 1), margin_s=3) == (None, "lease_expiring")
+    assert ho.count_decode(counters, "lease_expiring", 10, 0) == "fallback:lease_expiring"
+    assert ho.count_decode(counters, None, 10, 0) == "fallback:pull_incomplete"  # vLLM recomputed
+    assert counters.as_dict()["pulls"] == 1 and counters.as_dict()["fallback:pull_incomplete"] == 1
