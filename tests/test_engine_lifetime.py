@@ -27,10 +27,10 @@ PARENT = textwrap.dedent("""
     from app.engine.async_engine import Engine, EngineConfig
 
     if __name__ == "__main__":
-        engine = Engine(EngineConfig(model=sys.argv[1], dtype="float32", kv_space_gib=0.0625,
-                                     max_model_len=128, block_size=32, max_num_seqs=2,
-                                     omp_threads_bind="nobind", enforce_eager=True,
-                                     extra_env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}))
+        engine = Engine(EngineConfig(model=sys.argv[1], dtype="float32", kv_cache_memory_bytes=64 << 20,
+                                     max_model_len=128, block_size=32, max_num_seqs=2, enforce_eager=True,
+                                     extra_env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+                                                "VLLM_CPU_OMP_THREADS_BIND": "nobind"}))
         cores = [p.pid for p in psutil.Process().children(recursive=True)]
         print("cores", *cores, flush=True)
         time.sleep(3600)

@@ -159,9 +159,9 @@ def test_a_decoder_trained_on_a_float32_base_decodes_on_its_kv_in_vllm(tmp_path)
     pool = PoolSpec(path=f"/dev/shm/ps-test-anybase-{uuid.uuid4().hex[:8]}", capacity_bytes=64 << 20,
                     lease_timeout_s=120)
     pm = prefill_module_id(base)
-    common = dict(dtype="float32", kv_space_gib=KV_CACHE_BYTES / (1 << 30), max_model_len=512, block_size=32,
-                  skip_tokenizer_init=True, omp_threads_bind="nobind", request_timeout_s=240,
-                  extra_env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"})  # engine cores in this process
+    common = dict(dtype="float32", kv_cache_memory_bytes=KV_CACHE_BYTES, max_model_len=512, block_size=32,
+                  skip_tokenizer_init=True, request_timeout_s=240,
+                  extra_env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_OMP_THREADS_BIND": "nobind"})  # engine cores in this process
     cfgs = [EngineConfig(model=str(base), **common, kv_transfer_config=connector_config("producer", pm, pool)),
             EngineConfig(model=str(dec), **common, kv_transfer_config=connector_config(
                 "consumer", pm, pool, scope="desk", base_dir=str(base), decoder_dir=str(dec)))]
