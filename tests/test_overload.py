@@ -109,7 +109,7 @@ def test_overload_with_the_orchestrator_killed_loses_nothing(tmp_path):
 
     from app.bench import overload
     from app.config import load_config
-    from app.serve_app import build
+    from deployments.application import build
 
     paths = make_models(tmp_path / "models", {"alpha": (1, {}), "beta": (2, {})})
     engine = {"dtype": "float32", "max_model_len": 256, "kv_cache_memory_bytes": "128MiB", "block_size": 32,

@@ -44,7 +44,7 @@ def _get(url: str) -> tuple[int, bytes]:
 def app(tmp_path_factory):
     from app.config import load_config
     from app.models.manifest import read_manifest, write_manifest
-    from app.training.rendering import TEMPLATE_FILE, Renderer
+    from app.rendering import TEMPLATE_FILE, Renderer
 
     root = tmp_path_factory.mktemp("models")
     paths = make_models(root, {"alpha": (1, {}), "tmpl": (2, {})})
