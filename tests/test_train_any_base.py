@@ -164,7 +164,7 @@ def test_a_decoder_trained_on_a_float32_base_decodes_on_its_kv_in_vllm(tmp_path)
                   extra_env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_OMP_THREADS_BIND": "nobind"})  # engine cores in this process
     cfgs = [EngineConfig(model=str(base), **common, kv_transfer_config=connector_config("producer", pm, pool)),
             EngineConfig(model=str(dec), **common, kv_transfer_config=connector_config(
-                "consumer", pm, pool, scope="desk", base_dir=str(base), decoder_dir=str(dec)))]
+                "consumer", pm, pool, scope="desk"))]  # the app's plan checks compatibility (compat.check, above)
     os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
 
     async def run():
