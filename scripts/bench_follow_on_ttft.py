@@ -28,7 +28,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 ADAPTERS = ("lookup", "tool_call", "reschedule", "route")
-ENGINE = {"dtype": "auto", "max_model_len": 1024, "kv_cache_gib": 0.25, "block_size": 32, "max_num_seqs": 16,
+ENGINE = {"dtype": "auto", "max_model_len": 1024, "kv_cache_memory_bytes": "256MiB", "block_size": 32, "max_num_seqs": 16,
           "enforce_eager": True, "threads_bind": "nobind"}
 
 
@@ -52,7 +52,7 @@ def app_config(pool: str) -> dict:
     ck = ROOT / "checkpoints"
     return {
         "tokenizer": str(ck / "tokenizer"),
-        "pool": {"path": pool, "capacity_gib": 0.5},
+        "pool": {"path": pool, "capacity_bytes": "512MiB"},
         "engine_env": {"VLLM_HOST_IP": "127.0.0.1"},
         "prefill_modules": [{"name": "base", "model": str(ck / "base"), "engine": ENGINE,
                              "placement": {"num_replicas": 1, "num_cpus": 0.5}}],

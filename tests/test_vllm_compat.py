@@ -50,13 +50,13 @@ def app(tmp_path_factory):
     paths = make_models(root, {"alpha": (1, {}), "tmpl": (2, {})})
     write_manifest(paths["tmpl"], replace(read_manifest(paths["tmpl"]), prompt=Renderer.chat(TEMPLATE).fmt))
     (paths["tmpl"] / TEMPLATE_FILE).write_text(TEMPLATE)
-    engine = {"dtype": "float32", "max_model_len": 256, "kv_cache_gib": 0.125, "block_size": 32,
+    engine = {"dtype": "float32", "max_model_len": 256, "kv_cache_memory_bytes": "128MiB", "block_size": 32,
               "max_num_seqs": 8, "threads_bind": "nobind"}
     dec = lambda name: {"name": name, "model": str(paths[name]), "engine": engine,  # noqa: E731
                         "placement": {"num_cpus": 0.25, "placement_group_bundles": [{"CPU": 0.25}]}}
     pool = f"/dev/shm/ps-vllm-{os.getpid()}"
     cfg = load_config({
-        "tokenizer": str(paths["tokenizer"]), "pool": {"path": pool, "capacity_gib": 0.125},
+        "tokenizer": str(paths["tokenizer"]), "pool": {"path": pool, "capacity_bytes": "128MiB"},
         "limits": {"max_tokens_default": 8, "max_tokens_cap": 64, "max_logprobs": 5},
         "engine_env": {"VLLM_HOST_IP": "127.0.0.1"},
         "prefill_modules": [{"name": "base", "model": str(paths["base"]), "engine": engine,
