@@ -153,9 +153,10 @@ def classify_events(kind: str, events: list[dict], done: bool) -> str:
         if "error" in ev:
             return f"error {ev['error'].get('code') or ev['error'].get('type')}"
         if kind == "fanout":
-            for r in ev.get("results", []) if isinstance(ev.get("results"), list) else [ev]:
-                if isinstance(r, dict) and r.get("error"):
-                    return f"error {r.get('code') or str(r['error']).split(':')[0]}"
+            results = ev["results"] if isinstance(ev.get("results"), list) else [ev]
+            failed = _agent_failure([r for r in results if isinstance(r, dict)])
+            if failed:
+                return f"error {failed}"
     if not done:
         return "lost stream ended without [DONE]"
     return "ok" if events else "lost empty stream"
