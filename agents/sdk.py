@@ -91,16 +91,21 @@ def _structured(response_format: Any) -> StructuredOutput | None:
 
 
 def run_body(context: str, agents: Sequence[AgentLike], rounds: int = 1, join_outputs: bool = True,
-             stream: bool = False, variables: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """JSON for POST /v1/agents/run: the same agents for `rounds` rounds."""
+             stream: bool = False, variables: Mapping[str, Any] | None = None,
+             cache_salt: str | None = None) -> dict[str, Any]:
+    """JSON for POST /v1/agents/run: the same agents for `rounds` rounds. ``cache_salt`` salts the
+    run's shared context (vLLM's field; the app joins it with the API key's tenant salt)."""
     if not agents:
         raise WorkflowError("give at least one agent")
     parsed = [_agent(a).render(variables) for a in agents]
     labels = [a.label for a in parsed]
     if len(set(labels)) != len(labels):
         raise WorkflowError(f"agent names repeat: {labels}; give each a distinct name")
-    return {"context": context, "agents": [a.to_json() for a in parsed], "rounds": rounds,
+    body = {"context": context, "agents": [a.to_json() for a in parsed], "rounds": rounds,
             "join_outputs": join_outputs, "stream": stream}
+    if cache_salt is not None:
+        body["cache_salt"] = cache_salt
+    return body
 
 
 def workflow_body(workflow: Workflow, context: str, variables: Mapping[str, Any] | None = None,
@@ -417,9 +422,10 @@ class Client(_Connection):
 
     # -- agents --
     def run(self, context: str, agents: Sequence[AgentLike], *, rounds: int = 1, join_outputs: bool = True,
-            variables: Mapping[str, Any] | None = None, timeout: float | None = None) -> RunResult:
+            variables: Mapping[str, Any] | None = None, timeout: float | None = None,
+            cache_salt: str | None = None) -> RunResult:
         """Fan `context` out to `agents` (concurrently), for `rounds` rounds."""
-        return self._run(run_body(context, agents, rounds, join_outputs, False, variables), timeout)
+        return self._run(run_body(context, agents, rounds, join_outputs, False, variables, cache_salt), timeout)
 
     def _run(self, body: dict, timeout: float | None) -> RunResult:
         t0 = time.perf_counter()
@@ -427,9 +433,10 @@ class Client(_Connection):
         return parse_run(d, time.perf_counter() - t0)
 
     def stream(self, context: str, agents: Sequence[AgentLike], *, rounds: int = 1, join_outputs: bool = True,
-               variables: Mapping[str, Any] | None = None, timeout: float | None = None) -> Iterator[RunEvent]:
+               variables: Mapping[str, Any] | None = None, timeout: float | None = None,
+               cache_salt: str | None = None) -> Iterator[RunEvent]:
         """Events as they happen: AgentDelta ..., AgentDone, RoundDone, and RunDone last."""
-        return self._stream(run_body(context, agents, rounds, join_outputs, True, variables), timeout)
+        return self._stream(run_body(context, agents, rounds, join_outputs, True, variables, cache_salt), timeout)
 
     def _stream(self, body: dict, timeout: float | None) -> Iterator[RunEvent]:
         t0 = time.perf_counter()
@@ -655,8 +662,9 @@ class AsyncClient(_Connection):
         return _parse_completion(d, time.perf_counter() - t0)
 
     async def run(self, context: str, agents: Sequence[AgentLike], *, rounds: int = 1, join_outputs: bool = True,
-                  variables: Mapping[str, Any] | None = None, timeout: float | None = None) -> RunResult:
-        return await self._run(run_body(context, agents, rounds, join_outputs, False, variables), timeout)
+                  variables: Mapping[str, Any] | None = None, timeout: float | None = None,
+                  cache_salt: str | None = None) -> RunResult:
+        return await self._run(run_body(context, agents, rounds, join_outputs, False, variables, cache_salt), timeout)
 
     async def _run(self, body: dict, timeout: float | None) -> RunResult:
         t0 = time.perf_counter()
@@ -664,8 +672,9 @@ class AsyncClient(_Connection):
         return parse_run(d, time.perf_counter() - t0)
 
     def stream(self, context: str, agents: Sequence[AgentLike], *, rounds: int = 1, join_outputs: bool = True,
-               variables: Mapping[str, Any] | None = None, timeout: float | None = None) -> RunStream:
-        return RunStream(self, run_body(context, agents, rounds, join_outputs, True, variables), timeout)
+               variables: Mapping[str, Any] | None = None, timeout: float | None = None,
+               cache_salt: str | None = None) -> RunStream:
+        return RunStream(self, run_body(context, agents, rounds, join_outputs, True, variables, cache_salt), timeout)
 
     async def run_workflow(self, workflow: Workflow, context: str, variables: Mapping[str, Any] | None = None,
                            *, timeout: float | None = None) -> RunResult:

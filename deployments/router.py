@@ -485,7 +485,7 @@ class Router:
                 specs.append(AgentSpec(name, a.model, a.instruction, sampling, ids))
             rounds.append(tuple(specs))
         return AgentRunRequest(f"run-{uuid.uuid4().hex}", body.context, tuple(rounds), body.join_outputs,
-                               cache_salt=self._salt(tenant))
+                               cache_salt=cache_salt(self._salt(tenant), body.cache_salt))
 
     # --- vLLM's extra endpoints (deployments/vllm_endpoints.py) ---
     @api.post("/tokenize")

@@ -191,6 +191,9 @@ class AgentRunBody(BaseModel):
     rounds: StrictInt | list[list[AgentBody]] | None = None
     join_outputs: StrictBool = True
     stream: StrictBool = False
+    # vLLM's cache_salt, for the run's one shared context: every agent's prompt shares it, so
+    # it is the run's, not an agent's (joined with the tenant's salt, as on the OpenAI routes)
+    cache_salt: StrictStr | None = Field(None, min_length=1, max_length=1024)
 
 
 def _loc(loc: tuple) -> str:

