@@ -62,6 +62,28 @@ def check_engine_kwargs(cfg: AppConfig) -> None:
                 raise ConfigError(f"{field}: not a vLLM engine argument (AsyncEngineArgs)")
 
 
+# the files that decide how an engine tokenizes and detokenizes
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+
+def engine_tokenizer(cfg: AppConfig, model: str) -> str:
+    """The tokenizer folder an engine loads: the model's own when its tokenizer files are the
+    app's, byte for byte; otherwise the app's ``tokenizer``. vLLM reads a tokenizer folder's
+    config.json as a model config, and a tokenizer-only folder fails that read twice, 2 s apart,
+    with an ERROR line, in the replica and again in its engine core: 4 s at every engine start."""
+    from pathlib import Path
+
+    app_tok, own = Path(cfg.path(cfg.tokenizer)), Path(cfg.path(model))
+
+    def same(name: str) -> bool:
+        a, b = app_tok / name, own / name
+        return a.is_file() == b.is_file() and (not a.is_file() or a.read_bytes() == b.read_bytes())
+
+    if (own / "config.json").is_file() and (own / "tokenizer.json").is_file() and all(map(same, _TOKENIZER_FILES)):
+        return str(own)
+    return str(app_tok)
+
+
 def engine_config(cfg: AppConfig, model: str, eng: EngineSettings, placement: Placement,
                   kv_transfer_config: dict | None, lora: LoRAGroup | None = None):
     """The EngineConfig of one engine deployment: ``eng``'s settings under their vLLM names, its LoRA group's."""
@@ -69,7 +91,7 @@ def engine_config(cfg: AppConfig, model: str, eng: EngineSettings, placement: Pl
 
     adapters = tuple((a.name, str(cfg.path(a.path))) for a in lora.adapters) if lora is not None else ()
     return EngineConfig(
-        model=str(cfg.path(model)), tokenizer=str(cfg.path(cfg.tokenizer)), dtype=eng.dtype,
+        model=str(cfg.path(model)), tokenizer=engine_tokenizer(cfg, model), dtype=eng.dtype,
         kv_cache_memory_bytes=eng.kv_cache_memory_bytes, max_model_len=eng.max_model_len, block_size=eng.block_size,
         max_num_seqs=eng.max_num_seqs, enforce_eager=eng.enforce_eager, seed=eng.seed,
         gpu_memory_utilization=eng.gpu_memory_utilization, engine_kwargs=dict(eng.engine_kwargs),

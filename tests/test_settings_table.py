@@ -196,3 +196,22 @@ def test_a_renamed_setting_fails_naming_the_new_name(section, old, new):
         where = f"pool.{old}"
     with pytest.raises(ConfigError, match=re.escape(f"{where}: renamed to {new}")):
         load_config(cfg)
+
+
+def test_an_engine_loads_the_models_own_tokenizer_only_when_it_is_the_apps(tmp_path):
+    """engine_tokenizer: the model folder (whose config.json vLLM parses at once) when its
+    tokenizer files equal the app's byte for byte, else the app's tokenizer folder."""
+    import shutil
+
+    from app.engine_args import engine_tokenizer
+
+    tok, model = tmp_path / "tok", tmp_path / "model"
+    shutil.copytree(ROOT / "checkpoints" / "tokenizer", tok)
+    shutil.copytree(ROOT / "checkpoints" / "tokenizer", model)
+    (model / "config.json").write_text("{}")
+    cfg = load_config({**BASE, "tokenizer": str(tok)})
+    assert engine_tokenizer(cfg, str(model)) == str(model)
+    (model / "tokenizer_config.json").write_text((tok / "tokenizer_config.json").read_text() + " ")
+    assert engine_tokenizer(cfg, str(model)) == str(tok)  # one byte differs: the app's own
+    (model / "tokenizer_config.json").unlink()
+    assert engine_tokenizer(cfg, str(model)) == str(tok)

@@ -218,34 +218,38 @@ def test_truncate_prompt_tokens_cuts_the_prompt_before_the_shared_prefill(app):
     assert _ids(out) == _ids(same) and out["prefillshare"]["prefill_module"] == "base"
 
 
-def test_cache_salt_separates_the_prefix_cache(app):
-    prompt = PROMPT + " salted"
+def _saved_per_salt(app, send, salts: tuple[str, str]) -> list[float]:
+    """The base's prefix-cache savings after each of three requests salted a, b, a (salts not
+    used by another test: a salt's cache is shared by every prompt that starts alike)."""
     saved = lambda: _metric_sum(app["url"], "prefillshare_prefill_tokens_saved_total", stage="prefill")  # noqa: E731
     done = _metric_sum(app["url"], "prefillshare_requests_total")
     after = []
-    for salt in ("s1", "s2", "s1"):
-        _cmpl(app, prompt=prompt, cache_salt=salt)
+    for salt in (*salts, salts[0]):
+        send(salt)
         done = _metric_reaches(app["url"], "prefillshare_requests_total", done + 1)  # its records have landed
         after.append(saved())
+    return after
+
+
+def test_cache_salt_separates_the_prefix_cache(app):
+    after = _saved_per_salt(app, lambda salt: _cmpl(app, prompt=PROMPT + " salted", cache_salt=salt), ("s1", "s2"))
     assert after[1] == after[0]  # another salt: nothing of the prompt was cached for it
     assert after[2] >= after[1] + 32  # the same salt again: the base's prefix cache served a block or more
 
 
 def test_an_agent_runs_cache_salt_separates_its_shared_context(app):
     """One salt per run (its agents share one context): same effect as on a completion."""
-    context = PROMPT + " salted run"
-    saved = lambda: _metric_sum(app["url"], "prefillshare_prefill_tokens_saved_total", stage="prefill")  # noqa: E731
-    done = _metric_sum(app["url"], "prefillshare_requests_total")
-    after = []
-    for salt in ("r1", "r2", "r1"):
-        status, run = _post(app["url"] + "/v1/agents/run", {"context": context, "cache_salt": salt, "agents": [
-            {"model": "alpha", "instruction": "go", "max_tokens": 2}]})
-        assert status == 200 and run["results"][0]["error"] is None, run
-        done = _metric_reaches(app["url"], "prefillshare_requests_total", done + 1)
-        after.append(saved())
+    def run(salt: str | None) -> tuple[int, dict]:
+        return _post(app["url"] + "/v1/agents/run", {"context": PROMPT + " salted run", "cache_salt": salt,
+                                                     "agents": [{"model": "alpha", "instruction": "go", "max_tokens": 2}]})
+
+    def send(salt: str) -> None:
+        status, out = run(salt)
+        assert status == 200 and out["results"][0]["error"] is None, out
+
+    after = _saved_per_salt(app, send, ("r1", "r2"))
     assert after[1] == after[0] and after[2] >= after[1] + 32
-    status, out = _post(app["url"] + "/v1/agents/run", {"context": context, "cache_salt": "", "agents": [
-        {"model": "alpha", "instruction": "go"}]})
+    status, out = run("")
     assert status == 400 and out["error"]["param"] == "cache_salt", out
 
 
