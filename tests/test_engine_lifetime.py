@@ -2,7 +2,8 @@
 
 A plain Python process builds an :class:`Engine` on a random-weight model with vLLM's spawn start
 (as in a Ray Serve replica, where vLLM forces spawn), reports its engine-core pid and waits; the
-test kills it with SIGKILL, which runs no shutdown code, and the orphaned core must go by itself.
+test kills it with SIGKILL, which runs no shutdown code, and the orphaned core must go by itself,
+leaving no named semaphore (``/dev/shm/sem.mp-*``) behind.
 """
 from __future__ import annotations
 
@@ -37,8 +38,13 @@ PARENT = textwrap.dedent("""
 """)
 
 
+def _semaphores() -> set[str]:
+    return {p.name for p in Path("/dev/shm").glob("sem.mp-*")}
+
+
 def test_engine_core_dies_when_its_parent_is_killed(tmp_path):
     paths = make_models(tmp_path, {})
+    before = _semaphores()
     script = tmp_path / "parent.py"
     script.write_text(PARENT)
     env = dict(os.environ, PYTHONPATH=str(ROOT), VLLM_WORKER_MULTIPROC_METHOD="spawn")
@@ -59,6 +65,8 @@ def test_engine_core_dies_when_its_parent_is_killed(tmp_path):
         # waiting for the orphan's parent watch (it polls about once a second), not a timing assertion
         _, alive = psutil.wait_procs(cores, timeout=60)
         assert not alive, f"engine cores outlived their SIGKILLed parent: {[p.pid for p in alive]}"
+        # tqdm's multiprocessing lock would be a named semaphore that only a clean exit unlinks
+        assert _semaphores() - before == set(), "a killed engine left a named semaphore in /dev/shm"
     finally:
         if parent.poll() is None:
             os.killpg(parent.pid, signal.SIGKILL)

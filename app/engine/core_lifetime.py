@@ -13,6 +13,12 @@ the parent's multiprocessing sentinel (a pipe that reads EOF once the parent is 
 parent pid; when the parent is gone it kills the core's own descendants and then the core, with
 SIGKILL. ``PR_SET_PDEATHSIG`` is not used: it fires when the *thread* that spawned the child
 ends, and engines are built in worker threads (``asyncio.to_thread``).
+
+The same hook keeps the core from leaving a named semaphore behind: in a spawned process
+tqdm's first progress bar (vLLM's weight loading) makes a multiprocessing RLock, a
+``/dev/shm/sem.mp-*`` file that only a clean exit unlinks, so every SIGKILLed core left one (seen
+here: one per killed core, none after clean stops). The core's bars all run in its own process, so
+:func:`_thread_lock_for_progress_bars` gives tqdm a thread lock instead.
 """
 from __future__ import annotations
 
@@ -44,12 +50,22 @@ def install() -> None:
 def run_engine_core(*args, **kwargs):
     """The core's entry in the spawned child: start the parent watch, then run vLLM's entry."""
     _watch_parent()
+    _thread_lock_for_progress_bars()
     entry = _vllm_run_engine_core
     if entry is None:  # a fresh child: vLLM's class still holds its own entry
         from vllm.v1.engine.core import EngineCoreProc
 
         entry = EngineCoreProc.run_engine_core
     return entry(*args, **kwargs)
+
+
+def _thread_lock_for_progress_bars() -> None:
+    """tqdm.set_lock before any bar: tqdm then never creates its multiprocessing lock."""
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return
+    tqdm.set_lock(threading.RLock())
 
 
 def _watch_parent() -> None:
