@@ -80,7 +80,7 @@ class DecodeServer(EngineHost):
                                            out.num_cached_tokens)
         if self.metrics is not None:
             events = {event: 1, **self._vllm_nixl_deltas(nixl_handover.read_vllm_nixl_counters())}
-            self.metrics.vllm_nixl.remote(self.model, events)
+            self.metrics.send("vllm_nixl", self.model, events)
 
     async def _stream(self, req: DecodeRequest) -> AsyncIterator[DecodeChunk]:
         t0 = time.perf_counter()

@@ -17,7 +17,7 @@ from ray import serve
 
 from app.engine.async_engine import Engine, EngineConfig
 from app.engine.vllm_nixl import with_side_channel
-from deployments.metrics import ENGINE_PUSH_S, engine_samples
+from deployments.metrics import ENGINE_PUSH_S, MetricsSender, engine_samples
 
 
 class EngineHost:
@@ -26,7 +26,7 @@ class EngineHost:
     async def _start_engine(self, engine_config: EngineConfig, metrics) -> None:
         # hand-over "vllm-nixl": each engine listens for NIXL handshakes on its own port of this node
         self.engine = await Engine.start(with_side_channel(engine_config, node_ip()))
-        self.metrics = metrics
+        self.metrics = MetricsSender(metrics) if metrics is not None else None
         ctx = serve.get_replica_context()
         self.replica_id = ctx.replica_id.unique_id
         self.deployment = ctx.deployment
@@ -39,7 +39,7 @@ class EngineHost:
         name = next(iter(self._identity().values()), self.deployment)
         while True:
             with contextlib.suppress(Exception):  # a missed push only delays the next scrape's numbers
-                self.metrics.engine.remote(self.deployment, self.replica_id, engine_samples(name))
+                self.metrics.send("engine", self.deployment, self.replica_id, engine_samples(name))
             await asyncio.sleep(ENGINE_PUSH_S)
 
     @contextlib.contextmanager
@@ -54,7 +54,7 @@ class EngineHost:
 
     def _report_queue(self) -> None:
         if self.metrics is not None:
-            self.metrics.queue.remote(self.deployment, self.replica_id, self.in_flight)
+            self.metrics.gauge("queue", self.deployment, self.replica_id, self.in_flight)
 
     def _identity(self) -> dict:
         return {}

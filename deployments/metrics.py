@@ -1,7 +1,8 @@
 """Prometheus metrics of the app, gathered in one small deployment.
 
 Prefill, decode and routing happen in different replicas; each reports plain events here
-(fire-and-forget) and `GET /metrics` on the ingress renders this one registry, so a scrape
+(fire-and-forget, batched by :class:`MetricsSender`: one Serve call per replica every
+``SEND_EVERY_S``, not several per request) and `GET /metrics` on the ingress renders this one registry, so a scrape
 sees the whole app without Ray's metrics agent. Beside the project's ``prefillshare_*`` names
 it carries vLLM's own ``vllm:*`` metrics: vLLM's Prometheus stat logger runs inside every engine
 replica, which sends its samples here every ``ENGINE_PUSH_S`` (:func:`engine_samples`); they are
@@ -11,6 +12,7 @@ docs/serving.md; k8s/chart/dashboards/prefillshare.json charts them.
 """
 from __future__ import annotations
 
+import asyncio
 import re
 import time
 from dataclasses import dataclass
@@ -237,6 +239,51 @@ class AppMetrics:
         return generate_latest(self.registry)
 
 
+SEND_EVERY_S = 0.5  # how stale a scrape can be; events arrive in order, gauges carry their last value
+
+
+class MetricsSender:
+    """A replica's events for the Metrics deployment, sent in one call every ``SEND_EVERY_S``.
+
+    Why: a Serve call costs the sender and the Metrics replica a few ms of CPU each, and a
+    completion made six (queue gauges as it entered and left two replicas, its prefill record,
+    its request record). On 2 cores that sat in the first-token path (docs/benchmarks.md
+    "First token of a follow-on completion"). A gauge keeps only its last value per key.
+    """
+
+    def __init__(self, handle, every_s: float = SEND_EVERY_S):
+        self.handle, self.every_s = handle, every_s
+        self._events: list[tuple[str, tuple]] = []
+        self._gauges: dict[tuple, tuple[str, tuple]] = {}
+        self._timer: asyncio.TimerHandle | None = None
+
+    def send(self, method: str, *args) -> None:
+        self._events.append((method, args))
+        self._soon()
+
+    def gauge(self, method: str, *args) -> None:
+        """``args[:-1]`` name the series, ``args[-1]`` is its value: only the last one is sent."""
+        self._gauges[(method, *args[:-1])] = (method, args)
+        self._soon()
+
+    def _soon(self) -> None:
+        if self._timer is not None:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # not on an event loop: nothing to wait on, send now
+            self.flush()
+            return
+        self._timer = loop.call_later(self.every_s, self.flush)
+
+    def flush(self) -> None:
+        self._timer = None
+        events = self._events + list(self._gauges.values())
+        self._events, self._gauges = [], {}
+        if events:
+            self.handle.batch.remote(events)
+
+
 @serve.deployment(name="Metrics", max_ongoing_requests=1000)
 class MetricsServer:
     """Holds the app's registry; other deployments send it events."""
@@ -269,3 +316,13 @@ class MetricsServer:
 
     def render(self) -> bytes:
         return self.m.render()
+
+    def batch(self, events: list[tuple[str, tuple]]) -> None:
+        """A :class:`MetricsSender`'s events, in the order they were sent."""
+        for method, args in events:
+            if method not in _EVENTS:
+                raise ValueError(f"metrics event {method!r} is not one of {sorted(_EVENTS)}")
+            getattr(self, method)(*args)
+
+
+_EVENTS = frozenset({"request", "prefill", "fallback", "router_failover", "vllm_nixl", "overloaded", "queue", "engine"})

@@ -30,6 +30,7 @@ from deployments.decode_call import DecodePlan, Output
 from deployments.errors import ErrorCode, Failure, failure_fields
 from deployments.fanout import FanOut, Leg
 from deployments.messages import AgentEvent, AgentRunRequest, AgentSpec
+from deployments.metrics import MetricsSender
 from deployments.openai_format import chat_logprobs
 from deployments.prompts import Prompter, common_prefix
 from deployments.serve_engines import ServeEngines
@@ -80,7 +81,8 @@ class _Agent:
 class Orchestrator:
     def __init__(self, plan: AppPlan, prefill: dict, decoders: dict, metrics=None):
         self.plan = plan
-        self.fanout = FanOut(plan, ServeEngines(prefill, decoders, metrics))
+        sender = MetricsSender(metrics) if metrics is not None else None
+        self.fanout = FanOut(plan, ServeEngines(prefill, decoders, sender))
         self.prompter = Prompter(plan.tokenizer, plan.renderers)  # each decoder's own rendering
         self.runs = 0  # agent runs started on this replica
         self.relayed_chunks: Counter[str] = Counter()  # decoder chunks streamed through here, by route

@@ -68,7 +68,7 @@ class PrefillServer(EngineHost):
             None if r is None else lease_of(r, sent, self.lease_s) for r in results)
         seconds = time.perf_counter() - t0
         if self.metrics is not None:
-            self.metrics.prefill.remote(PrefillRecord(self.module, self.replica_id, computed, cached, seconds))
+            self.metrics.send("prefill", PrefillRecord(self.module, self.replica_id, computed, cached, seconds))
         return PrefillTicket(
             request_id=req.request_id,
             prefill_module=self.module,

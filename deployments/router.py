@@ -38,6 +38,7 @@ from deployments.decode_call import DecoderCall, Output
 from deployments.errors import ApiError, ErrorCode, Failure, error_body
 from deployments.fanout import FanOut, Leg
 from deployments.messages import AgentRunRequest, AgentSpec, CompletionJob, DecodeChunk
+from deployments.metrics import MetricsSender
 from deployments.openai_format import Answer, ToolCallOut
 from deployments.prompt_options import cache_salt, chat_echo, chat_switches, chat_turns, prompt_logprobs_of, truncated
 from deployments.prompts import Prompter, RenderError
@@ -139,8 +140,9 @@ class Router:
         self.orch = orchestrator
         self.prefill = prefill
         self.decoders = decoders
-        self.fanout = FanOut(plan, ServeEngines(prefill, decoders, metrics))  # completions' own path
-        self.metrics = metrics
+        self.metrics = metrics  # the Metrics deployment: events go through self.events, /metrics renders there
+        self.events = MetricsSender(metrics)
+        self.fanout = FanOut(plan, ServeEngines(prefill, decoders, self.events))  # completions' own path
         self.prompter = Prompter(plan.tokenizer, plan.renderers)  # each decoder's own rendering
         self.created = int(time.time())
         self.limits = plan.limits
@@ -166,7 +168,7 @@ class Router:
 
     def _admit(self, route: str) -> Slot:
         if not self.admission.try_enter():
-            self.metrics.overloaded.remote("ingress")
+            self.events.send("overloaded", "ingress")
             raise _overloaded(f"server busy: {self.admission.limit} requests in flight on this replica; retry later",
                               self.limits.retry_after_s)
         return Slot(self.admission, route)
@@ -184,7 +186,7 @@ class Router:
         except RayActorError as e:  # ActorDiedError, ActorUnavailableError: the deployment's replica is gone
             raise _ReplicaGone(e) from None
         except BackPressureError as e:
-            self.metrics.overloaded.remote("serve_queue")
+            self.events.send("overloaded", "serve_queue")
             raise _overloaded(f"server busy: {e.message}", self.limits.retry_after_s) from None
         except DeploymentUnavailableError as e:
             raise ApiError(503, f"service unavailable: {e}", None, "unavailable", "server_error",
@@ -192,7 +194,7 @@ class Router:
 
     def _failure(self, failure: Failure, route: str) -> ApiError:
         if failure.code is ErrorCode.OVERLOADED:
-            self.metrics.overloaded.remote("engine_queue")
+            self.events.send("overloaded", "engine_queue")
         return ApiError.from_failure(failure, route, self.limits.retry_after_s)
 
     async def _serve(self, route: str, gen, stream: bool,
@@ -212,7 +214,7 @@ class Router:
             try:
                 head = await self._first(call)
             except _ReplicaGone:  # e.g. the Orchestrator died: nothing reached the client, so repeat it once
-                self.metrics.fallback.remote("router_retry", 1)
+                self.events.send("fallback", "router_retry", 1)
                 call = gen()
                 try:
                     head = await self._first(call)

@@ -3,7 +3,7 @@
 The one place where the request path meets Serve: a prefill call whose wait for a replica is
 bounded (Serve holds a call while a deployment has no replica, e.g. its node is gone), a
 decoder stream, Serve's back-pressure turned into :class:`Shed`, and the metrics events sent
-fire-and-forget. The Router and the Orchestrator each hold one.
+fire-and-forget (batched by the caller's :class:`~deployments.metrics.MetricsSender`). The Router and the Orchestrator each hold one.
 """
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from ray.serve.exceptions import BackPressureError
 
 from deployments.errors import Shed, Unreachable
 from deployments.messages import DecodeChunk, DecodeRequest, PrefillRequest, PrefillTicket
-from deployments.metrics import RequestRecord
+from deployments.metrics import MetricsSender, RequestRecord
 from deployments.ray_internals import replica_assigned
 
 
@@ -38,9 +38,9 @@ class _Stream:
 
 class ServeEngines:
     """``prefill``: {module: handle of its Prefill deployment}; ``decoders``: {served name:
-    handle of its Decode deployment}; ``metrics``: the Metrics deployment's handle (or None)."""
+    handle of its Decode deployment}; ``metrics``: this replica's sender to the Metrics deployment (or None)."""
 
-    def __init__(self, prefill: dict, decoders: dict, metrics=None):
+    def __init__(self, prefill: dict, decoders: dict, metrics: MetricsSender | None = None):
         self._prefill = prefill
         self._decoders = {k: h.options(stream=True) for k, h in decoders.items()}
         self._metrics = metrics
@@ -64,8 +64,8 @@ class ServeEngines:
 
     def fallback(self, reason: str) -> None:
         if self._metrics is not None:
-            self._metrics.fallback.remote(reason, 1)
+            self._metrics.send("fallback", reason, 1)
 
     def record(self, record: RequestRecord) -> None:
         if self._metrics is not None:
-            self._metrics.request.remote(record)
+            self._metrics.send("request", record)

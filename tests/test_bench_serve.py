@@ -176,11 +176,14 @@ def test_every_system_is_a_valid_app_config(tmp_path):
 @pytest.mark.serve
 @pytest.mark.engine
 def test_short_run_of_the_lora_systems_is_well_formed(tmp_path):
+    """a-lora (the app: shared base, one decode group) against c-lora (multi-LoRA engines), driven
+    by the project's client. b-lora is left to test_every_system_is_a_valid_app_config and, for its
+    per-adapter KV, tests/test_lora_groups.py: one app start less in CI."""
     from app.bench.models import SMALL
     from app.bench.serve_bench import ServeBenchConfig, run
     from app.bench.systems import Topology
 
-    systems = ("a-lora", "b-lora", "c-lora")
+    systems = ("a-lora", "c-lora")
     cfg = ServeBenchConfig(
         systems=systems, fanouts=(2,), lengths=(128,), rounds=(2,), output_tokens=4, rates=(0.5,),
         duration_s=2.0, max_sessions=3, probes=1, warmup=0, shape=SMALL,
@@ -199,14 +202,14 @@ def test_short_run_of_the_lora_systems_is_well_formed(tmp_path):
         # every agent of every round generated exactly O tokens (EOS cannot win with the zeroed row)
         assert p["output_tok_per_s"] * p["wall_s"] == pytest.approx(p["ok"] * 2 * 2 * 4)
         assert p["cpu_s_per_session"] > 0 and p["prefill_tokens_computed_per_session"] > 0
-    # the shared base computes each context once; per-adapter prefill computes it once per adapter
-    assert pts["a-lora"]["prefill_tokens_computed_per_session"] < pts["b-lora"]["prefill_tokens_computed_per_session"]
-    # every adapter's request found its KV: the base's (a-lora) or its own adapter's (b-lora, keyed per adapter)
-    assert pts["a-lora"]["pool_hit_ratio"] == pytest.approx(1.0) and pts["b-lora"]["pool_hit_ratio"] == pytest.approx(1.0)
+    # the shared base computes each context once; a multi-LoRA engine computes it once per adapter
+    assert pts["a-lora"]["prefill_tokens_computed_per_session"] < pts["c-lora"]["prefill_tokens_computed_per_session"]
+    # every adapter's request found the base's KV in the pool
+    assert pts["a-lora"]["pool_hit_ratio"] == pytest.approx(1.0)
     assert pts["c-lora"]["pool_hit_ratio"] is None and pts["c-lora"]["pool_peak_bytes"] == 0
     # round 2 extends round 1's context: every engine that saw round 1 finds it in its prefix cache
     assert all(p["cache_hit_ratio"] > 0 for p in pts.values())
-    assert {(c["system"], c["baseline"]) for c in doc["comparisons"]} == {("a-lora", "b-lora"), ("a-lora", "c-lora")}
+    assert {(c["system"], c["baseline"]) for c in doc["comparisons"]} == {("a-lora", "c-lora")}
     for c in doc["comparisons"]:
         assert c["throughput_bound"] > 0 and c["throughput_ratio"] > 0
     assert set(doc["phase_costs"]["128"]) == set(systems)

@@ -181,6 +181,11 @@ def _wait_ready(url: str, timeout_s: float) -> None:
     raise RuntimeError(f"/ready not 200 after {timeout_s:.0f}s: {last[:500]}")
 
 
+# The app's replicas send their metrics events in batches, every 0.5 s (deployments/metrics.py
+# SEND_EVERY_S): a point's last events reach /metrics within that, so the closing scrape waits.
+METRICS_SETTLE_S = 1.5
+
+
 def _metrics(url: str, stock: bool = False) -> dict:
     from app.bench.report import parse_metrics
     from app.bench.stock_vllm import as_prefillshare_counters
@@ -308,6 +313,8 @@ def _run_point(url: str, cfg: ServeBenchConfig, system: str, spec: WorkloadSpec,
     peak_box: list[tuple[float, float]] = []
     results, t0, t_end = asyncio.run(go())
     cpu = _cluster_cpu_s() - cpu0
+    if not stock:
+        time.sleep(METRICS_SETTLE_S)
     after = _metrics(url, stock)
     held, pinned_blocks = peak_box[0]
     pinned = pinned_blocks * cfg.topology.block_size * kv_bytes_per_token
