@@ -91,6 +91,12 @@ def test_report_measures_recovery_drift_leaks_and_accounting():
     assert rep["promises"] == {"nothing_lost": True, "shed_with_retry_after": True, "bad_input_refused": True,
                                "recovered": True, "no_drift": True, "no_leaks": True, "server_accounted": True}
     assert "kill Decode-x" in render(rep)
+    assert rep["fallbacks"] is None and "retried where safe" not in render(rep)  # /metrics not read
+    counted = summarize({**_raw(fast, [fault], mem, before=before, after=after),
+                         "fallbacks_before": {"decoder_retry": 2.0, "incompatible": 5.0},
+                         "fallbacks_after": {"decoder_retry": 5.0, "incompatible": 5.0, "prefill_error": 1.0}})
+    assert counted["fallbacks"] == {"decoder_retry": 3.0, "prefill_error": 1.0}  # the run's increments only
+    assert "retried where safe: decoder_retry 3, router_retry 0" in render(counted)
 
     lost = summarize(_raw(fast + [_s(60, 0.1, "lost RemoteProtocolError")], [fault], mem))
     assert not lost["promises"]["nothing_lost"] and not lost["promises"]["server_accounted"]
@@ -164,3 +170,4 @@ def test_overload_with_the_orchestrator_killed_loses_nothing(tmp_path):
     assert p["shed_with_retry_after"] and p["bad_input_refused"], report["outcomes"]
     assert p["server_accounted"], report["server"]
     assert report["outcomes"].get("ok", 0) > 0 and report["outcomes"].get("bad_input_ok", 0) > 0
+    assert report["fallbacks"] is not None  # /metrics read before and after: the retries are counted

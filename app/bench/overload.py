@@ -360,6 +360,23 @@ def pool_gauges(url: str) -> dict:
     return out
 
 
+def fallbacks(url: str) -> dict[str, float] | None:
+    """``prefillshare_fallbacks_total`` by reason from the app's /metrics (None if it does not
+    answer): the retries where safe (``decoder_retry``, ``router_retry``) and the private prefills."""
+    import httpx
+
+    try:
+        text = httpx.get(url + "/metrics", timeout=10).text
+    except Exception:  # noqa: BLE001 - reported as not sampled
+        return None
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith('prefillshare_fallbacks_total{reason="'):
+            reason = line.split('reason="', 1)[1].split('"', 1)[0]
+            out[reason] = out.get(reason, 0.0) + float(line.rsplit(" ", 1)[1])
+    return out
+
+
 def admission(url: str) -> dict | None:
     import httpx
 
@@ -411,7 +428,7 @@ def run(spec: OverloadSpec, log=print) -> dict:
     else:
         saturation, rate = None, spec.rate
     log(f"overload: {rate:.2f} arrivals/s for {spec.duration_s:.0f} s")
-    before = admission(spec.url)
+    before, fallbacks_before = admission(spec.url), fallbacks(spec.url)
     t0 = time.perf_counter()
     sampler = Sampler(spec.url, spec.app, spec.sample_s).start(t0)
     clock = FaultClock(spec, log)
@@ -427,7 +444,8 @@ def run(spec: OverloadSpec, log=print) -> dict:
     mem.append({"t_s": time.perf_counter() - t0, **memory_now(spec.app), **pool_gauges(spec.url)})
     return {"spec": _spec_dict(spec), "saturation_per_s": saturation, "rate_per_s": rate, "search": search,
             "wall_s": wall, "samples": [s.__dict__ for s in samples], "memory": mem, "faults": clock.fired,
-            "server_before": before, "server_after": admission(spec.url)}
+            "server_before": before, "server_after": admission(spec.url),
+            "fallbacks_before": fallbacks_before, "fallbacks_after": fallbacks(spec.url)}
 
 
 def _spec_dict(spec: OverloadSpec) -> dict:

@@ -12,6 +12,10 @@ Each promise of docs/reliability.md "Overload and faults" is one boolean in
   first's; the pool's held bytes are a cache and only reported) and no pinned blocks once
   traffic stopped and the pins' lease ran out;
 - server_accounted: the Router's own counts balance (admitted = completed + failed + cancelled).
+
+Not a promise but counted: ``fallbacks``, the run's increments of ``prefillshare_fallbacks_total``
+by reason, whose ``decoder_retry`` (a decode repeated once because its replica died before any
+output reached the client) and ``router_retry`` (the same for a whole call) are the retries where safe.
 """
 from __future__ import annotations
 
@@ -94,6 +98,14 @@ def accounting(raw: dict) -> dict | None:
     return server_delta(raw.get("server_before"), raw.get("server_after"))
 
 
+def fallback_delta(raw: dict) -> dict[str, float] | None:
+    """The run's fallbacks by reason (None where /metrics was not read: a run saved before it was)."""
+    before, after = raw.get("fallbacks_before"), raw.get("fallbacks_after")
+    if before is None or after is None:
+        return None
+    return {k: v - before.get(k, 0.0) for k, v in sorted(after.items()) if v - before.get(k, 0.0)}
+
+
 def summarize(raw: dict) -> dict:
     spec, samples = raw["spec"], raw["samples"]
     duration, window_s = spec["duration_s"], spec["window_s"]
@@ -119,6 +131,7 @@ def summarize(raw: dict) -> dict:
     }
     return {"requests": len(samples), "outcomes": dict(sorted(outcomes.items())), "faults": faults,
             "p95_first_minute_s": first, "p95_last_minute_s": last, "leaks": mem, "server": acc,
+            "fallbacks": fallback_delta(raw),
             "windows": windows(samples, duration, window_s), "promises": promises,
             "saturation_per_s": raw.get("saturation_per_s"), "rate_per_s": raw.get("rate_per_s")}
 
@@ -146,6 +159,11 @@ def render(report: dict) -> str:
     lines.append(f"pinned blocks after the run: {report['leaks']['pinned_blocks_after']}")
     if report["server"]:
         lines.append("server accounting: " + ", ".join(f"{k} {v}" for k, v in report["server"].items()))
+    fb = report.get("fallbacks")
+    if fb is not None:
+        retries = {k: fb.get(k, 0.0) for k in ("decoder_retry", "router_retry")}
+        lines.append("retried where safe: " + ", ".join(f"{k} {v:.0f}" for k, v in retries.items())
+                     + "; fallbacks by reason: " + (", ".join(f"{k} {v:.0f}" for k, v in fb.items()) or "none"))
     lines += ["", "| promise | held |", "|---|---|"] + [f"| {k} | {'yes' if v else 'NO'} |"
                                                      for k, v in report["promises"].items()]
     return "\n".join(lines)
