@@ -1,0 +1,97 @@
+"""The engines of a follow-on completion without Ray: what the two engine steps cost by themselves.
+
+Builds the same engines as scripts/bench_follow_on_ttft.py's app (the shipped base as prefill
+module with the pool's producer connector and prefix caching; the chat LoRA decode group as
+consumer) and, with ``--stock``, one stock engine instead (the base with the four adapters and
+prefix caching, no connector). Each request: a 768-token prefix shared by all, a 32-token random
+suffix, adapters round-robin, one at a time. Prints the median prefill time, the decode group's
+time to its first token and their sum (or the stock engine's time to first token), as JSON.
+
+    PYTHONPATH=. .venv/bin/python scripts/follow_on_engines.py [--stock] [--requests 24]
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import statistics
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "scripts"))
+
+
+async def _first_token(engine, ids, rid, lora) -> float:
+    from app.sampling import Sampling
+
+    t0 = time.perf_counter()
+    async for out in engine.generate(ids, Sampling(max_tokens=8, temperature=0), rid, lora=lora):
+        if out.new_token_ids:
+            break
+    return time.perf_counter() - t0
+
+
+async def main(args) -> dict:
+    import bench_follow_on_ttft as bench
+
+    from app.config import load_config
+    from app.engine.async_engine import Engine, connector_config
+    from app.engine_args import engine_config, pool_specs
+    from app.plan import plan_app
+
+    pool_dir = f"/dev/shm/ps-follow-on-engines-{os.getpid()}"
+    cfg = load_config(bench.app_config(pool_dir))
+    plan = plan_app(cfg)
+    base, group = cfg.prefill_modules[0], cfg.decoders[0]
+    names = [a.name for a in group.adapters]
+    rng = random.Random(0)
+    prefix = [rng.randrange(10, 500) for _ in range(768)]
+    prompts = [prefix + [rng.randrange(10, 500) for _ in range(32)] for _ in range(args.requests)]
+    warm = 2  # the first requests fill the prefix cache and the pool
+    if args.stock:
+        ec = replace(engine_config(cfg, base.model, base.engine, base.placement, None, group), enable_prefix_caching=True)
+        engine = await Engine.start(ec)
+        try:
+            ttft = []
+            for i, ids in enumerate(prompts):
+                ttft.append(await _first_token(engine, ids, f"s{i}", names[i % len(names)]))
+                await asyncio.sleep(0.2)
+        finally:
+            engine.shutdown()
+        return {"stock_first_token_ms": statistics.median(ttft[warm:]) * 1e3, "requests": args.requests}
+    producer, consumer = pool_specs(cfg.pool)
+    module_id = plan.module(base.name).module_id
+    pe = await Engine.start(replace(engine_config(
+        cfg, base.model, base.engine, base.placement,
+        connector_config("producer", module_id, producer, scope=base.name), base), enable_prefix_caching=True))
+    de = await Engine.start(replace(engine_config(
+        cfg, group.model, group.engine, group.placement,
+        connector_config("consumer", module_id, consumer, scope=group.name), group), enable_prefix_caching=False))
+    try:
+        prefill, decode = [], []
+        for i, ids in enumerate(prompts):
+            t0 = time.perf_counter()
+            await pe.prefill(ids, f"p{i}", kv_transfer_params={"fanout": 1})
+            prefill.append(time.perf_counter() - t0)
+            decode.append(await _first_token(de, ids, f"d{i}", names[i % len(names)]))
+            await asyncio.sleep(0.2)
+    finally:
+        pe.shutdown()
+        de.shutdown()
+        import shutil
+        shutil.rmtree(pool_dir, ignore_errors=True)
+    med = lambda xs: statistics.median(xs[warm:]) * 1e3  # noqa: E731
+    return {"prefill_ms": med(prefill), "decode_first_token_ms": med(decode),
+            "sum_ms": med([p + d for p, d in zip(prefill, decode)]), "requests": args.requests}
+
+
+if __name__ == "__main__":  # engine cores start with spawn: nothing may start at import
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--stock", action="store_true", help="one stock engine instead of the app's two")
+    parser.add_argument("--requests", type=int, default=24)
+    print(json.dumps(asyncio.run(main(parser.parse_args()))))
