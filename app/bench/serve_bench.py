@@ -381,15 +381,65 @@ def _warm_up(url: str, cfg: ServeBenchConfig, system: str, n: int, maker, log) -
             log(f"[{system}] warm-up session failed: {r.error or [a.error for a in r.agents]}")
 
 
+@contextlib.contextmanager
+def _deployed(cfg: ServeBenchConfig, system: str, n: int, mset, topo, tokenizer: str, app_url: str):
+    """The system's URL while it is up: the Serve app, or a stock vLLM server beside it."""
+    if system in STOCK_SYSTEMS:
+        from app.bench.stock_vllm import StockServer, server_argv
+
+        argv = server_argv(system, mset.base, mset.adapters, n, topo, tokenizer, _free_port())
+        server = StockServer(argv, Path(cfg.out) / f"server-{system}.log", topo.threads_bind)
+        try:
+            server.wait_ready(cfg.ready_timeout_s)
+            yield server.url
+        finally:
+            server.stop()
+        return
+    from ray import serve
+
+    from app.bench.systems import app_config
+    from app.config import load_config
+    from deployments.application import build
+
+    pool = f"/dev/shm/ps-bench-{os.getpid()}-{system}"
+    app_cfg = load_config(app_config(system, mset, n, topo, tokenizer, pool))
+    serve.run(build(app_cfg), name=f"bench-{system}", route_prefix="/", blocking=False)
+    try:
+        _wait_ready(app_url, cfg.ready_timeout_s)
+        yield app_url
+    finally:
+        serve.delete(f"bench-{system}")
+        shutil.rmtree(pool, ignore_errors=True)
+
+
+def _measure(url: str, cfg: ServeBenchConfig, system: str, si: int, n: int, mset, maker, costs: dict,
+             points: list, log) -> None:
+    """One deployed system: warm-up, the bound's unloaded probes, then every point (appended to ``points``)."""
+    if cfg.warmup:
+        _warm_up(url, cfg, system, n, maker, log)
+    for L in cfg.lengths if cfg.driver == "project" else ():  # the bound's probes are sessions
+        c = _probe_costs(url, cfg, maker, L, n, si)
+        if c is not None:
+            costs.setdefault(L, {})[system] = c
+            log(f"[{system}] L={L} unloaded: first {c.first_s:.3f}s next {c.marginal_s:.3f}s "
+                f"decode {c.decode_s:.3f}s")
+    for spec in cfg.specs(n):
+        for rep_ in range(cfg.repeats):
+            for load in cfg.loads:
+                p = _run_point(url, cfg, system, spec, load, maker, mset.kv_bytes_per_token, rep_)
+                points.append(p)
+                log(f"[{system}] {spec.label} load {load:g} rep {rep_}: ok {p.ok}/{p.sent} fan-out "
+                    f"p95 {p.fanout_latency['p95'] or float('nan'):.2f}s {p.sessions_per_s:.3f} "
+                    f"sess/s {p.output_tok_per_s:.1f} tok/s load avg {p.loadavg}"
+                    + (f" errors {p.errors[:2]}" if p.errors else ""))
+
+
 def run(cfg: ServeBenchConfig, log=print) -> dict:
     """Measure every system; returns (and writes) the result document."""
     import ray
     from ray import serve
 
-    from app.bench.systems import app_config
     from app.bench.workload import ContextMaker
-    from app.config import load_config
-    from deployments.application import build
 
     tokenizer = cfg_tokenizer(cfg)
     n_max = max(cfg.fanouts)
@@ -411,30 +461,6 @@ def run(cfg: ServeBenchConfig, log=print) -> dict:
     app_url = f"http://127.0.0.1:{port}" if on_serve else ""
     points, costs, skipped, deploy_s = [], {}, [], {}
 
-    @contextlib.contextmanager
-    def deployed(system: str, n: int):
-        """The system's URL while it is up: the Serve app, or a stock vLLM server beside it."""
-        if system in STOCK_SYSTEMS:
-            from app.bench.stock_vllm import StockServer, server_argv
-
-            argv = server_argv(system, mset.base, mset.adapters, n, topo, tokenizer, _free_port())
-            server = StockServer(argv, Path(cfg.out) / f"server-{system}.log", topo.threads_bind)
-            try:
-                server.wait_ready(cfg.ready_timeout_s)
-                yield server.url
-            finally:
-                server.stop()
-            return
-        pool = f"/dev/shm/ps-bench-{os.getpid()}-{system}"
-        app_cfg = load_config(app_config(system, mset, n, topo, tokenizer, pool))
-        serve.run(build(app_cfg), name=f"bench-{system}", route_prefix="/", blocking=False)
-        try:
-            _wait_ready(app_url, cfg.ready_timeout_s)
-            yield app_url
-        finally:
-            serve.delete(f"bench-{system}")
-            shutil.rmtree(pool, ignore_errors=True)
-
     try:
         for si, system in enumerate(cfg.systems):
             n = _deployable_n(cfg, system)
@@ -449,26 +475,10 @@ def run(cfg: ServeBenchConfig, log=print) -> dict:
             t0 = time.perf_counter()
             log(f"[{system} {SYSTEMS[system]}] deploying {topo.engines(system, n)} engines ...")
             try:
-                with deployed(system, n) as url:
+                with _deployed(cfg, system, n, mset, topo, tokenizer, app_url) as url:
                     deploy_s[system] = time.perf_counter() - t0
                     log(f"[{system}] ready in {deploy_s[system]:.0f}s")
-                    if cfg.warmup:
-                        _warm_up(url, cfg, system, n, maker, log)
-                    for L in cfg.lengths if cfg.driver == "project" else ():  # the bound's probes are sessions
-                        c = _probe_costs(url, cfg, maker, L, n, si)
-                        if c is not None:
-                            costs.setdefault(L, {})[system] = c
-                            log(f"[{system}] L={L} unloaded: first {c.first_s:.3f}s next {c.marginal_s:.3f}s "
-                                f"decode {c.decode_s:.3f}s")
-                    for spec in cfg.specs(n):
-                        for rep_ in range(cfg.repeats):
-                            for load in cfg.loads:
-                                p = _run_point(url, cfg, system, spec, load, maker, mset.kv_bytes_per_token, rep_)
-                                points.append(p)
-                                log(f"[{system}] {spec.label} load {load:g} rep {rep_}: ok {p.ok}/{p.sent} fan-out "
-                                    f"p95 {p.fanout_latency['p95'] or float('nan'):.2f}s {p.sessions_per_s:.3f} "
-                                    f"sess/s {p.output_tok_per_s:.1f} tok/s load avg {p.loadavg}"
-                                    + (f" errors {p.errors[:2]}" if p.errors else ""))
+                    _measure(url, cfg, system, si, n, mset, maker, costs, points, log)
             finally:
                 if points:  # partial results survive an interrupted sweep
                     doc, comps = _document(cfg, mset, topo, deploy_s, skipped, costs, points)

@@ -240,6 +240,20 @@ def _last_checkpoint(state_dir: Path) -> str | None:
     return get_last_checkpoint(str(state_dir)) if state_dir.is_dir() else None
 
 
+def _training_record(cfg: TrainConfig, train_examples: int, final_loss: float, seconds: float) -> dict:
+    """The manifest's ``training`` record: how this decoder was trained."""
+    training = {"method": cfg.method, "steps": cfg.steps, "lr": cfg.learning_rate, "batch_size": cfg.batch_size,
+                "grad_accum": cfg.grad_accum, "seed": cfg.seed, "lora": cfg.lora, "final_loss": round(final_loss, 5),
+                "train_examples": train_examples, "precision": "bf16" if cfg.bf16 else "fp32",
+                "seconds": round(seconds, 1)}
+    if cfg.max_length:
+        training["max_length"] = cfg.max_length
+    if cfg.lora:
+        training.update(lora_rank=cfg.lora_rank, lora_alpha=cfg.lora_alpha or 2 * cfg.lora_rank,
+                        lora_targets=list(cfg.lora_targets))
+    return training
+
+
 def train_decoder(
     base_dir: str | Path,
     examples: Sequence,
@@ -291,15 +305,7 @@ def train_decoder(
     seconds = time.perf_counter() - t0
     model = trainer.accelerator.unwrap_model(trainer.model)
     final_loss = next((h["loss"] for h in reversed(trainer.state.log_history) if "loss" in h), result.training_loss)
-    training = {"method": cfg.method, "steps": cfg.steps, "lr": cfg.learning_rate, "batch_size": cfg.batch_size,
-                "grad_accum": cfg.grad_accum, "seed": cfg.seed, "lora": cfg.lora, "final_loss": round(float(final_loss), 5),
-                "train_examples": len(data), "precision": "bf16" if cfg.bf16 else "fp32",
-                "seconds": round(seconds, 1)}
-    if cfg.max_length:
-        training["max_length"] = cfg.max_length
-    if cfg.lora:
-        training.update(lora_rank=cfg.lora_rank, lora_alpha=cfg.lora_alpha or 2 * cfg.lora_rank,
-                        lora_targets=list(cfg.lora_targets))
+    training = _training_record(cfg, len(data), float(final_loss), seconds)
     base_id, tok_hash = prefill_module_id(base_dir), tokenizer_hash(base_dir)
     dtype = checkpoint.stored_dtype(base_dir)  # trained in float32, stored the way the base is
     extra = renderer.extra_files()
