@@ -13,6 +13,7 @@ docs/serving.md; k8s/chart/dashboards/prefillshare.json charts them.
 from __future__ import annotations
 
 import asyncio
+import logging
 import re
 import time
 from dataclasses import dataclass
@@ -21,6 +22,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disa
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from ray import serve
 
+log = logging.getLogger("ray.serve")
 disable_created_metrics()  # no *_created series: they double every counter's lines for no use here
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
@@ -281,7 +283,10 @@ class MetricsSender:
         events = self._events + list(self._gauges.values())
         self._events, self._gauges = [], {}
         if events:
-            self.handle.batch.remote(events)
+            try:
+                self.handle.batch.remote(events)
+            except Exception as e:  # noqa: BLE001 - metrics are best effort: no request fails on them
+                log.warning("metrics: %d events dropped (%s: %s)", len(events), type(e).__name__, e)
 
 
 @serve.deployment(name="Metrics", max_ongoing_requests=1000)

@@ -61,3 +61,15 @@ def test_the_metrics_deployment_replays_a_batch_and_refuses_an_unknown_event():
     assert 'prefillshare_requests_total{model="alpha",route="completions",status="ok"} 1.0' in text
     with pytest.raises(ValueError, match="render"):
         server.batch([("render", ())])
+
+
+def test_a_metrics_call_that_fails_drops_its_events_and_raises_nothing(caplog):
+    class Gone:
+        def __init__(self):
+            self.batch = self
+
+        def remote(self, events):
+            raise RuntimeError("Metrics deployment is not running")
+
+    MetricsSender(Gone()).send("fallback", "missing", 1)  # outside a loop: sent (and dropped) at once
+    assert "1 events dropped (RuntimeError: Metrics deployment is not running)" in caplog.text

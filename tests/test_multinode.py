@@ -31,6 +31,9 @@ import torch
 pytest.importorskip("nixl._api")
 
 from random_models import free_port, make_models, post_json
+from ray_cluster import DECODE_NODE, PREFILL_NODE, start_cluster, wait_ready
+from ray_cluster import get as _get
+from ray_cluster import replica_nodes as _replica_nodes
 
 pytestmark = [pytest.mark.serve, pytest.mark.engine]
 
@@ -69,62 +72,8 @@ def _app_config(paths: dict[str, Path], pools: dict[str, str], kv_port: int) -> 
     }
 
 
-def _get(url: str, timeout: float = 30) -> tuple[int, bytes]:
-    try:
-        with urllib.request.urlopen(url, timeout=timeout) as r:
-            return r.status, r.read()
-    except (urllib.error.HTTPError) as e:
-        return e.code, e.read()
-    except (urllib.error.URLError, ConnectionError, TimeoutError) as e:
-        return 0, str(e).encode()
-
-
 def _post(url: str, body: dict, timeout: float = 300) -> tuple[int, dict]:
     return post_json(url, body, timeout)
-
-
-PREFILL_NODE = {"num_cpus": 0, "resources": {"prefill_node": 1, "beta_slot": 1}}
-DECODE_NODE = {"num_cpus": 0, "resources": {"decode_node": 1, "beta_slot": 1}}
-
-
-def _start_cluster(tmp: str):
-    """Three raylets; Ray gives a raylet a fixed 30 s to register, which a busy 2-core box can miss."""
-    import ray
-    from ray.cluster_utils import Cluster
-
-    for attempt in range(4):
-        c = None
-        try:
-            c = Cluster(initialize_head=True, head_node_args={
-                "num_cpus": 2, "include_dashboard": False,
-                # a raylet starved by other jobs on this box must not be declared dead (default 5 misses)
-                # and Ray's own memory monitor counts the other jobs' memory on this shared machine
-                # and kills our workers at 95% of it (the kernel's OOM killer still applies)
-                "_system_config": {"health_check_failure_threshold": 10, "memory_monitor_refresh_ms": 0}})
-            prefill = c.add_node(**PREFILL_NODE)
-            decode = c.add_node(**DECODE_NODE)
-            ray.init(address=c.address)
-            c.wait_for_nodes()
-            return c, {"head": c.head_node.node_id, "prefill": prefill.node_id, "decode": decode.node_id}
-        except Exception:  # noqa: BLE001 - retried, then raised
-            ray.shutdown()
-            if c is not None:
-                c.shutdown()
-            if attempt == 3:
-                raise
-
-
-def _wait_ready(base: str) -> None:
-    """Both applications running (every replica placed and started) and /ready answering 200."""
-    from ray import serve
-
-    for _ in range(600):  # waiting for engine start-up, not a timing assertion
-        apps = serve.status().applications
-        running = {"kv", "ps"} <= set(apps) and all(a.status == "RUNNING" for a in apps.values())
-        if running and _get(base + "/ready")[0] == 200:
-            return
-        time.sleep(1)
-    pytest.fail(f"/ready never returned 200: {_get(base + '/ready')}")
 
 
 @pytest.fixture(scope="module")
@@ -143,7 +92,7 @@ def app(tmp_path_factory):
     # the models are written while the raylets start (which mostly wait for registration)
     with ThreadPoolExecutor(1) as ex:
         models = ex.submit(_make_models, tmp_path_factory.mktemp("models"))
-        cluster, nodes = _start_cluster(tmp)
+        cluster, nodes = start_cluster()
     port = free_port()
     try:
         paths = models.result()
@@ -153,7 +102,7 @@ def app(tmp_path_factory):
         serve.run(build_kv_server(cfg), name="kv", route_prefix=None)
         serve.run(build(cfg), name="ps", route_prefix="/")
         base = f"http://127.0.0.1:{port}"
-        _wait_ready(base)
+        wait_ready(base, {"kv", "ps"})
         yield {"url": base, "paths": paths, "cfg": cfg, "cluster": cluster, "pools": pools, "nodes": nodes}
     finally:
         serve.shutdown()
@@ -173,18 +122,6 @@ def reference(app):
     tok = AutoTokenizer.from_pretrained(str(app["paths"]["tokenizer"]))
     models = {k: load_model(p, torch.float32) for k, p in app["paths"].items() if k != "tokenizer"}
     return tok, models
-
-
-def _replica_nodes() -> dict[str, set[str]]:
-    """Live Serve replicas by deployment -> the node ids they run on (from the GCS actor table)."""
-    import ray
-
-    out: dict[str, set[str]] = {}
-    for a in ray._private.state.actors().values():
-        cls = a.get("ActorClassName", "")
-        if cls.startswith("ServeReplica:") and a.get("State") == "ALIVE":
-            out.setdefault(cls.split(":", 2)[2], set()).add(a["Address"]["NodeID"])
-    return out
 
 
 def _lose_node(cluster, node) -> None:
@@ -339,7 +276,7 @@ def test_losing_the_prefill_node_falls_back_to_private_prefill_until_it_is_back(
         expected = private_greedy(models[model], ids, MAX_NEW, tok.eos_token_id)
         assert _same_text(out, expected, tok), (model, out, tok.decode(expected, skip_special_tokens=True))
     fresh = cluster.add_node(**PREFILL_NODE)
-    _wait_ready(url)
+    wait_ready(url, {"kv", "ps"})
     back_s = time.monotonic() - t0
     nodes = _replica_nodes()
     assert nodes["Prefill-base"] == nodes["KVBlockServer"] == {fresh.node_id}, nodes

@@ -1,0 +1,73 @@
+"""A local three-raylet Ray cluster for the multi-node tests: the head (Serve's controller, proxy
+and ingress deployments), a prefill node advertising ``prefill_node`` and a decode node
+advertising ``decode_node``, the custom resources the KubeRay worker groups give their pods."""
+from __future__ import annotations
+
+import time
+import urllib.error
+import urllib.request
+
+PREFILL_NODE = {"num_cpus": 0, "resources": {"prefill_node": 1, "beta_slot": 1}}
+DECODE_NODE = {"num_cpus": 0, "resources": {"decode_node": 1, "beta_slot": 1}}
+
+
+def start_cluster():
+    """Three raylets (their temp dir: ``RAY_TMPDIR``); Ray gives a raylet a fixed 30 s to register, which a busy 2-core box can miss."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    for attempt in range(4):
+        c = None
+        try:
+            c = Cluster(initialize_head=True, head_node_args={
+                "num_cpus": 2, "include_dashboard": False,
+                # a raylet starved by other jobs on this box must not be declared dead (default 5 misses)
+                # and Ray's own memory monitor counts the other jobs' memory on this shared machine
+                # and kills our workers at 95% of it (the kernel's OOM killer still applies)
+                "_system_config": {"health_check_failure_threshold": 10, "memory_monitor_refresh_ms": 0}})
+            prefill = c.add_node(**PREFILL_NODE)
+            decode = c.add_node(**DECODE_NODE)
+            ray.init(address=c.address)
+            c.wait_for_nodes()
+            return c, {"head": c.head_node.node_id, "prefill": prefill.node_id, "decode": decode.node_id}
+        except Exception:  # noqa: BLE001 - retried, then raised
+            ray.shutdown()
+            if c is not None:
+                c.shutdown()
+            if attempt == 3:
+                raise
+
+
+def replica_nodes() -> dict[str, set[str]]:
+    """Live Serve replicas by deployment -> the node ids they run on (from the GCS actor table)."""
+    import ray
+
+    out: dict[str, set[str]] = {}
+    for a in ray._private.state.actors().values():
+        cls = a.get("ActorClassName", "")
+        if cls.startswith("ServeReplica:") and a.get("State") == "ALIVE":
+            out.setdefault(cls.split(":", 2)[2], set()).add(a["Address"]["NodeID"])
+    return out
+
+
+def get(url: str, timeout: float = 30) -> tuple[int, bytes]:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+    except (urllib.error.URLError, ConnectionError, TimeoutError) as e:
+        return 0, str(e).encode()
+
+
+def wait_ready(base: str, apps: set[str]) -> None:
+    """Every application in ``apps`` running (each replica placed and started) and /ready 200."""
+    from ray import serve
+
+    for _ in range(600):  # waiting for engine start-up, not a timing assertion
+        status = serve.status().applications
+        if apps <= set(status) and all(a.status == "RUNNING" for a in status.values()) \
+                and get(base + "/ready")[0] == 200:
+            return
+        time.sleep(1)
+    raise AssertionError(f"/ready never returned 200: {get(base + '/ready')}")
