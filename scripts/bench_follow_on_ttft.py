@@ -97,7 +97,9 @@ def _breakdown(url: str) -> dict:
     """The app's own view from /metrics over the run (warm-up requests included): the mean
     first-token wait the Router saw (prefill included, HTTP and proxy not), the prefill
     replica's engine time, and the fallbacks by reason."""
-    time.sleep(1.5)  # the replicas send metrics events every 0.5 s (deployments/metrics.py SEND_EVERY_S)
+    from app.bench.serve_bench import METRICS_SETTLE_S
+
+    time.sleep(METRICS_SETTLE_S)  # the replicas' last metrics events of the run reach /metrics
     with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
         text = r.read().decode()
     sums: dict[str, float] = {}

@@ -16,6 +16,7 @@ import asyncio
 import json
 import os
 import random
+import shutil
 import statistics
 import sys
 import time
@@ -83,7 +84,6 @@ async def main(args) -> dict:
     finally:
         pe.shutdown()
         de.shutdown()
-        import shutil
         shutil.rmtree(pool_dir, ignore_errors=True)
     med = lambda xs: statistics.median(xs[warm:]) * 1e3  # noqa: E731
     return {"prefill_ms": med(prefill), "decode_first_token_ms": med(decode),

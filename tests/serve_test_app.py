@@ -17,6 +17,7 @@ import json
 import os
 import re
 import shutil
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -196,3 +197,17 @@ def _ingress_state(app) -> dict:
     assert status == 200, body
     return json.loads(body)["admission"]
 
+
+def nixl_events(url: str, module: str, event: str) -> float:
+    """Hand-over "vllm-nixl": a decoder's (``module``) count of ``event`` on /metrics."""
+    return _metric(_metrics(url), "prefillshare_vllm_nixl_events_total", module=module, event=event)
+
+
+def wait_for_nixl_event(url: str, module: str, event: str, at_least: float) -> float:
+    """The metrics events travel fire-and-forget: wait (bounded) until the count arrived."""
+    for _ in range(60):
+        n = nixl_events(url, module, event)
+        if n >= at_least:
+            return n
+        time.sleep(1)
+    return nixl_events(url, module, event)

@@ -14,14 +14,13 @@ from __future__ import annotations
 
 import os
 import shutil
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
 from random_models import free_port, make_models, post_json
 from ray_cluster import replica_nodes, start_cluster, wait_ready
-from serve_test_app import TEST_ENGINE, _metric, _metrics
+from serve_test_app import TEST_ENGINE, nixl_events, wait_for_nixl_event
 
 pytest.importorskip("nixl._api")
 
@@ -87,21 +86,6 @@ def reference(app):
     return tok, {k: load_model(app["paths"][k], torch.float32) for k in ("base", "alpha")}
 
 
-def _pulls(url: str) -> float:
-    return _metric(_metrics(url), "prefillshare_vllm_nixl_events_total", module="alpha", event="pull")
-
-
-def _wait_pulls(url: str, at_least: float) -> float:
-    """Metrics events travel fire-and-forget, batched: wait (bounded) until the count arrived."""
-    n = _pulls(url)
-    for _ in range(60):
-        if n >= at_least:
-            break
-        time.sleep(0.5)
-        n = _pulls(url)
-    return n
-
-
 def test_prefill_and_decoder_run_on_their_nodes(app):
     nodes = replica_nodes()
     assert nodes["Prefill-base"] == {app["nodes"]["prefill"]}, nodes
@@ -114,7 +98,7 @@ def test_a_completion_and_a_fan_out_pull_the_bases_kv_across_nodes(app, referenc
 
     tok, models = reference
     url = app["url"]
-    before = _pulls(url)
+    before = nixl_events(url, "alpha", "pull")
 
     def expected(instruction: str) -> tuple[list[int], list[int]]:
         ids = tok(render_prompt(CONTEXT, instruction))["input_ids"]
@@ -138,4 +122,4 @@ def test_a_completion_and_a_fan_out_pull_the_bases_kv_across_nodes(app, referenc
         assert r["token_ids"] == want, r
         assert r["usage"]["cached_tokens"] == len(ids) - 1, r["usage"]
     # one pull per decoder request: the completion's and each agent's own lease
-    assert _wait_pulls(url, before + 3) == before + 3
+    assert wait_for_nixl_event(url, "alpha", "pull", before + 3) == before + 3

@@ -17,7 +17,16 @@ import time
 from dataclasses import replace
 
 import pytest
-from serve_test_app import KEY_A, MAX_NEW, TEST_ENGINE, _expected, _metric, _metrics, _post, decoder_entry
+from serve_test_app import (
+    KEY_A,
+    MAX_NEW,
+    TEST_ENGINE,
+    _expected,
+    _post,
+    decoder_entry,
+    nixl_events,
+    wait_for_nixl_event,
+)
 
 pytestmark = [pytest.mark.serve, pytest.mark.engine]
 
@@ -79,20 +88,6 @@ def nixl_reference(nixl_app):
     return tok, models
 
 
-def _nixl_events(url: str, module: str, event: str) -> float:
-    return _metric(_metrics(url), "prefillshare_vllm_nixl_events_total", module=module, event=event)
-
-
-def _wait_for_event(url: str, module: str, event: str, at_least: float) -> float:
-    """The metrics events travel fire-and-forget: wait (bounded) until the count arrived."""
-    for _ in range(60):
-        n = _nixl_events(url, module, event)
-        if n >= at_least:
-            return n
-        time.sleep(1)
-    return _nixl_events(url, module, event)
-
-
 def test_completions_pull_the_bases_kv_and_match_the_shared_reference(nixl_app, nixl_reference):
     from app.training.tasks import render_prompt
 
@@ -109,9 +104,9 @@ def test_completions_pull_the_bases_kv_and_match_the_shared_reference(nixl_app, 
         usage = out["usage"]
         assert usage["prompt_tokens"] == len(prompt_ids)
         assert usage["prompt_tokens_details"]["cached_tokens"] == usage["prompt_tokens"] - 1, model  # the pull
-    assert _wait_for_event(url, "alpha", "pull", 1) >= 1
-    assert _wait_for_event(url, "beta", "pull", 1) >= 1
-    assert _wait_for_event(url, "group", "pull", 1) >= 1  # the group's replica counts under its deployment
+    assert wait_for_nixl_event(url, "alpha", "pull", 1) >= 1
+    assert wait_for_nixl_event(url, "beta", "pull", 1) >= 1
+    assert wait_for_nixl_event(url, "group", "pull", 1) >= 1  # the group's replica counts under its deployment
 
 
 def test_fan_out_takes_one_lease_per_decoder_and_matches_the_shared_reference(nixl_app, nixl_reference):
@@ -119,7 +114,7 @@ def test_fan_out_takes_one_lease_per_decoder_and_matches_the_shared_reference(ni
 
     tok, _ = nixl_reference
     url = nixl_app["url"]
-    pulls = {m: _nixl_events(url, m, "pull") for m in ("alpha", "beta")}
+    pulls = {m: nixl_events(url, m, "pull") for m in ("alpha", "beta")}
     agents = [{"name": "a", "model": "alpha", "instruction": "what is the item?", "max_tokens": MAX_NEW},
               {"name": "b", "model": "beta", "instruction": "what is the day?", "max_tokens": MAX_NEW}]
     status, out = _post(url + "/v1/agents/run", {"context": CONTEXT, "agents": agents})
@@ -133,7 +128,7 @@ def test_fan_out_takes_one_lease_per_decoder_and_matches_the_shared_reference(ni
         assert r["usage"]["cached_tokens"] == len(prompt_ids) - 1, a["name"]
         assert r["prefill"] is not None
     for m in ("alpha", "beta"):  # each decoder pulled its own lease
-        assert _wait_for_event(url, m, "pull", pulls[m] + 1) == pulls[m] + 1, m
+        assert wait_for_nixl_event(url, m, "pull", pulls[m] + 1) == pulls[m] + 1, m
 
 
 def test_a_lease_that_ran_out_is_answered_privately_and_counted(nixl_app, nixl_reference):
@@ -149,7 +144,7 @@ def test_a_lease_that_ran_out_is_answered_privately_and_counted(nixl_app, nixl_r
     tok, _ = nixl_reference
     url = nixl_app["url"]
     prompt_ids = tuple(tok(render_prompt(CONTEXT, "what is the color?"))["input_ids"])
-    before = _nixl_events(url, "alpha", "fallback:lease_expiring")
+    before = nixl_events(url, "alpha", "fallback:lease_expiring")
     ticket = serve.get_deployment_handle("Prefill-base", APP).prefill.remote(
         PrefillRequest(request_id="expired", prompts=(prompt_ids,))).result()
     (lease,) = ticket.leases
@@ -162,4 +157,4 @@ def test_a_lease_that_ran_out_is_answered_privately_and_counted(nixl_app, nixl_r
     assert [t for c in chunks for t in c.delta_token_ids] == _expected(nixl_reference, "alpha", list(prompt_ids),
                                                                        private=True)
     assert chunks[-1].num_cached_tokens == 0  # nothing pulled
-    assert _wait_for_event(url, "alpha", "fallback:lease_expiring", before + 1) == before + 1
+    assert wait_for_nixl_event(url, "alpha", "fallback:lease_expiring", before + 1) == before + 1

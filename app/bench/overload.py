@@ -365,15 +365,17 @@ def fallbacks(url: str) -> dict[str, float] | None:
     answer): the retries where safe (``decoder_retry``, ``router_retry``) and the private prefills."""
     import httpx
 
+    from app.bench.report import parse_metrics
+
     try:
         text = httpx.get(url + "/metrics", timeout=10).text
     except Exception:  # noqa: BLE001 - reported as not sampled
         return None
     out: dict[str, float] = {}
-    for line in text.splitlines():
-        if line.startswith('prefillshare_fallbacks_total{reason="'):
-            reason = line.split('reason="', 1)[1].split('"', 1)[0]
-            out[reason] = out.get(reason, 0.0) + float(line.rsplit(" ", 1)[1])
+    for (name, labels), value in parse_metrics(text).items():
+        if name == "prefillshare_fallbacks_total":
+            reason = dict(labels)["reason"]
+            out[reason] = out.get(reason, 0.0) + value
     return out
 
 
