@@ -106,7 +106,22 @@ def _served(cfg: AppConfig) -> list[_Served]:
     return out
 
 
-def _renderer(s: _Served, tok) -> Renderer:
+class _Tokenizer:
+    """The app's tokenizer, loaded on first use: only a chat template needs it to be checked, and
+    loading it imports transformers (seconds of CPU in every app build)."""
+
+    def __init__(self, path: Path):
+        self.path, self._tok = path, None
+
+    def __call__(self):
+        if self._tok is None:
+            from app.training.tokenizer import load_tokenizer
+
+            self._tok = load_tokenizer(self.path)
+        return self._tok
+
+
+def _renderer(s: _Served, tok: _Tokenizer) -> Renderer:
     """The served name's recorded rendering, checked against the app's tokenizer; the suite
     rendering without a manifest (not trained here)."""
     if isinstance(s.manifest, Exception):
@@ -115,16 +130,15 @@ def _renderer(s: _Served, tok) -> Renderer:
         renderer = Renderer.for_decoder(s.path, s.manifest)
     except RenderError as e:
         raise RenderError(f"{s.where} ({s.name}): {e}") from None
-    renderer.check(tok, f"{s.where} ({s.name}): {s.path}")
+    if renderer.format == "chat_template":
+        renderer.check(tok(), f"{s.where} ({s.name}): {s.path}")
     return renderer
 
 
 def decoder_renderers(cfg: AppConfig) -> dict[str, Renderer]:
     """{served decoder name: its checked Renderer}, without resolving the rest of the plan (a config
     whose checkpoints are manifests only); raises :class:`RenderError` naming the config field."""
-    from app.training.tokenizer import load_tokenizer
-
-    tok = load_tokenizer(cfg.path(cfg.tokenizer))
+    tok = _Tokenizer(cfg.path(cfg.tokenizer))
     return {s.name: _renderer(s, tok) for s in _served(cfg)}
 
 
@@ -193,7 +207,7 @@ def _sharing(cfg: AppConfig, s: _Served, module_ids: dict[str, str]) -> tuple[st
 
 
 def _resolve(cfg: AppConfig, s: _Served, module_ids: dict[str, str], group_ids: dict[str, str], bpt: int,
-             tok) -> DecoderPlan:
+             tok: _Tokenizer) -> DecoderPlan:
     """One served name's plan."""
     d = s.decoder
     lora = {}
@@ -214,14 +228,13 @@ def _resolve(cfg: AppConfig, s: _Served, module_ids: dict[str, str], group_ids: 
 def plan_app(cfg: AppConfig) -> AppPlan:
     """The resolved plan; raises ConfigError (or RenderError) naming the field before any engine starts."""
     from app.models.identity import prefill_module_id
-    from app.training.tokenizer import load_tokenizer
 
     cfg.check_paths()
     check_engine_kwargs(cfg)
     module_ids = {p.name: prefill_module_id(cfg.path(p.model)) for p in cfg.prefill_modules}
     group_ids = {d.name: prefill_module_id(cfg.path(d.model)) for d in cfg.decoders if d.adapters}
     bpt = {d.name: kv_bytes_per_token(cfg.path(d.model), d.engine.dtype) for d in cfg.decoders}
-    tok = load_tokenizer(cfg.path(cfg.tokenizer))
+    tok = _Tokenizer(cfg.path(cfg.tokenizer))
     decoders = tuple(_resolve(cfg, s, module_ids, group_ids, bpt[s.decoder.name], tok) for s in _served(cfg))
     for i, d in enumerate(cfg.decoders):
         modules = sorted({p.prefill_module for p in decoders if p.group == d.name and p.prefill_module})

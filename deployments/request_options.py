@@ -11,8 +11,6 @@ import json
 import re
 from typing import Any
 
-import xgrammar  # imported with the Router, not on a request's path (it loads torch when alone)
-
 from app.config import LimitsConfig
 from app.sampling import Sampling, SamplingError, StructuredOutput
 from deployments.errors import ApiError
@@ -75,10 +73,19 @@ def check_unsupported(body) -> None:
                            "unsupported_parameter")
 
 
+def load_grammar_backend():
+    """xgrammar, imported by each Router replica as it starts (it loads torch and transformers: seconds
+    of CPU), not at module import: the app builder imports this module too and never checks a schema."""
+    import xgrammar
+
+    return xgrammar
+
+
 @functools.lru_cache(maxsize=256)
 def _checked_schema(text: str, kind: str = "json") -> str | None:
     """The problem xgrammar (the engines' structured-output backend) finds in a JSON schema (or a
     regex, or an EBNF grammar: ``kind``)."""
+    xgrammar = load_grammar_backend()
     build = {"json": xgrammar.Grammar.from_json_schema, "regex": xgrammar.Grammar.from_regex,
              "grammar": xgrammar.Grammar.from_ebnf}[kind]
     try:

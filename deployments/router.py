@@ -42,7 +42,7 @@ from deployments.metrics import MetricsSender
 from deployments.openai_format import Answer, ToolCallOut
 from deployments.prompt_options import cache_salt, chat_echo, chat_switches, chat_turns, prompt_logprobs_of, truncated
 from deployments.prompts import Prompter, RenderError
-from deployments.request_options import check_unsupported, sampling_from
+from deployments.request_options import check_unsupported, load_grammar_backend, sampling_from
 from deployments.schemas import AgentRunBody, ChatBody, CompletionBody, parse, read_body
 from deployments.serve_engines import ServeEngines
 from deployments.tools import ToolPlan, plan_tools, read_tool_output
@@ -144,6 +144,7 @@ class Router:
         self.events = MetricsSender(metrics)
         self.fanout = FanOut(plan, ServeEngines(prefill, decoders, self.events))  # completions' own path
         self.prompter = Prompter(plan.tokenizer, plan.renderers)  # each decoder's own rendering
+        load_grammar_backend()  # now, not in the first structured request
         self.created = int(time.time())
         self.limits = plan.limits
         self.admission = Admission(self.limits.max_inflight_requests)

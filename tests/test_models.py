@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from app.models.compat import check
-from app.models.identity import prefill_module_id, tokenizer_hash
+from app.models.identity import CheckpointError, prefill_module_id, tokenizer_hash, weights_digest
 from app.models.manifest import DecodeManifest, ManifestError, read_manifest, write_manifest
 from app.models.shapes import save_random_model
 
@@ -46,6 +46,36 @@ def test_id_is_stable_across_copies_and_changes_with_weights(base, tmp_path):
     tensors[name].view(-1)[0] += 1
     save_file(tensors, str(copy / "model.safetensors"), metadata={"format": "pt"})
     assert prefill_module_id(copy) != prefill_module_id(base)
+
+
+def _digest_through_torch(path: Path) -> str:
+    """The digest as tensors spell it: name, str(dtype), shape, then the tensor's bytes."""
+    import hashlib
+
+    tensors = {}
+    for f in sorted(path.glob("*.safetensors")):
+        tensors.update(load_file(str(f)))
+    h = hashlib.sha256()
+    for name in sorted(tensors):
+        t = tensors[name]
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+        h.update(t.contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def test_digest_read_from_the_files_layout_equals_the_tensors_digest(base, tmp_path):
+    """weights_digest reads raw bytes without torch; it must give the id every manifest recorded."""
+    assert weights_digest(base) == _digest_through_torch(base)
+    odd = tmp_path / "odd"
+    odd.mkdir()
+    save_file({"b.scalar": torch.tensor(3.5, dtype=torch.float64), "a.ids": torch.arange(6, dtype=torch.int64),
+               "c.half": torch.randn(2, 3, dtype=torch.float16)}, str(odd / "model-00002.safetensors"))
+    save_file({"z.bf16": torch.randn(4, 1, dtype=torch.bfloat16), "d.flag": torch.tensor([True, False])},
+              str(odd / "model-00001.safetensors"), metadata={"format": "pt"})
+    assert weights_digest(odd) == _digest_through_torch(odd)
+    (odd / "model-00003.safetensors").write_bytes(b"\x05\x00")
+    with pytest.raises(CheckpointError, match="model-00003.safetensors: not a safetensors file"):
+        weights_digest(odd)
 
 
 def test_id_changes_with_config_and_tokenizer(base, tmp_path):

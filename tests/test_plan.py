@@ -52,13 +52,29 @@ def test_each_manifest_is_read_once_and_each_rendering_checked_once(shipped_with
     served = [d.name for d in plan.decoders]
     assert served == ["lookup", "tool_call", "chat-lookup", "chat-tool_call", "chat-reschedule", "chat-route"]
     assert len(reads) == len(served) and set(reads.values()) == {1}, reads
-    assert len(checks) == len(served) and set(checks.values()) == {1}, checks
-    assert any(d.renderer.format == "chat_template" for d in plan.decoders)  # the adapters' recorded chat format
+    # each chat template is checked once against the tokenizer; the suite format needs no check
+    templated = [d.name for d in plan.decoders if d.renderer.format == "chat_template"]
+    assert templated == ["chat-lookup", "chat-tool_call", "chat-reschedule", "chat-route"]  # the adapters' format
+    assert len(checks) == len(templated) and set(checks.values()) == {1}, checks
     # a replica builds its Prompter from the plan: no manifest read, no check
     before = (sum(reads.values()), sum(checks.values()))
     p = Prompter(plan.tokenizer, plan.renderers)
     assert (sum(reads.values()), sum(checks.values())) == before
     assert p.renderer("chat-route") is plan.decoder("chat-route").renderer
+
+
+def test_a_plan_without_a_chat_template_never_loads_the_tokenizer(monkeypatch):
+    """Loading it imports transformers (seconds of CPU in each app build); only a template check needs it."""
+    from app.plan import plan_app
+    from app.training import tokenizer
+
+    def refuse(path):
+        raise AssertionError(f"tokenizer loaded: {path}")
+
+    monkeypatch.setattr(tokenizer, "load_tokenizer", refuse)
+    cfg = load_config({"prefill_modules": [{"name": "base", "model": "checkpoints/base"}],
+                       "decoders": [{"name": n, "model": f"checkpoints/decoders/{n}"} for n in ("lookup", "tool_call")]})
+    assert [d.renderer.format for d in plan_app(cfg).decoders] == ["suite", "suite"]
 
 
 def test_the_plan_carries_the_limits_once(shipped_with_group):
