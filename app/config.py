@@ -288,6 +288,10 @@ class LimitsConfig(_Strict):
     prefill_wait_s: float = Field(
         5.0, gt=0, description="how long a fan-out waits for a replica of its prefill module to take the "
         "call (none running: its node is gone) before the decoders prefill privately")
+    decoder_wait_s: float = Field(
+        5.0, gt=0, description="how long a decoder call waits for a replica while the decoder has none running "
+        "(it died and is restarting) before it fails as decoder_unavailable (503 + Retry-After), freeing its "
+        "admission slot; a retry of a call whose replica died under it waits for the restart")
 
 
 class RoutingConfig(_Strict):

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 from app.handover import shared_length
 from app.sampling import TokenLogprob
-from deployments.errors import ErrorCode, Failure, Shed
+from deployments.errors import ErrorCode, Failure, Shed, Unreachable
 from deployments.messages import DecodeChunk, DecodeRequest, PrefillTicket
 from deployments.metrics import RequestRecord
 
@@ -114,11 +114,15 @@ class DecoderCall:
     ``overloaded`` when Serve shed it, ``decoder_unavailable`` when the replica died or could not
     be reached); every chunk is in ``output`` by the time the caller sees it. Latencies count
     from ``t0``, when the request reached its first deployment (prefill included). ``cancel()``
-    stops the decoder's request (a client that went away).
+    stops the decoder's request (a client that went away). ``wait_s`` bounds the wait for a
+    replica while the decoder has none (``limits.decoder_wait_s``): a restarting decoder's calls
+    fail fast instead of holding the caller's admission slots; the one retry of a call whose
+    replica died under it is already admitted work and waits for the restart.
     """
 
-    def __init__(self, engines: Engines, plan: DecodePlan, t0: float, output: Output | None = None):
-        self.engines, self.plan, self.t0 = engines, plan, t0
+    def __init__(self, engines: Engines, plan: DecodePlan, t0: float, output: Output | None = None,
+                 wait_s: float | None = None):
+        self.engines, self.plan, self.t0, self.wait_s = engines, plan, t0, wait_s
         self.output = output if output is not None else Output()
         self.output.error = plan.error
         if plan.ticket is not None:
@@ -143,7 +147,7 @@ class DecoderCall:
         while True:
             sent = False  # a chunk reached the caller: the request can no longer be repeated
             try:
-                self._stream = self.engines.decode(plan.model, request)
+                self._stream = self.engines.decode(plan.model, request, None if retried else self.wait_s)
                 async for chunk in self._stream:
                     if chunk.error:
                         out.error = chunk.error
@@ -156,6 +160,8 @@ class DecoderCall:
                     yield chunk
             except Shed as e:
                 yield self._failed(Failure(ErrorCode.OVERLOADED, f"decoder {plan.model}: {e}"))
+            except Unreachable as e:  # no replica running: not retried (it would wait the same)
+                yield self._failed(Failure(ErrorCode.DECODER_UNAVAILABLE, str(e)))
             except Exception as e:  # noqa: BLE001 - a dead replica fails this request only
                 if not sent and not retried:
                     # Nothing of it reached the caller: repeat it once, on the restarted replica or

@@ -50,8 +50,10 @@ class Engines(Protocol):
         replica took the call within ``wait_s``; any other exception is a failed prefill."""
         ...
 
-    def decode(self, model: str, req: DecodeRequest) -> DecodeStream:
-        """The decoder's stream; iterating it raises :class:`Shed` when its queue is full."""
+    def decode(self, model: str, req: DecodeRequest, wait_s: float | None) -> DecodeStream:
+        """The decoder's stream; iterating it raises :class:`Shed` when its queue is full and
+        :class:`Unreachable` when the decoder has no replica running and none took the call within
+        ``wait_s`` (None: the call waits for one as long as it takes)."""
         ...
 
     def fallback(self, reason: str) -> None: ...
@@ -102,7 +104,7 @@ class FanOut:
     def decode(self, plan: DecodePlan, t0: float, output: Output | None = None) -> DecoderCall:
         """A prepared plan's decoder call (accumulating into ``output`` when given); latencies
         count from ``t0`` (the prefill included)."""
-        return DecoderCall(self.engines, plan, t0, output)
+        return DecoderCall(self.engines, plan, t0, output, self.plan.limits.decoder_wait_s)
 
     async def _prefill_group(self, module: str, group: list[_Prefilled], request_id: str,
                              salt: str | None) -> None:

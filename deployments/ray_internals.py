@@ -16,6 +16,10 @@ moves or reshapes one; after an upgrade, fix this module and that test, nothing 
   it was chosen for (deployments/safe_router.py, cause 1). :class:`ChosenReplicaRouter` overrides
   it and asks its subclass which request that is.
 - ``RequestRouter._deployment_id``: the deployment's name, for log lines and metrics labels.
+- ``DeploymentResponseGenerator._fetch_future_result_async()``: resolves once a replica has taken
+  a streaming call (the stream then reads on from it). A decoder call bounds that wait while the
+  decoder has no replica running (``limits.decoder_wait_s``); ``_to_object_ref_gen`` would do
+  the same but needs the call made by reference.
 """
 from __future__ import annotations
 
@@ -23,12 +27,17 @@ from typing import Any
 
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
-__all__ = ["ChosenReplicaRouter", "replica_assigned"]
+__all__ = ["ChosenReplicaRouter", "replica_assigned", "stream_assigned"]
 
 
 async def replica_assigned(response) -> Any:
     """The ObjectRef of a ``DeploymentResponse``, available once a replica has accepted the call."""
     return await response._to_object_ref()
+
+
+async def stream_assigned(stream) -> None:
+    """Returns once a replica has accepted the call of ``stream`` (a ``DeploymentResponseGenerator``)."""
+    await stream._fetch_future_result_async()
 
 
 class ChosenReplicaRouter(RequestRouter):

@@ -16,6 +16,11 @@ project's routers (the decode node-affinity router hung agent runs until the cli
    the less loaded wins), logged and counted (``prefillshare_router_failovers_total``).
 
 The hand-over of cause 1 uses private RequestRouter methods: deployments/ray_internals.py.
+
+Each router registers itself as its process's router for its deployment: :func:`running_replicas`
+tells the request path whether a deployment has a replica up (deployments/serve_engines.py). The
+registry lives here, not in a subclass's module: Serve pickles a router's own module by value, so
+that module's globals would be a copy in the caller's process.
 """
 from __future__ import annotations
 
@@ -30,6 +35,20 @@ from ray.serve.request_router import PendingRequest, RunningReplica
 from deployments.ray_internals import ChosenReplicaRouter
 
 log = logging.getLogger("ray.serve")
+
+# deployment name -> this process's router for it (Serve makes one per deployment a process calls)
+_ROUTERS: weakref.WeakValueDictionary[str, SafeRouter] = weakref.WeakValueDictionary()
+
+
+def running_replicas(deployment: str) -> int | None:
+    """How many replicas of ``deployment`` this process's router can route to now (Serve drops a
+    replica once a call to it failed with its death, or the controller reported it gone); None
+    while that is not known: this process never called the deployment, or its router has not yet
+    heard of any replica (the app is starting)."""
+    router = _ROUTERS.get(deployment)
+    if router is None or not router.had_replicas:
+        return None
+    return len(router.curr_replicas)
 
 
 def default_choice(candidates: Sequence[RunningReplica]) -> list[list[RunningReplica]]:
@@ -47,9 +66,15 @@ class SafeRouter(ChosenReplicaRouter):
         self._routing: weakref.WeakKeyDictionary[asyncio.Task, PendingRequest] = weakref.WeakKeyDictionary()
         self._metrics_deployment: str | None = None
         self._metrics = None
+        self.had_replicas = False  # the controller has reported a replica since this router was made
 
     def initialize_state(self, metrics_deployment: str | None = None, **_):
         self._metrics_deployment = metrics_deployment
+        _ROUTERS[self.deployment_name] = self
+
+    def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        super().update_replicas(replicas)
+        self.had_replicas = self.had_replicas or bool(replicas)
 
     def rank(self, candidates: list[RunningReplica], pending: PendingRequest | None,
              queue_len: dict[str, int]) -> list[list[RunningReplica]]:

@@ -2,7 +2,9 @@
 
 The one place where the request path meets Serve: a prefill call whose wait for a replica is
 bounded (Serve holds a call while a deployment has no replica, e.g. its node is gone), a
-decoder stream, Serve's back-pressure turned into :class:`Shed`, and the metrics events sent
+decoder stream whose wait is bounded while its decoder has no replica running (it died and
+restarts; a decoder whose replicas are only busy queues as Serve queues it), Serve's
+back-pressure turned into :class:`Shed`, and the metrics events sent
 fire-and-forget (batched by the caller's :class:`~deployments.metrics.MetricsSender`). The Router and the Orchestrator each hold one.
 """
 from __future__ import annotations
@@ -14,23 +16,31 @@ from ray.serve.exceptions import BackPressureError
 from deployments.errors import Shed, Unreachable
 from deployments.messages import DecodeChunk, DecodeRequest, PrefillRequest, PrefillTicket
 from deployments.metrics import MetricsSender, RequestRecord
-from deployments.ray_internals import replica_assigned
+from deployments.ray_internals import replica_assigned, stream_assigned
+from deployments.safe_router import running_replicas
 
 
 class _Stream:
-    """A decoder's Serve stream whose back-pressure error is :class:`Shed`."""
+    """A decoder's Serve stream whose back-pressure error is :class:`Shed`; with ``wait_s``, no
+    replica taking the call within it is :class:`Unreachable` (``what`` names the decoder)."""
 
-    def __init__(self, response):
-        self._response = response
+    def __init__(self, response, wait_s: float | None = None, what: str = ""):
+        self._response, self._wait_s, self._what = response, wait_s, what
 
     def __aiter__(self):
         return self
 
     async def __anext__(self) -> DecodeChunk:
         try:
+            if self._wait_s is not None:
+                wait_s, self._wait_s = self._wait_s, None
+                await asyncio.wait_for(stream_assigned(self._response), wait_s)
             return await self._response.__anext__()
         except BackPressureError as e:
             raise Shed(str(e)) from None
+        except TimeoutError:
+            self._response.cancel()
+            raise Unreachable(f"{self._what}: no replica is running and none took the call within {wait_s} s") from None
 
     def cancel(self) -> None:
         self._response.cancel()
@@ -59,8 +69,12 @@ class ServeEngines:
         except BackPressureError as e:
             raise Shed(str(e)) from None
 
-    def decode(self, model: str, req: DecodeRequest) -> _Stream:
-        return _Stream(self._decoders[model].generate.remote(req))
+    def decode(self, model: str, req: DecodeRequest, wait_s: float | None) -> _Stream:
+        handle = self._decoders[model]
+        response = handle.generate.remote(req)  # makes this process's router for it on the first call
+        if running_replicas(handle.deployment_name) != 0:
+            wait_s = None  # replicas are up (or the app is starting): the call queues as Serve queues it
+        return _Stream(response, wait_s, f"decoder {model}")
 
     def fallback(self, reason: str) -> None:
         if self._metrics is not None:

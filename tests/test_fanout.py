@@ -55,6 +55,7 @@ class FakeEngines:
         self.dead_before_output = dead_before_output  # this many decode calls fail before any chunk
         self.prefills: list[tuple[str, object, float]] = []
         self.decodes: list[tuple[str, object]] = []
+        self.decode_waits: list[float | None] = []  # the wait_s of each decode call
         self.fallbacks: list[str] = []
         self.records: list = []
 
@@ -65,8 +66,9 @@ class FakeEngines:
         return PrefillTicket(req.request_id, module, "replica-1", tuple(shared_length(len(p)) for p in req.prompts),
                              num_computed_tokens=11, num_cached_tokens=0, seconds=0.01, node_id="node-a")
 
-    def decode(self, model, req):
+    def decode(self, model, req, wait_s):
         self.decodes.append((model, req))
+        self.decode_waits.append(wait_s)
         rid = req.request_id
         chunks = [DecodeChunk(rid, model, "he", [5], False, num_cached_tokens=self.cached),
                   DecodeChunk(rid, model, "llo", [6, 7], True, "stop", num_cached_tokens=self.cached, stop_reason="x")]
@@ -198,6 +200,8 @@ def test_a_decoder_that_died_before_any_output_is_retried_once_then_fails_typed(
     assert [c.delta_text for c in chunks] == ["he", "llo"] and call.output.error is None
     assert [req.request_id for _, req in engines.decodes] == ["d-1", "d-1-retry"]
     assert engines.fallbacks == ["decoder_retry"] and engines.records[0].ok
+    # a new call waits limits.decoder_wait_s for a replica; the retry, already admitted, waits for the restart
+    assert engines.decode_waits == [PLAN.limits.decoder_wait_s, None]
 
     twice = FakeEngines(dead_before_output=2)
     fan = FanOut(PLAN, twice)
@@ -206,6 +210,24 @@ def test_a_decoder_that_died_before_any_output_is_retried_once_then_fails_typed(
     chunks = _run(_drain(call))
     assert len(chunks) == 1 and chunks[0].error.code is ErrorCode.DECODER_UNAVAILABLE
     assert len(twice.decodes) == 2 and twice.fallbacks == ["decoder_retry"]  # one retry, never more
+
+
+def test_a_decoder_with_no_replica_in_time_fails_as_unavailable_and_is_not_retried():
+    engines = FakeEngines(decode_raises=Unreachable("decoder alpha: no replica is running"))
+    engines.decode = _unreachable_decode(engines)
+    fan = FanOut(PLAN, engines)
+    [plan] = _run(fan.prepare([_leg("alpha", list(range(1, 12)))], "c", "completions", None))
+    chunks = _run(_drain(fan.decode(plan, 0.0)))
+    assert len(chunks) == 1 and chunks[0].error.code is ErrorCode.DECODER_UNAVAILABLE
+    assert "no replica is running" in chunks[0].error.message
+    assert len(engines.decodes) == 1 and engines.fallbacks == []  # a retry would only wait again
+
+
+def _unreachable_decode(engines: FakeEngines):
+    def decode(model, req, wait_s):
+        engines.decodes.append((model, req))
+        return FakeStream([], engines.decode_raises)
+    return decode
 
 
 def test_cancel_stops_the_decoder_stream():

@@ -160,3 +160,30 @@ def test_router_failovers_are_rendered_in_metrics():
     m.router_failover("Decode-x", "RuntimeError")
     m.router_failover("Decode-x", "RuntimeError")
     assert 'prefillshare_router_failovers_total{deployment="Decode-x",error="RuntimeError"} 2.0' in m.render().decode()
+
+
+def test_a_router_as_serve_ships_it_tells_the_request_path_how_many_replicas_are_up():
+    """Serve pickles a router's module by value (RequestRouterConfig): that must work (no registry in
+    the module's globals), and the router must register where deployments/serve_engines.py reads
+    (deployments/safe_router.py)."""
+    from ray import cloudpickle
+    from ray.serve.config import RequestRouterConfig
+
+    from deployments import safe_router
+
+    shipped = cloudpickle.loads(RequestRouterConfig(
+        request_router_class=node_router.NodeAffinityRouter).get_serialized_request_router_cls())
+
+    async def run():
+        router = shipped(deployment_id=DEPLOYMENT, handle_source=DeploymentHandleSource.REPLICA)
+        router.initialize_state()
+        assert safe_router.running_replicas("Decode-x") is None  # no replica heard of yet: the app starts
+        router.update_replicas([_Replica("p1", "node-p"), _Replica("d1", "node-d")])
+        assert safe_router.running_replicas("Decode-x") == 2
+        router.update_replicas([])  # the replicas died: none to route to while they restart
+        assert safe_router.running_replicas("Decode-x") == 0
+
+    try:
+        asyncio.run(run())
+    finally:
+        safe_router._ROUTERS.pop("Decode-x", None)

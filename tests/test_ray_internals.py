@@ -24,6 +24,19 @@ def test_to_object_ref_is_a_coroutine_without_arguments():
     assert list(inspect.signature(fn).parameters) == ["self"]
 
 
+def test_a_streams_wait_for_its_replica_is_a_coroutine_that_caches_the_result():
+    fn = DeploymentResponseGenerator._fetch_future_result_async
+    assert inspect.iscoroutinefunction(fn)
+    assert list(inspect.signature(fn).parameters) == ["self"]
+    # the stream reads on from the replica this wait resolved to (the cached result)
+    assert "_fetch_future_result_async" in inspect.getsource(DeploymentResponseGenerator.__anext__)
+    assert "self._replica_result" in inspect.getsource(fn)
+
+
+def test_curr_replicas_is_the_public_replica_view_of_a_router():
+    assert isinstance(inspect.getattr_static(RequestRouter, "curr_replicas"), property)
+
+
 def test_fulfill_next_pending_request_keeps_its_signature():
     params = list(inspect.signature(RequestRouter._fulfill_next_pending_request).parameters)
     assert params == ["self", "replica", "request_metadata"]

@@ -245,7 +245,8 @@ def _read_events(r) -> list[str]:
 
 def test_killing_a_decoder_replica_mid_stream_fails_clearly_and_the_app_recovers(app, baseline):
     """ray.kill gamma's replica while it streams: that stream ends with an error event (or had
-    already finished), requests sent meanwhile complete or get 503 + Retry-After, none hangs,
+    already finished), requests sent meanwhile complete or get 503 + Retry-After, none waits for
+    the restart (limits.decoder_wait_s bounds the wait for a replica while none is running),
     Serve starts a new replica and gamma's greedy answer is the same as before."""
     import http.client
     import threading
@@ -278,9 +279,12 @@ def test_killing_a_decoder_replica_mid_stream_fails_clearly_and_the_app_recovers
 
     results: list[tuple] = []
 
+    answered: list[float] = []
+
     def one():
         results.append(_post(app["url"] + "/v1/completions", {"model": "gamma", "prompt": "hi", "max_tokens": 4},
                              timeout=600, with_headers=True))
+        answered.append(time.monotonic())
 
     threads = [threading.Thread(target=one) for _ in range(3)]
     for t in threads:
@@ -305,11 +309,15 @@ def test_killing_a_decoder_replica_mid_stream_fails_clearly_and_the_app_recovers
             break
         time.sleep(2)
     assert status == 200, body
+    ready = time.monotonic()
+    # answered before the replacement was up: none held its admission slot through the restart
+    assert max(answered) < ready, (max(answered) - ready, [x[:2] for x in results])
     status, out = _post(app["url"] + "/v1/completions", {"model": "gamma", "prompt": CONTEXT + "\nQ: what is the item?\nA:",
                                                          "max_tokens": MAX_NEW, "temperature": 0})
     assert status == 200 and out["choices"][0]["text"] == baseline["gamma"], out
     print(f"\nfault: stream {'ended with an error event' if stream_failed else 'finished before the kill'}; "
-          f"3 requests during the restart: {len(ok)} completed, {len(failed)} got 503")
+          f"3 requests during the restart: {len(ok)} completed, {len(failed)} got 503; "
+          f"the replacement was ready {ready - max(answered):.0f} s after the last answer")
 
 
 def _replaced_and_sharing_again(app, reference, killed: str) -> None:
