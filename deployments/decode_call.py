@@ -116,13 +116,14 @@ class DecoderCall:
     from ``t0``, when the request reached its first deployment (prefill included). ``cancel()``
     stops the decoder's request (a client that went away). ``wait_s`` bounds the wait for a
     replica while the decoder has none (``limits.decoder_wait_s``): a restarting decoder's calls
-    fail fast instead of holding the caller's admission slots; the one retry of a call whose
-    replica died under it is already admitted work and waits for the restart.
+    fail fast instead of holding the caller's admission slots. The one retry of a call whose
+    replica died under it is admitted work: it waits for the restart, until ``deadline``
+    (``perf_counter`` time: the request's timeout, ``limits.request_timeout_s`` from ``t0``).
     """
 
     def __init__(self, engines: Engines, plan: DecodePlan, t0: float, output: Output | None = None,
-                 wait_s: float | None = None):
-        self.engines, self.plan, self.t0, self.wait_s = engines, plan, t0, wait_s
+                 wait_s: float | None = None, deadline: float | None = None):
+        self.engines, self.plan, self.t0, self.wait_s, self.deadline = engines, plan, t0, wait_s, deadline
         self.output = output if output is not None else Output()
         self.output.error = plan.error
         if plan.ticket is not None:
@@ -147,7 +148,7 @@ class DecoderCall:
         while True:
             sent = False  # a chunk reached the caller: the request can no longer be repeated
             try:
-                self._stream = self.engines.decode(plan.model, request, None if retried else self.wait_s)
+                self._stream = self.engines.decode(plan.model, request, self._retry_wait() if retried else self.wait_s)
                 async for chunk in self._stream:
                     if chunk.error:
                         out.error = chunk.error
@@ -174,6 +175,10 @@ class DecoderCall:
                 yield self._failed(Failure(ErrorCode.DECODER_UNAVAILABLE, f"decoder {plan.model}: {type(e).__name__}: {e}"))
             break
         self._record()
+
+    def _retry_wait(self) -> float | None:
+        """What is left of the request's time for the retry's wait for a replica (None: no deadline)."""
+        return None if self.deadline is None else max(0.0, self.deadline - time.perf_counter())
 
     def _record(self) -> None:
         plan, req, out = self.plan, self.plan.request, self.output

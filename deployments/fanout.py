@@ -9,7 +9,9 @@ prefill's node to prefer, the LoRA adapter of a decode group) or the failure tha
 before decoding. Decoders without a compatible module prefill privately (their reason is
 counted); a prefill that fails, or that no replica takes within ``limits.prefill_wait_s``,
 degrades to private prefill; a prefill deployment that sheds the call (:class:`Shed`) fails
-its legs as ``overloaded``. :meth:`FanOut.decode` streams a plan (deployments/decode_call.py).
+its legs as ``overloaded``. A leg whose decoder has no replica running (it died and restarts)
+fails as ``decoder_unavailable`` before any prefill: the base's work and the caller's admission
+slot go to requests that can be answered. :meth:`FanOut.decode` streams a plan (deployments/decode_call.py).
 With hand-over "vllm-nixl" the prefill call makes one lease per prompt (a fan-out to N decoders
 takes N leases, the shared context computed first) and each decoder request carries its own.
 
@@ -48,6 +50,10 @@ class Engines(Protocol):
     async def prefill(self, module: str, req: PrefillRequest, wait_s: float) -> PrefillTicket:
         """Raises :class:`Shed` when the module's queue is full, :class:`Unreachable` when no
         replica took the call within ``wait_s``; any other exception is a failed prefill."""
+        ...
+
+    def decoder_down(self, model: str) -> bool:
+        """The decoder has no replica running, as far as this process knows (False when unsure)."""
         ...
 
     def decode(self, model: str, req: DecodeRequest, wait_s: float | None) -> DecodeStream:
@@ -92,7 +98,10 @@ class FanOut:
         groups: dict[str, list[_Prefilled]] = {}
         for p in done:
             dp = self.plan.decoder(p.leg.model)
-            if dp.prefill_module is None:
+            if self.engines.decoder_down(p.leg.model):
+                p.error = Failure(ErrorCode.DECODER_UNAVAILABLE, f"decoder {p.leg.model}: no replica is running "
+                                  "(it is restarting)")
+            elif dp.prefill_module is None:
                 self.engines.fallback(dp.private_reason or "private")
             elif p.leg.sampling.private_prefill_reason is not None:  # e.g. the decoder's own prompt logprobs
                 self.engines.fallback(p.leg.sampling.private_prefill_reason)
@@ -104,7 +113,8 @@ class FanOut:
     def decode(self, plan: DecodePlan, t0: float, output: Output | None = None) -> DecoderCall:
         """A prepared plan's decoder call (accumulating into ``output`` when given); latencies
         count from ``t0`` (the prefill included)."""
-        return DecoderCall(self.engines, plan, t0, output, self.plan.limits.decoder_wait_s)
+        limits = self.plan.limits
+        return DecoderCall(self.engines, plan, t0, output, limits.decoder_wait_s, t0 + limits.request_timeout_s)
 
     async def _prefill_group(self, module: str, group: list[_Prefilled], request_id: str,
                              salt: str | None) -> None:

@@ -69,6 +69,9 @@ class ServeEngines:
         except BackPressureError as e:
             raise Shed(str(e)) from None
 
+    def decoder_down(self, model: str) -> bool:
+        return running_replicas(self._decoders[model].deployment_name) == 0
+
     def decode(self, model: str, req: DecodeRequest, wait_s: float | None) -> _Stream:
         handle = self._decoders[model]
         response = handle.generate.remote(req)  # makes this process's router for it on the first call

@@ -6,6 +6,7 @@ accumulated output, error chunks, kv_miss and the metrics record."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -56,6 +57,7 @@ class FakeEngines:
         self.prefills: list[tuple[str, object, float]] = []
         self.decodes: list[tuple[str, object]] = []
         self.decode_waits: list[float | None] = []  # the wait_s of each decode call
+        self.down: set[str] = set()  # decoders with no replica running
         self.fallbacks: list[str] = []
         self.records: list = []
 
@@ -65,6 +67,9 @@ class FakeEngines:
             raise self.prefill_raises
         return PrefillTicket(req.request_id, module, "replica-1", tuple(shared_length(len(p)) for p in req.prompts),
                              num_computed_tokens=11, num_cached_tokens=0, seconds=0.01, node_id="node-a")
+
+    def decoder_down(self, model):
+        return model in self.down
 
     def decode(self, model, req, wait_s):
         self.decodes.append((model, req))
@@ -195,13 +200,21 @@ def test_a_decoder_that_died_before_any_output_is_retried_once_then_fails_typed(
     engines = FakeEngines(dead_before_output=1)
     fan = FanOut(PLAN, engines)
     [plan] = _run(fan.prepare([_leg("alpha", list(range(1, 12)))], "c", "completions", None))
-    call = fan.decode(plan, 0.0)
+    call = fan.decode(plan, time.perf_counter())
     chunks = _run(_drain(call))
     assert [c.delta_text for c in chunks] == ["he", "llo"] and call.output.error is None
     assert [req.request_id for _, req in engines.decodes] == ["d-1", "d-1-retry"]
     assert engines.fallbacks == ["decoder_retry"] and engines.records[0].ok
-    # a new call waits limits.decoder_wait_s for a replica; the retry, already admitted, waits for the restart
-    assert engines.decode_waits == [PLAN.limits.decoder_wait_s, None]
+    # a new call waits limits.decoder_wait_s for a replica; the retry, already admitted, waits for the
+    # restart as long as the request's timeout leaves it
+    first, retry = engines.decode_waits
+    assert first == PLAN.limits.decoder_wait_s and 0 < retry <= PLAN.limits.request_timeout_s
+
+    late = FakeEngines(dead_before_output=1)  # the request's time is up when its replica dies
+    fan = FanOut(PLAN, late)
+    [plan] = _run(fan.prepare([_leg("alpha", list(range(1, 12)))], "c", "completions", None))
+    _run(_drain(fan.decode(plan, time.perf_counter() - PLAN.limits.request_timeout_s - 1)))
+    assert late.decode_waits == [PLAN.limits.decoder_wait_s, 0.0]  # the retry may not wait at all
 
     twice = FakeEngines(dead_before_output=2)
     fan = FanOut(PLAN, twice)
@@ -210,6 +223,21 @@ def test_a_decoder_that_died_before_any_output_is_retried_once_then_fails_typed(
     chunks = _run(_drain(call))
     assert len(chunks) == 1 and chunks[0].error.code is ErrorCode.DECODER_UNAVAILABLE
     assert len(twice.decodes) == 2 and twice.fallbacks == ["decoder_retry"]  # one retry, never more
+
+
+def test_a_leg_whose_decoder_has_no_replica_fails_before_its_prefill_and_the_others_run():
+    engines = FakeEngines()
+    engines.down = {"alpha"}
+    fan = FanOut(PLAN, engines)
+    shared = list(range(10, 22))
+    plans = _run(fan.prepare([_leg("alpha", shared + [1], "d-a"), _leg("ad0", shared + [3], "d-b")], "r", "agents",
+                             None))
+    assert plans[0].error.code is ErrorCode.DECODER_UNAVAILABLE and "no replica is running" in plans[0].error.message
+    [(module, req, _)] = engines.prefills  # one prefill, for the leg that can be decoded only
+    assert req.prompts == (tuple(shared + [3]),) and plans[1].error is None and plans[1].ticket is not None
+    chunks = _run(_drain(fan.decode(plans[0], time.perf_counter())))
+    assert len(chunks) == 1 and chunks[0].error.code is ErrorCode.DECODER_UNAVAILABLE
+    assert [m for m, _ in engines.decodes] == []  # never sent to the decoder
 
 
 def test_a_decoder_with_no_replica_in_time_fails_as_unavailable_and_is_not_retried():
