@@ -277,7 +277,9 @@ class LimitsConfig(_Strict):
     max_stop_chars: int = Field(64, ge=1, description="longest stop string")
     max_agents: int = Field(16, ge=1)
     max_rounds: int = Field(4, ge=1)
-    request_timeout_s: float = Field(120.0, gt=0)
+    request_timeout_s: float = Field(
+        120.0, gt=0, description="a request's time: its engine calls run under it, a decode retry waits for a "
+        "restarted replica at most what is left of it, and a vllm-nixl lease outlives it")
     max_inflight_requests: int = Field(
         64, ge=1, description="generation requests one Router replica runs at once; more get 429 + Retry-After "
         "at once instead of queueing (must stay below router.max_ongoing_requests)"
@@ -289,9 +291,9 @@ class LimitsConfig(_Strict):
         5.0, gt=0, description="how long a fan-out waits for a replica of its prefill module to take the "
         "call (none running: its node is gone) before the decoders prefill privately")
     decoder_wait_s: float = Field(
-        5.0, gt=0, description="how long a decoder call waits for a replica while the decoder has none running "
-        "(it died and is restarting) before it fails as decoder_unavailable (503 + Retry-After), freeing its "
-        "admission slot; a retry of a call whose replica died under it waits for the restart")
+        5.0, gt=0, description="how long a decoder call waits for a replica when the decoder's last one died "
+        "between its prefill and its decode, before it fails as decoder_unavailable (503 + Retry-After); a "
+        "request for a decoder already known to have none fails so before its prefill")
 
 
 class RoutingConfig(_Strict):
