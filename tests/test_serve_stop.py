@@ -79,8 +79,10 @@ def _run_and_stop(tmp: Path, models: dict[str, Path], pool: str, kill_a_decoder:
     ray_tmp = f"/tmp/rst{os.getpid()}{tmp.name[0]}"  # short: Ray's socket paths have a length limit
     env = dict(os.environ, RAY_TMPDIR=ray_tmp, **{MARKER: marker})
     log = open(tmp / "serve.log", "w")  # noqa: SIM115 - closed below
+    # SIGINT as a terminal delivers it, even when this suite runs as a background job (which ignores
+    # SIGINT and passes that on: `serve run` would never see its Ctrl-C)
     proc = subprocess.Popen([SERVE, "run", str(cfg)], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True)
+                            start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     tracked = ProcessTracker(psutil.Process(proc.pid), (MARKER, marker))
     out = {"killed_cores_left": []}
     try:

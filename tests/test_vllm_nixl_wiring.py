@@ -79,6 +79,9 @@ class _LeasingEngines:
                              num_computed_tokens=11, num_cached_tokens=0, seconds=0.01, node_id="node-a",
                              leases=leases)
 
+    def decoder_down(self, model):
+        return False  # every decoder has a replica up
+
     def fallback(self, reason):
         raise AssertionError(f"no fallback expected, got {reason}")
 
