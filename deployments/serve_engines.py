@@ -33,11 +33,16 @@ class _Stream:
     async def __anext__(self) -> DecodeChunk:
         try:
             if self._wait_s is not None:
-                wait_s, self._wait_s = self._wait_s, None
-                await asyncio.wait_for(stream_assigned(self._response), wait_s)
+                await self._assigned()
             return await self._response.__anext__()
         except BackPressureError as e:
             raise Shed(str(e)) from None
+
+    async def _assigned(self) -> None:
+        """The bounded wait for a replica, once, before the first chunk."""
+        wait_s, self._wait_s = self._wait_s, None
+        try:
+            await asyncio.wait_for(stream_assigned(self._response), wait_s)
         except TimeoutError:
             self._response.cancel()
             raise Unreachable(f"{self._what}: no replica is running and none took the call within {wait_s} s") from None

@@ -77,6 +77,20 @@ def test_a_decoder_whose_replicas_are_up_or_not_yet_known_queues_past_the_wait(r
     assert chunk.delta_text == "hi" and not response.cancelled
 
 
+def test_a_timeout_inside_the_stream_is_not_taken_for_a_missing_replica(monkeypatch):
+    """Only the bounded wait for a replica becomes Unreachable; a TimeoutError from the stream itself stays one."""
+    monkeypatch.setattr(serve_engines, "running_replicas", lambda name: 2)
+    handle = FakeHandle(0.0)
+    stream = ServeEngines({}, {"alpha": handle}).decode("alpha", object(), 0.05)
+
+    async def timed_out():
+        raise TimeoutError("a read inside the stream")
+
+    handle.responses[0].__anext__ = timed_out
+    with pytest.raises(TimeoutError, match="a read inside the stream"):
+        asyncio.run(stream.__anext__())
+
+
 def test_a_retry_waits_for_the_restarted_replica(monkeypatch):
     chunk, _ = _first_chunk(0.3, 0, None, monkeypatch)
     assert chunk.delta_text == "hi"
