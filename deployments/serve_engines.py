@@ -78,9 +78,8 @@ class ServeEngines:
         return running_replicas(self._decoders[model].deployment_name) == 0
 
     def decode(self, model: str, req: DecodeRequest, wait_s: float | None) -> _Stream:
-        handle = self._decoders[model]
-        response = handle.generate.remote(req)  # makes this process's router for it on the first call
-        if running_replicas(handle.deployment_name) != 0:
+        response = self._decoders[model].generate.remote(req)  # makes this process's router for it on the first call
+        if not self.decoder_down(model):
             wait_s = None  # replicas are up (or the app is starting): the call queues as Serve queues it
         return _Stream(response, wait_s, f"decoder {model}")
 
