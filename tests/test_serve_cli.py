@@ -2,7 +2,9 @@
 (-> `serve run`) brings up serve_config.yaml itself (the shipped base and its four decoders,
 only the port and the pool path changed), prints how to reach it, and the shipped decoders
 answer the held-out task suite through an HTTP fan-out. `serve status` sees the app under
-Ray's token auth, and `serve deploy` updates it in the running cluster. Run through
+Ray's token auth, and `serve deploy` updates it in the running cluster. Stopped as Ctrl-C of
+`make serve` stops it (Serve's graceful shutdown), it leaves no process and no /dev/shm file,
+its KV pool included. Run through
 scripts/test.sh (loopback-only network namespace).
 """
 from __future__ import annotations
@@ -61,6 +63,7 @@ def served(tmp_path_factory):
     proc = subprocess.Popen(["bash", "scripts/serve.sh"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
     tracked = ProcessTracker(psutil.Process(proc.pid), (MARKER, marker))
+    shm_before = set(os.listdir("/dev/shm"))
     lines: list[str] = []
     ready = threading.Event()
 
@@ -88,8 +91,12 @@ def served(tmp_path_factory):
         psutil.wait_procs(tracked.running(), timeout=60)
         left = tracked.stop()
         kill_all(left)  # by pid: vLLM's renamed engine cores carry no marker in their command line
+        # the clean stop gives back its /dev/shm: the KV pool (pool.persist is off), and no
+        # multiprocessing semaphore (sem.mp-*) or shared-memory segment (psm_*) of an engine
+        shm_left = set(os.listdir("/dev/shm")) - shm_before
         subprocess.run(["rm", "-rf", ray_tmp, pool], check=False)
         assert not left, f"make serve, stopped, left processes running: {[title(p) for p in left]}"
+        assert shm_left == set(), f"make serve, stopped, left files in /dev/shm: {sorted(shm_left)}"
 
 
 def _fan_out(url: str, context: str, agents: list[tuple[str, str, str]]) -> dict:

@@ -1,9 +1,12 @@
-"""Stopping the app gives back what it took: `serve run` started twice, leaves no process and no
-/dev/shm file behind. The first run loses a decoder replica to SIGKILL and then gets SIGTERM
-(serve run only exits: Ray kills the replicas, no replica shutdown runs); the second gets SIGINT
-(Ctrl-C, what `make serve` forwards: Serve's graceful shutdown). Every process is tracked by ancestry (a
-descendant of `serve run`, sampled while it runs) and by an environment marker it inherits, so
-vLLM's renamed ``VLLM::EngineCore`` processes are seen whatever their command line says.
+"""Stopping the app without its shutdown code gives back what it took: `serve run` loses a decoder
+replica to SIGKILL and then gets SIGTERM (serve run only exits: Ray kills the replicas, no replica
+shutdown runs). No process of it is left and no /dev/shm file but its KV pool, which the next start
+reclaims in place. Every process is tracked by ancestry (a descendant of `serve run`, sampled while
+it runs) and by an environment marker it inherits, so vLLM's renamed ``VLLM::EngineCore`` processes
+are seen whatever their command line says.
+
+The clean stop (Ctrl-C of `make serve`: Serve's graceful shutdown), which removes the pool, is
+checked on the default application by tests/test_serve_cli.py's teardown.
 
 A small app of random models (one prefill replica, one decoder). Run through scripts/test.sh
 (loopback-only network namespace).
@@ -121,21 +124,26 @@ def _run_and_stop(tmp: Path, models: dict[str, Path], pool: str, kill_a_decoder:
     return out
 
 
-def test_serve_run_stopped_twice_leaves_no_process_and_no_shm_file(tmp_path, models):
+def test_serve_run_stopped_without_shutdown_leaves_no_process_and_only_a_reclaimable_pool(tmp_path, models):
+    from app.engine.kv_pool import KVPool, PoolSpec
+
     pool = f"/dev/shm/ps-stop-{os.getpid()}"
     shm_before = _shm()
-    first = _run_and_stop(tmp_path / "first", models, pool, kill_a_decoder=True, stop=signal.SIGTERM)
-    second = _run_and_stop(tmp_path / "second", models, pool, kill_a_decoder=False, stop=signal.SIGINT)
-    for run in (first, second):
+    try:
+        run = _run_and_stop(tmp_path / "run", models, pool, kill_a_decoder=True, stop=signal.SIGTERM)
         assert run["cores"] >= 2, run  # the tracking saw the prefill's and the decoder's engine cores
         assert run["left"] == [], run
-    assert first["killed_cores_left"] == [], "a SIGKILLed replica's engine core outlived it"
-    new_shm = _shm() - shm_before
-    # nothing but the pool: no multiprocessing semaphore (sem.mp-*: a SIGKILLed engine core's
-    # tqdm lock left one, see app/engine/core_lifetime.py) and no shared-memory segment (psm_*)
-    assert new_shm - {Path(pool).name} == set(), new_shm
-    pool_left = Path(pool).exists()
-    shutil.rmtree(pool, ignore_errors=True)
-    # the clean stop (the second run's SIGINT) removes the KV pool; the first run's, left by a stop
-    # without replica shutdown, was reclaimed by the second start (app/engine/pool_owner.py)
-    assert not pool_left, "the KV pool is still in /dev/shm after a clean stop"
+        assert run["killed_cores_left"] == [], "a SIGKILLed replica's engine core outlived it"
+        new_shm = _shm() - shm_before
+        # nothing but the pool: no multiprocessing semaphore (sem.mp-*: a SIGKILLed engine core's
+        # tqdm lock left one, see app/engine/core_lifetime.py) and no shared-memory segment (psm_*)
+        assert new_shm - {Path(pool).name} == set(), new_shm
+        # no replica ran its shutdown, so the pool is still there; the next start (its first
+        # engine opening the pool) finds no live owner and makes it afresh in the same folder
+        assert Path(pool, "slab-index.sqlite").exists()
+        reopened = KVPool(PoolSpec(pool, capacity_bytes=1 << 20))
+        assert reopened.capacity_bytes == 1 << 20  # made afresh: the dead app's 64 MiB slab is gone
+        reopened.close()
+        assert not Path(pool).exists()  # its last owner closed it
+    finally:
+        shutil.rmtree(pool, ignore_errors=True)
