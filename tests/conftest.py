@@ -44,8 +44,3 @@ def _pytest_helper(p: psutil.Process) -> bool:
         return p.ppid() == os.getpid() and "multiprocessing.resource_tracker" in " ".join(p.cmdline())
     except psutil.Error:
         return False
-
-
-# The Serve test app (tests/serve_test_app.py): module-scoped, so each module that asks for
-# ``app`` gets its own (the functional and the fault tests run on separate apps).
-from serve_test_app import app, baseline, client, reference  # noqa: E402, F401

@@ -6,10 +6,11 @@ tokens compare with the transformers reference. The app runs with API keys on (t
 small ingress admission limit and a tiny queue on "beta"; every request carries tenant A's key
 unless it says otherwise.
 
-The fixtures (``app``, ``client``, ``reference``, ``baseline``) are module-scoped and registered
-in tests/conftest.py: each test module that asks for ``app`` gets its own app, started once for
-that module (tests/test_serve_app.py: the functional tests; tests/test_serve_faults.py: the
-faults). Run through scripts/test.sh (loopback-only network namespace).
+The fixtures are registered in tests/shared_app/conftest.py: one app (``shared_app``) for that
+package's modules, the functional tests (test_serve_app.py) and the faults (test_serve_faults.py);
+``app``, ``client`` and ``baseline`` are per module, ``app`` waiting until every engine answers.
+An app start costs minutes on 2 cores; sharing it keeps CI's time down. Run through scripts/test.sh
+(loopback-only network namespace).
 """
 from __future__ import annotations
 
@@ -107,8 +108,9 @@ def _post(url: str, body: bytes | dict, timeout: float = 120, key: str | None = 
     return (status, out, headers) if with_headers else (status, out)
 
 
-@pytest.fixture(scope="module")
-def app(tmp_path_factory):
+@pytest.fixture(scope="package")
+def shared_app(tmp_path_factory):
+    """The app, started once for the package that imports this fixture (tests/shared_app)."""
     from random_models import serve_app
 
     from app.config import load_config
@@ -126,22 +128,33 @@ def app(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def app(shared_app):
+    """The shared app as each module finds it: every engine answering /ready first, so that no
+    module depends on what another one's fault tests did to it."""
+    from agents import Client
+
+    with Client(shared_app["url"], retries=5, backoff_s=0.5) as c:
+        c.wait_ready(timeout_s=600, interval_s=2)  # waiting for replacements, not a timing assertion
+    return shared_app
+
+
+@pytest.fixture(scope="module")
 def client(app):
     from openai import OpenAI
 
     return OpenAI(base_url=app["url"] + "/v1", api_key=KEY_A, max_retries=0, timeout=120)
 
 
-@pytest.fixture(scope="module")
-def reference(app):
+@pytest.fixture(scope="package")
+def reference(shared_app):
     """Transformers oracle on the same checkpoints (float32 from the bf16 files)."""
     import torch
     from transformers import AutoTokenizer
 
     from app.models.checkpoint import load_model
 
-    tok = AutoTokenizer.from_pretrained(str(app["paths"]["tokenizer"]))
-    models = {k: load_model(p, torch.float32) for k, p in app["paths"].items() if k != "tokenizer"}
+    tok = AutoTokenizer.from_pretrained(str(shared_app["paths"]["tokenizer"]))
+    models = {k: load_model(p, torch.float32) for k, p in shared_app["paths"].items() if k != "tokenizer"}
     return tok, models
 
 

@@ -1,6 +1,6 @@
 """Reliability and security parts that need no Ray cluster: API keys and tenant salts, ingress
 admission, body parsing, config limits, and what the shipped configs expose.
-(The same behaviour end to end, on real engines: tests/test_serve_app.py and tests/test_serve_faults.py.)"""
+(The same behaviour end to end, on real engines: tests/shared_app/test_serve_app.py and tests/shared_app/test_serve_faults.py.)"""
 from __future__ import annotations
 
 import itertools

@@ -1,6 +1,11 @@
 """The Serve application on hand-over "vllm-nixl": vLLM's NixlConnector between the base and two
-decoders with other weights plus a LoRA decode group, real engines, over HTTP, on a private Ray
-cluster.
+decoders with other weights plus a LoRA decode group, real engines, over HTTP, across Ray nodes.
+
+The three-raylet cluster of tests/ray_cluster.py (head, prefill node, decode node): the prefill
+module's bundle asks for ``prefill_node``, every decoder's for ``decode_node``, as the KubeRay
+worker groups place them. There is no pool and no block server in this mode: each engine listens
+for NIXL handshakes on its own port, and a decoder pulls the blocks its lease names from the
+prefill engine on the other raylet.
 
 Random weights of the shipped shape (tests/random_models.py), float32 so that tokens compare with
 the transformers reference. Completions and a 2-agent fan-out must give ``app.reference``'s
@@ -17,6 +22,7 @@ import time
 from dataclasses import replace
 
 import pytest
+from ray_cluster import replica_nodes, start_cluster, wait_ready
 from serve_test_app import (
     KEY_A,
     MAX_NEW,
@@ -28,10 +34,17 @@ from serve_test_app import (
     wait_for_nixl_event,
 )
 
+pytest.importorskip("nixl._api")
+
 pytestmark = [pytest.mark.serve, pytest.mark.engine]
 
 CONTEXT = "order\nname:maya\nitem:lamp\nqty:3\ncity:oslo\nday:tue\ncolor:teal\nnote:please call before noon thanks"
 APP = "psn"
+
+
+def _on(node: str, entry: dict) -> dict:
+    """A deployment entry placed on the raylet advertising ``node``, as a KubeRay worker group's pods."""
+    return {**entry, "placement": {"num_cpus": 0, "placement_group_bundles": [{node: 0.1}]}}
 
 
 def _app_config(paths, pool_dir: str, keys_file) -> dict:
@@ -42,20 +55,22 @@ def _app_config(paths, pool_dir: str, keys_file) -> dict:
         "limits": {"max_tokens_default": MAX_NEW, "max_tokens_cap": 64, "max_agents": 4},
         "auth": {"keys_file": str(keys_file)},
         "engine_env": {"VLLM_HOST_IP": "127.0.0.1"},
-        "prefill_modules": [{"name": "base", "model": str(paths["base"]), "engine": TEST_ENGINE,
-                             "placement": {"num_cpus": 0.5}}],
-        "decoders": [decoder_entry(paths, "alpha"), decoder_entry(paths, "beta"),
-                     {**decoder_entry(paths, "base"), "name": "group", "max_lora_rank": 8,
-                      "adapters": [{"name": "ad0", "path": str(paths["ad0"]), "rank": 8}]}],
+        "prefill_modules": [_on("prefill_node", {"name": "base", "model": str(paths["base"]), "engine": TEST_ENGINE})],
+        "decoders": [_on("decode_node", decoder_entry(paths, "alpha")), _on("decode_node", decoder_entry(paths, "beta")),
+                     _on("decode_node", {**decoder_entry(paths, "base"), "name": "group", "max_lora_rank": 8,
+                                         "adapters": [{"name": "ad0", "path": str(paths["ad0"]), "rank": 8}]})],
     }
 
 
 @pytest.fixture(scope="module")
 def nixl_app(tmp_path_factory):
-    from random_models import make_models, serve_app
+    import ray
+    from random_models import free_port, make_models
+    from ray import serve
 
     from app.bench.models import random_adapter
     from app.config import load_config
+    from deployments.application import build
 
     root = tmp_path_factory.mktemp("models")
     paths = make_models(root, {"alpha": (1, {}), "beta": (2, {})})
@@ -66,9 +81,21 @@ def nixl_app(tmp_path_factory):
     keys_file.write_text(f"{KEY_A}: acme\n")
     cfg = load_config(_app_config(paths, pool_dir, keys_file))
     tmp = f"/tmp/rsn{os.getpid()}"
-    with serve_app(cfg, APP, tmp, pool_dir) as url:
-        yield {"url": url, "paths": paths}
-    shutil.rmtree(tmp, ignore_errors=True)
+    os.environ["RAY_TMPDIR"] = tmp
+    cluster, nodes = start_cluster()
+    try:
+        port = free_port()
+        serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
+        serve.run(build(cfg), name=APP, route_prefix="/")
+        url = f"http://127.0.0.1:{port}"
+        wait_ready(url, {APP})
+        yield {"url": url, "paths": paths, "nodes": nodes}
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+        cluster.shutdown()
+        shutil.rmtree(pool_dir, ignore_errors=True)
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
@@ -86,6 +113,13 @@ def nixl_reference(nixl_app):
     models["ad0"] = PeftModel.from_pretrained(load_model(paths["base"], torch.float32),
                                               str(paths["ad0"])).merge_and_unload().eval()
     return tok, models
+
+
+def test_prefill_and_decoders_run_on_their_nodes(nixl_app):
+    nodes = replica_nodes()
+    assert nodes["Prefill-base"] == {nixl_app["nodes"]["prefill"]}, nodes
+    for d in ("Decode-alpha", "Decode-beta", "Decode-group"):
+        assert nodes[d] == {nixl_app["nodes"]["decode"]}, (d, nodes)
 
 
 def test_completions_pull_the_bases_kv_and_match_the_shared_reference(nixl_app, nixl_reference):
@@ -132,8 +166,9 @@ def test_fan_out_takes_one_lease_per_decoder_and_matches_the_shared_reference(ni
 
 
 def test_a_lease_that_ran_out_is_answered_privately_and_counted(nixl_app, nixl_reference):
-    """A real lease from the base, aged past its end before the decoder's replica takes it: the
-    decoder must prefill privately (the private reference's tokens), never decode from released
+    """A real lease from the base, aged past its end before the decoder's replica takes it (the
+    second of two prompts' leases hits the prefix cache the first one filled): the decoder must
+    prefill privately (the private reference's tokens), never decode from released
     blocks, and /metrics counts it as ``fallback:lease_expiring``."""
     from ray import serve
 
@@ -145,10 +180,13 @@ def test_a_lease_that_ran_out_is_answered_privately_and_counted(nixl_app, nixl_r
     url = nixl_app["url"]
     prompt_ids = tuple(tok(render_prompt(CONTEXT, "what is the color?"))["input_ids"])
     before = nixl_events(url, "alpha", "fallback:lease_expiring")
+    # two prompts, as a 2-agent fan-out sends them: one lease each, the second prefill a prefix-cache hit
     ticket = serve.get_deployment_handle("Prefill-base", APP).prefill.remote(
-        PrefillRequest(request_id="expired", prompts=(prompt_ids,))).result()
-    (lease,) = ticket.leases
-    assert lease.params.get("remote_block_ids")  # the base kept its blocks for a pull
+        PrefillRequest(request_id="expired", prompts=(prompt_ids, prompt_ids), cache_salt="lease-test")).result()
+    lease, second = ticket.leases
+    assert lease.params.get("remote_block_ids") and second.params.get("remote_block_ids")  # kept for a pull
+    assert lease.computed_tokens == len(prompt_ids)  # a fresh salt: nothing cached before
+    assert second.computed_tokens <= TEST_ENGINE["block_size"]  # at most the last, partial block recomputed
     expired = replace(lease, expires_at=time.time() - 1)
     stream = serve.get_deployment_handle("Decode-alpha", APP).options(stream=True).generate.remote(
         DecodeRequest("expired-dec", prompt_ids, Sampling(max_tokens=MAX_NEW), lease=expired))

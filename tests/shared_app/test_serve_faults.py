@@ -1,8 +1,8 @@
 """The Serve application under faults: clients that hang up, overload, full queues, killed
-prefill and decoder replicas. Real vLLM engines on this module's own app
-(tests/serve_test_app.py), apart from the functional tests' (tests/test_serve_app.py). No test
-depends on another having run: a test that kills a replica waits until Serve has replaced it and
-the app answers again before it ends. Run through scripts/test.sh (loopback-only network namespace).
+prefill and decoder replicas. Real vLLM engines on the package's app (tests/serve_test_app.py,
+tests/shared_app/conftest.py), shared with the functional tests (test_serve_app.py). No test
+depends on another having run: the module starts once every engine answers, and a test that kills
+a replica waits until Serve has replaced it and the app answers again before it ends. Run through scripts/test.sh (loopback-only network namespace).
 """
 from __future__ import annotations
 

@@ -1,7 +1,8 @@
 """The Serve application end to end, what it does: the OpenAI surface, fan-outs, metrics, the
 bad-input matrix, API keys and tenants, a soak smoke. Real vLLM engines, the real connector, over
-HTTP, on this module's own app (tests/serve_test_app.py). Its faults (killed replicas, overload,
-disconnecting clients) are in tests/test_serve_faults.py, on another app.
+HTTP, on the package's app (tests/serve_test_app.py, tests/shared_app/conftest.py). Its faults
+(killed replicas, overload, disconnecting clients) are in test_serve_faults.py, on the same app,
+which every engine answers before this module's first test.
 Run through scripts/test.sh (loopback-only network namespace).
 """
 from __future__ import annotations
