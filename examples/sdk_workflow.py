@@ -2,7 +2,7 @@
 Round outputs join the shared context of the next round (on the server, one request), or
 with a custom join on the client (one request per round).
 
-    python examples/sdk_workflow.py --url http://127.0.0.1:8000 [--client-join]
+    python examples/sdk_workflow.py --url http://127.0.0.1:8000 [--models lookup tool_call verify] [--client-join]
 """
 from __future__ import annotations
 
@@ -35,10 +35,12 @@ def build(models: list[str], client_join: bool) -> Workflow:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--url", default=os.environ.get("PREFILLSHARE_URL", "http://127.0.0.1:8000"))
+    p.add_argument("--models", nargs="*", help="decoders, first to last (default: every served model; each worker's "
+                                               "answer joins the context, so many models need a long max_model_len)")
     p.add_argument("--client-join", action="store_true", help="join round outputs on the client")
     args = p.parse_args(argv)
     with Client(args.url, timeout=180) as client:
-        models = [m.id for m in client.models()]
+        models = args.models or [m.id for m in client.models()]
         wf = build(models, args.client_join)
         result = client.run_workflow(wf, CONTEXT, variables={"field": "city", "expected": "lima"})
     for i, round_results in enumerate(result.rounds):

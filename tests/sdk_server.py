@@ -2,7 +2,7 @@
 
 It exists to provoke what the real app rarely does on demand (503s, dropped connections,
 slow answers, an error mid-stream) so the SDK's retry, timeout and error mapping can be
-tested; the SDK's behaviour against the real app is tested in test_sdk_e2e.py. Answers are
+tested; the SDK's behaviour against the real app is tested in tests/keyless_app/test_sdk_e2e.py. Answers are
 computed from the request (not canned): each agent's text names its model and instruction,
 token counts follow the words sent, and rounds join outputs as the app does.
 """

@@ -178,7 +178,7 @@ def test_every_system_is_a_valid_app_config(tmp_path):
 def test_short_run_of_the_lora_systems_is_well_formed(tmp_path):
     """a-lora (the app: shared base, one decode group) against c-lora (multi-LoRA engines), driven
     by the project's client. b-lora is left to test_every_system_is_a_valid_app_config and, for its
-    per-adapter KV, tests/test_lora_groups.py: one app start less in CI."""
+    per-adapter KV, tests/keyless_app/test_lora_groups.py: one app start less in CI."""
     from app.bench.models import SMALL
     from app.bench.serve_bench import ServeBenchConfig, run
     from app.bench.systems import Topology

@@ -1,6 +1,6 @@
 """The Grafana dashboard the chart ships: provisioned as a labelled ConfigMap (values toggle),
 its JSON the file in k8s/chart/dashboards, every panel a PromQL query on names docs/serving.md
-documents. That a running app exports each of those names is tests/test_vllm_compat.py."""
+documents. That a running app exports each of those names is tests/keyless_app/test_vllm_compat.py."""
 from __future__ import annotations
 
 import json

@@ -1,5 +1,5 @@
 """SDK against a real local HTTP server speaking the app's API: parsing, streaming, retries,
-timeouts, typed errors. (test_sdk_e2e.py runs the SDK against the real Serve app.)"""
+timeouts, typed errors. (tests/keyless_app/test_sdk_e2e.py runs the SDK against the real Serve app.)"""
 from __future__ import annotations
 
 import asyncio

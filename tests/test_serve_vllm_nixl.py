@@ -109,7 +109,7 @@ def nixl_reference(nixl_app):
     paths = nixl_app["paths"]
     tok = AutoTokenizer.from_pretrained(str(paths["tokenizer"]))
     models = {k: load_model(paths[k], torch.float32) for k in ("base", "alpha", "beta")}
-    # the group's adapter on the base's KV: the merged decoder (tests/test_lora_groups.py)
+    # the group's adapter on the base's KV: the merged decoder (tests/keyless_app/test_lora_groups.py)
     models["ad0"] = PeftModel.from_pretrained(load_model(paths["base"], torch.float32),
                                               str(paths["ad0"])).merge_and_unload().eval()
     return tok, models

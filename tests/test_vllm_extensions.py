@@ -1,6 +1,6 @@
 """vLLM's request extensions without an engine: what each field becomes in vLLM's SamplingParams,
 in the prompt ids, in the KV salt and in the answer's shape. Their effect on real engines is
-tests/test_vllm_compat.py."""
+tests/keyless_app/test_vllm_compat.py."""
 from __future__ import annotations
 
 import pytest

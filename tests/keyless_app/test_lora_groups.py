@@ -3,62 +3,34 @@
 Config-level checks run without engines; one engine-level test (two engines) checks per-adapter
 KV (a prefill engine holding the adapters, as in b-lora): a bad adapter (no manifest, rank above the group's
 max_lora_rank, more adapters than max_loras, another base, a rank the files contradict) fails
-the build with the field named, before anything starts. One Serve app for the rest (three
-engines: the base's prefill, a full-weight decoder "lookup" and a group holding adapters "ad0"
-and "prüf-ágent-1" whose large random B matrices visibly change the base's greedy tokens): every
-agent's tokens equal the transformers reference (base KV of prompt[:-1] + the merged decoder)
-through /v1/agents/run, the openai client and the SDK. Run through scripts/test.sh.
+the build with the field named, before anything starts. The package's Serve app for the rest
+(tests/keyless_app/conftest.py: the base's prefill, full-weight decoders such as "lookup" and a
+group holding adapters "ad0" and "prüf-ágent-1" whose large random B matrices visibly change the
+base's greedy tokens): every agent's tokens equal the transformers reference (base KV of
+prompt[:-1] + the merged decoder) through /v1/agents/run, the openai client and the SDK. Run
+through scripts/test.sh.
 """
 from __future__ import annotations
 
 import json
 import os
 import shutil
-from pathlib import Path
 
 import pytest
-from random_models import make_models, serve_app
+from keyless_test_app import MAX_NEW, TOKENIZER, keyless_config
 
-ROOT = Path(__file__).resolve().parent.parent
-TOKENIZER = ROOT / "checkpoints" / "tokenizer"
 CONTEXT = "order\nname: maya\nitem: lamp\nqty: 3\ncity: oslo\nday: tue\nnote: please call before noon"
-MAX_NEW = 6
-# An agent name with a dash and non-ASCII letters goes from the config through /v1/agents/run,
-# the openai client and the SDK like any other.
-ADAPTERS = ("ad0", "prüf-ágent-1")
 AGENTS = [("lookup", "what is the city?"), ("ad0", "what is the city?"), ("prüf-ágent-1", "call the shipping tool.")]
-ENGINE = {"dtype": "float32", "max_model_len": 256, "kv_cache_memory_bytes": "128MiB", "block_size": 32, "max_num_seqs": 8,
-          "threads_bind": "nobind"}
+GROUP = 3  # the LoRA group's index in the app's decoders (tests/keyless_app/conftest.py)
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    from app.bench.models import random_adapter
-
-    root = tmp_path_factory.mktemp("lora")
-    paths = make_models(root, {"lookup": (1, {})})
-    for i, name in enumerate(ADAPTERS):  # B ~ N(0, 0.1): the adapters change the base's greedy tokens, each its own way
-        paths[name] = random_adapter(root / name, paths["base"], name, 8, seed=i + 1, b_std=0.1)
-    other = make_models(root / "other", {}, base_seed=7)
-    paths["foreign"] = random_adapter(root / "foreign", other["base"], "foreign", 8, seed=3)
-    return paths
+def models(keyless_models):
+    return keyless_models
 
 
-def app_config(paths, group: dict | None = None, pool: str = "/dev/shm/unused") -> dict:
-    group = group or {}
-    adapters = group.pop("adapters", [{"name": a, "path": str(paths[a]), "rank": 8} for a in ADAPTERS])
-    place = {"num_cpus": 0.25, "placement_group_bundles": [{"CPU": 0.25}]}
-    return {
-        "tokenizer": str(TOKENIZER),
-        "pool": {"path": pool, "capacity_bytes": "128MiB"},
-        "limits": {"max_tokens_default": MAX_NEW, "max_tokens_cap": 64},
-        "engine_env": {"VLLM_HOST_IP": "127.0.0.1"},
-        "prefill_modules": [{"name": "base", "model": str(paths["base"]), "engine": ENGINE,
-                             "placement": {"num_replicas": 1, "num_cpus": 0.5}}],
-        "decoders": [{"name": "lookup", "model": str(paths["lookup"]), "engine": ENGINE, "placement": place},
-                     {"name": "group", "model": str(paths["base"]), "engine": ENGINE, "placement": place,
-                      "adapters": adapters, "max_lora_rank": 8, **group}],
-    }
+def app_config(paths, group: dict | None = None) -> dict:
+    return keyless_config(paths, "/dev/shm/unused", group)
 
 
 # --- bad input: fails the build, names the field, starts nothing -------------------------------
@@ -70,10 +42,10 @@ def test_group_plan_serves_each_adapter_by_name_on_the_base_kv(models):
     cfg = load_config(app_config(models))
     plan = plan_app(cfg)
     by = {d.name: d for d in plan.decoders}
-    assert set(by) == {"lookup", "ad0", "prüf-ágent-1"}
+    assert set(by) == {"lookup", "tool_call", "verify", "ad0", "prüf-ágent-1", "tmpl"}
     assert by["lookup"].adapter is None and by["lookup"].prefill_module == "base"
     assert all(by[a].prefill_module == "base" and by[a].group == "group" and by[a].adapter == a for a in ("ad0", "prüf-ágent-1"))
-    g = cfg.decoders[1]
+    g = cfg.decoders[GROUP]
     ec = engine_config(cfg, g.model, g.engine, g.placement, None, g)
     assert [n for n, _ in ec.lora_adapters] == ["ad0", "prüf-ágent-1"] and ec.max_loras == 2 and ec.max_lora_rank == 8
     args = ec.engine_args()
@@ -81,12 +53,12 @@ def test_group_plan_serves_each_adapter_by_name_on_the_base_kv(models):
 
 
 @pytest.mark.parametrize("case, field", [
-    ("no_manifest", r"decoders\[1\]\.adapters\[0\]\.path: .*no prefillshare\.json"),
-    ("foreign_base", r"decoders\[1\]\.adapters\[0\]\.path: adapter 'foreign' belongs to base"),
-    ("rank_disagrees", r"decoders\[1\]\.adapters\[0\]\.rank: 1 in the config, the adapter's manifest says 8"),
-    ("rank_above_max", r"decoders\[1\]\.adapters\[0\]\.rank: 16 is above the group's max_lora_rank 8"),
-    ("too_many", r"decoders\[1\]\.adapters: 2 declared, the group allows max_loras=1"),
-    ("not_a_dir", r"decoders\[1\]\.adapters\[0\]\.path: no adapter_config\.json"),
+    ("no_manifest", r"decoders\[3\]\.adapters\[0\]\.path: .*no prefillshare\.json"),
+    ("foreign_base", r"decoders\[3\]\.adapters\[0\]\.path: adapter 'foreign' belongs to base"),
+    ("rank_disagrees", r"decoders\[3\]\.adapters\[0\]\.rank: 1 in the config, the adapter's manifest says 8"),
+    ("rank_above_max", r"decoders\[3\]\.adapters\[0\]\.rank: 16 is above the group's max_lora_rank 8"),
+    ("too_many", r"decoders\[3\]\.adapters: 2 declared, the group allows max_loras=1"),
+    ("not_a_dir", r"decoders\[3\]\.adapters\[0\]\.path: no adapter_config\.json"),
     ("name_twice", r"decoders: name\(s\) \['lookup'\] served twice"),
 ])
 def test_a_bad_adapter_fails_the_build_naming_the_field(models, tmp_path, case, field):
@@ -168,17 +140,7 @@ def test_per_adapter_kv_is_loaded_only_by_its_own_adapter(models):
     assert cross.num_cached_tokens == 0  # prüf-ágent-1's KV is not ad0's
 
 
-# --- one Serve app: references through every route ----------------------------------------------
-@pytest.fixture(scope="module")
-def app_url(models):
-    from app.config import load_config
-
-    pool_dir = f"/dev/shm/ps-lora-{os.getpid()}"
-    cfg = load_config(app_config(models, pool=pool_dir))
-    with serve_app(cfg, "ps-lora", f"/tmp/rlora{os.getpid()}", pool_dir) as url:
-        yield url
-
-
+# --- the package's Serve app: references through every route ----------------------------------
 @pytest.fixture(scope="module")
 def reference(models):
     """Greedy tokens of the served path in transformers: base KV of prompt[:-1] + the merged decoder."""

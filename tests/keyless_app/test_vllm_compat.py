@@ -1,8 +1,9 @@
 """vLLM's own clients against the app: its request extensions (each one's effect, not only
 a 200), its extra endpoints, its vllm:* metrics with the shipped Grafana dashboard, and its
-benchmark client with its defaults. Real engines: a base, a decoder that shares its KV
-("alpha", the suite rendering) and one rendered by a chat template ("tmpl"). float32 random
-weights, so prompt log-probabilities compare with the transformers reference.
+benchmark client with its defaults. On the package's app (tests/keyless_test_app.py), mostly its
+decoder "lookup" (shares the base's KV, the suite rendering) and "tmpl" (rendered by a chat
+template). float32 random weights, so prompt log-probabilities compare with the transformers
+reference.
 """
 from __future__ import annotations
 
@@ -14,22 +15,18 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
-from random_models import make_models, serve_app
 from random_models import post_json as _post
 
 pytestmark = [pytest.mark.serve, pytest.mark.engine]
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parent.parent.parent
 DASHBOARD = ROOT / "k8s" / "chart" / "dashboards" / "prefillshare.json"
 PROMPT = "order\nname:maya\nitem:lamp\nqty:3\ncity:oslo\nday:tue\ncolor:teal\nsummary"
-TEMPLATE = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}{% if not (loop.last and continue_final_message is "
-            "defined and continue_final_message) %}</{{ m.role }}>{% endif %}{% endfor %}"
-            "{% if add_generation_prompt %}<assistant>{% endif %}{% if shout %}!{% endif %}")
+
 
 
 def _get(url: str) -> tuple[int, bytes]:
@@ -41,29 +38,8 @@ def _get(url: str) -> tuple[int, bytes]:
 
 
 @pytest.fixture(scope="module")
-def app(tmp_path_factory):
-    from app.config import load_config
-    from app.models.manifest import read_manifest, write_manifest
-    from app.rendering import TEMPLATE_FILE, Renderer
-
-    root = tmp_path_factory.mktemp("models")
-    paths = make_models(root, {"alpha": (1, {}), "tmpl": (2, {})})
-    write_manifest(paths["tmpl"], replace(read_manifest(paths["tmpl"]), prompt=Renderer.chat(TEMPLATE).fmt))
-    (paths["tmpl"] / TEMPLATE_FILE).write_text(TEMPLATE)
-    engine = {"dtype": "float32", "max_model_len": 256, "kv_cache_memory_bytes": "128MiB", "block_size": 32,
-              "max_num_seqs": 8, "threads_bind": "nobind"}
-    dec = lambda name: {"name": name, "model": str(paths[name]), "engine": engine,  # noqa: E731
-                        "placement": {"num_cpus": 0.25, "placement_group_bundles": [{"CPU": 0.25}]}}
-    pool = f"/dev/shm/ps-vllm-{os.getpid()}"
-    cfg = load_config({
-        "tokenizer": str(paths["tokenizer"]), "pool": {"path": pool, "capacity_bytes": "128MiB"},
-        "limits": {"max_tokens_default": 8, "max_tokens_cap": 64, "max_logprobs": 5},
-        "engine_env": {"VLLM_HOST_IP": "127.0.0.1"},
-        "prefill_modules": [{"name": "base", "model": str(paths["base"]), "engine": engine,
-                             "placement": {"num_cpus": 0.5}}],
-        "decoders": [dec("alpha"), dec("tmpl")]})
-    with serve_app(cfg, "vllm-compat", f"/tmp/rv{os.getpid()}", pool) as url:
-        yield {"url": url, "paths": paths}
+def app(app_url, keyless_models):
+    return {"url": app_url, "paths": keyless_models}
 
 
 @pytest.fixture(scope="module")
@@ -73,11 +49,11 @@ def reference(app):
     from app.models.checkpoint import load_model
 
     tok = AutoTokenizer.from_pretrained(str(app["paths"]["tokenizer"]))
-    return tok, {k: load_model(app["paths"][k], torch.float32) for k in ("base", "alpha")}
+    return tok, {k: load_model(app["paths"][k], torch.float32) for k in ("base", "lookup")}
 
 
 def _cmpl(app, **body) -> dict:
-    status, out = _post(app["url"] + "/v1/completions", {"model": "alpha", "prompt": PROMPT, "temperature": 0,
+    status, out = _post(app["url"] + "/v1/completions", {"model": "lookup", "prompt": PROMPT, "temperature": 0,
                                                           "max_tokens": 8, **body})
     assert status == 200, out
     return out
@@ -113,11 +89,11 @@ def _metric_reaches(url: str, name: str, at_least: float, **labels) -> float:
 def test_return_token_ids_are_the_tokenized_prompt_and_the_generated_text(app, reference):
     out = _cmpl(app, return_token_ids=True, ignore_eos=True)
     c = out["choices"][0]
-    status, tok = _post(app["url"] + "/tokenize", {"model": "alpha", "prompt": PROMPT})
+    status, tok = _post(app["url"] + "/tokenize", {"model": "lookup", "prompt": PROMPT})
     assert status == 200 and c["prompt_token_ids"] == tok["tokens"] and tok["count"] == out["usage"]["prompt_tokens"]
     assert len(c["token_ids"]) == out["usage"]["completion_tokens"] == 8
     shown = [t for t in c["token_ids"] if t not in reference[0].all_special_ids]  # the text skips special tokens
-    status, text = _post(app["url"] + "/detokenize", {"model": "alpha", "tokens": shown})
+    status, text = _post(app["url"] + "/detokenize", {"model": "lookup", "tokens": shown})
     assert status == 200 and text["prompt"] == c["text"]
 
 
@@ -172,13 +148,13 @@ def test_structured_outputs_hold_on_both_routes_and_per_agent(app):
     grammar = _cmpl(app, structured_outputs={"grammar": 'root ::= "yes" | "no"'})["choices"][0]["text"]
     assert grammar in ("yes", "no")
     status, chat = _post(app["url"] + "/v1/chat/completions", {
-        "model": "alpha", "messages": [{"role": "user", "content": "x"}], "max_tokens": 40, "temperature": 0,
+        "model": "lookup", "messages": [{"role": "user", "content": "x"}], "max_tokens": 40, "temperature": 0,
         "structured_outputs": {"json": {"type": "object", "properties": {"a": {"type": "boolean"}},
                                         "required": ["a"], "additionalProperties": False}}})
     assert status == 200 and isinstance(json.loads(chat["choices"][0]["message"]["content"])["a"], bool)
     status, run = _post(app["url"] + "/v1/agents/run", {"context": PROMPT, "agents": [
-        {"name": "a", "model": "alpha", "instruction": "dir", "structured_outputs": {"choice": ["up", "down"]}},
-        {"name": "b", "model": "alpha", "instruction": "n", "ignore_eos": True, "min_tokens": 6, "max_tokens": 6}]})
+        {"name": "a", "model": "lookup", "instruction": "dir", "structured_outputs": {"choice": ["up", "down"]}},
+        {"name": "b", "model": "lookup", "instruction": "n", "ignore_eos": True, "min_tokens": 6, "max_tokens": 6}]})
     assert status == 200, run
     by = {r["name"]: r for r in run["results"]}
     assert by["a"]["text"] in ("up", "down") and len(by["b"]["token_ids"]) == 6
@@ -191,7 +167,7 @@ def test_echo_with_logprobs_scores_the_prompt_with_the_decoder_privately(app, re
     c = out["choices"][0]
     ids = tok(PROMPT)["input_ids"]
     with torch.no_grad():
-        ref = models["alpha"](torch.tensor([ids])).logits[0].log_softmax(-1)
+        ref = models["lookup"](torch.tensor([ids])).logits[0].log_softmax(-1)
     want = [None] + [ref[i - 1, ids[i]].item() for i in range(1, len(ids))]
     got = c["logprobs"]["token_logprobs"][:len(ids)]
     assert got[0] is None and c["text"].startswith(PROMPT)
@@ -241,7 +217,7 @@ def test_an_agent_runs_cache_salt_separates_its_shared_context(app):
     """One salt per run (its agents share one context): same effect as on a completion."""
     def run(salt: str | None) -> tuple[int, dict]:
         return _post(app["url"] + "/v1/agents/run", {"context": PROMPT + " salted run", "cache_salt": salt,
-                                                     "agents": [{"model": "alpha", "instruction": "go", "max_tokens": 2}]})
+                                                     "agents": [{"model": "lookup", "instruction": "go", "max_tokens": 2}]})
 
     def send(salt: str) -> None:
         status, out = run(salt)
@@ -255,7 +231,7 @@ def test_an_agent_runs_cache_salt_separates_its_shared_context(app):
 
 def test_priority_other_than_zero_is_refused_as_vllm_does_without_priority_scheduling(app):
     assert _cmpl(app, priority=0)["choices"]
-    status, out = _post(app["url"] + "/v1/completions", {"model": "alpha", "prompt": PROMPT, "priority": 2})
+    status, out = _post(app["url"] + "/v1/completions", {"model": "lookup", "prompt": PROMPT, "priority": 2})
     assert status == 400 and out["error"]["param"] == "priority"
 
 
@@ -296,13 +272,13 @@ def test_version_health_and_tokenize_shapes(app):
     status, body = _get(app["url"] + "/version")
     assert status == 200 and json.loads(body) == {"version": __version__}
     assert _get(app["url"] + "/health") == (200, b"")
-    status, out = _post(app["url"] + "/tokenize", {"model": "alpha", "prompt": "hi there", "return_token_strs": True,
+    status, out = _post(app["url"] + "/tokenize", {"model": "lookup", "prompt": "hi there", "return_token_strs": True,
                                                    "add_special_tokens": False})
     assert status == 200 and set(out) == {"count", "max_model_len", "tokens", "token_strs"}
     assert out["max_model_len"] == 256 and len(out["token_strs"]) == out["count"] == len(out["tokens"])
     status, out = _post(app["url"] + "/tokenize", {"model": "nope", "prompt": "hi"})
     assert status == 404 and out["error"]["param"] == "model"
-    status, out = _post(app["url"] + "/detokenize", {"model": "alpha", "tokens": [10 ** 7]})
+    status, out = _post(app["url"] + "/detokenize", {"model": "lookup", "tokens": [10 ** 7]})
     assert status == 400 and out["error"]["param"] == "tokens"
 
 
@@ -333,9 +309,9 @@ def test_engines_vllm_metrics_are_exported_per_replica_and_feed_every_dashboard_
     assert not missing, f"panels query metrics the app does not export: {sorted(missing)}"
     ttft = [ln for ln in text.splitlines() if ln.startswith("vllm:time_to_first_token_seconds_count{")]
     labels = [dict(re.findall(r'(\w+)="([^"]*)"', ln)) for ln in ttft]
-    assert {lab["model_name"] for lab in labels} >= {"alpha", "tmpl", "base"}
+    assert {lab["model_name"] for lab in labels} >= {"lookup", "tmpl", "base"}
     assert all(lab["deployment"] and lab["replica"] for lab in labels)
-    assert _metric_sum(app["url"], "vllm:prompt_tokens_total", model_name="alpha") > 0
+    assert _metric_sum(app["url"], "vllm:prompt_tokens_total", model_name="lookup") > 0
 
 
 def test_every_dashboard_panel_shows_data_from_a_real_run(app, tmp_path):
@@ -354,9 +330,9 @@ def test_every_dashboard_panel_shows_data_from_a_real_run(app, tmp_path):
         while not stop.is_set():
             i += 1
             _post(app["url"] + "/v1/agents/run", {"context": f"{PROMPT}\nrun:{i}", "agents": [
-                {"name": "a", "model": "alpha", "instruction": "city?", "max_tokens": 6, "ignore_eos": True},
+                {"name": "a", "model": "lookup", "instruction": "city?", "max_tokens": 6, "ignore_eos": True},
                 {"name": "t", "model": "tmpl", "instruction": "day?", "max_tokens": 6, "ignore_eos": True}]})
-            _post(app["url"] + "/v1/completions", {"model": "alpha", "prompt": f"{PROMPT} {i}", "max_tokens": 4,
+            _post(app["url"] + "/v1/completions", {"model": "lookup", "prompt": f"{PROMPT} {i}", "max_tokens": 4,
                                                    "echo": i % 3 == 0, "logprobs": 1 if i % 3 == 0 else None})
 
     workers = [threading.Thread(target=traffic) for _ in range(2)]
@@ -388,7 +364,7 @@ def test_vllm_bench_serve_with_its_defaults_completes_every_request(app, tmp_pat
     n = 8
     vllm = Path(sys.executable).with_name("vllm")
     cmd = [str(vllm), "bench", "serve", "--backend", "openai", "--base-url",
-           app["url"], "--model", "alpha", "--tokenizer", str(app["paths"]["tokenizer"]), "--dataset-name", "random",
+           app["url"], "--model", "lookup", "--tokenizer", str(app["paths"]["tokenizer"]), "--dataset-name", "random",
            "--random-input-len", "32", "--random-output-len", "4", "--num-prompts", str(n), "--save-result",
            "--result-dir", str(tmp_path), "--result-filename", "bench.json", "--disable-tqdm"]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)

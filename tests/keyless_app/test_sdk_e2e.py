@@ -1,22 +1,22 @@
 """The SDK and the examples against the real Serve app (real vLLM engines, real connector).
 
-One app for the module: a base (prefill module), two decoders that share its KV ("lookup",
-"tool_call") and one whose KV shape differs ("verify", private prefill). Random weights of
-the shipped shape, float32 so greedy answers are the same on every route. Run through
+The package's app (tests/keyless_test_app.py): a base (prefill module), two decoders that share
+its KV ("lookup", "tool_call"), one whose KV shape differs ("verify", private prefill) and a LoRA
+group's adapters ("ad0", "prüf-ágent-1") and a chat-template decoder ("tmpl"). Random weights of the shipped shape, float32 so greedy
+answers are the same on every route. Run through
 scripts/test.sh (loopback-only network namespace).
 """
 from __future__ import annotations
 
 import asyncio
 import importlib.util
-import os
 import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from random_models import make_models, serve_app
+from keyless_test_app import MAX_NEW
 
 from agents import (
     Agent,
@@ -31,43 +31,13 @@ from agents import (
 
 pytestmark = [pytest.mark.serve, pytest.mark.engine]
 
-ROOT = Path(__file__).resolve().parent.parent
-TOKENIZER = ROOT / "checkpoints" / "tokenizer"
+ROOT = Path(__file__).resolve().parent.parent.parent
 CONTEXT = "order\nname: maya\nitem: lamp\nqty: 3\ncity: oslo\nday: tue\nnote: please call before noon"
-MAX_NEW = 6
 AGENTS = [
     Agent("lookup", "what is the city?", sampling=Sampling(max_tokens=MAX_NEW)),
     Agent("tool_call", "call the shipping tool.", sampling=Sampling(max_tokens=MAX_NEW)),
     Agent("verify", "is the city oslo? yes or no.", sampling=Sampling(max_tokens=MAX_NEW)),
 ]
-
-
-def _make_models(root: Path) -> dict[str, Path]:
-    """Base + lookup, tool_call (share its KV) + verify (3 KV heads: private prefill)."""
-    return make_models(root, {"lookup": (1, {}), "tool_call": (2, {}), "verify": (3, {"num_key_value_heads": 3})})
-
-
-@pytest.fixture(scope="module")
-def app_url(tmp_path_factory):
-    from app.config import load_config
-
-    paths = _make_models(tmp_path_factory.mktemp("models"))
-    pool_dir = f"/dev/shm/ps-sdk-{os.getpid()}"
-    engine = {"dtype": "float32", "max_model_len": 256, "kv_cache_memory_bytes": "128MiB", "block_size": 32,
-              "max_num_seqs": 8, "threads_bind": "nobind"}
-    dec = lambda name: {"name": name, "model": str(paths[name]), "engine": engine,  # noqa: E731
-                        "placement": {"num_cpus": 0.25, "placement_group_bundles": [{"CPU": 0.25}]}}
-    cfg = load_config({
-        "tokenizer": str(TOKENIZER),
-        "pool": {"path": pool_dir, "capacity_bytes": "128MiB"},
-        "limits": {"max_tokens_default": MAX_NEW, "max_tokens_cap": 64, "max_rounds": 3},
-        "engine_env": {"VLLM_HOST_IP": "127.0.0.1"},
-        "prefill_modules": [{"name": "base", "model": str(paths["base"]), "engine": engine,
-                             "placement": {"num_replicas": 1, "num_cpus": 0.5}}],
-        "decoders": [dec("lookup"), dec("tool_call"), dec("verify")],
-    })
-    with serve_app(cfg, "ps-sdk", f"/tmp/rsdk{os.getpid()}", pool_dir) as url:
-        yield url
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +50,7 @@ def test_fan_out_equals_single_completions(client):
     from app.training.tasks import render_prompt
 
     models = {m.id: m for m in client.models()}
-    assert set(models) == {"lookup", "tool_call", "verify"}
+    assert set(models) == {"lookup", "tool_call", "verify", "ad0", "prüf-ágent-1", "tmpl"}
     assert models["lookup"].prefill_module == "base" and models["verify"].prefill_module is None
     res = client.run(CONTEXT, AGENTS).raise_for_errors()
     for a in AGENTS:
@@ -186,20 +156,22 @@ def _printed(stdout: str) -> dict[str, str]:
 def test_examples_print_the_apps_answers(app_url, client):
     fanout = _example("sdk_fanout")
     stdout = _run_example("sdk_fanout", "--url", app_url, "--max-tokens", str(MAX_NEW))
+    served = [m.id for m in client.models()]  # the examples ask every served model by default
     expected = client.run(fanout.CONTEXT, [Agent(m, fanout.task(m)[0], sampling=Sampling(max_tokens=MAX_NEW))
-                                           for m in ("lookup", "tool_call", "verify")])
+                                           for m in served])
     assert _printed(stdout) == {r.name: one_line(r.text) for r in expected.results}
 
     stream = _example("sdk_stream")
     stdout = _run_example("sdk_stream", "--url", app_url, "--max-tokens", str(MAX_NEW))
     expected = client.run(stream.CONTEXT, [Agent(m, stream.instruction(m), sampling=Sampling(max_tokens=MAX_NEW))
-                                           for m in ("lookup", "tool_call", "verify")])
+                                           for m in served])
     assert _printed(stdout) == {r.name: one_line(r.text) for r in expected.results}
 
     workflow = _example("sdk_workflow")
+    three = ["lookup", "tool_call", "verify"]  # every served model's answer would overflow a 256-token context
     for flags in ((), ("--client-join",)):
-        stdout = _run_example("sdk_workflow", "--url", app_url, *flags)
-        wf = workflow.build([m.id for m in client.models()], bool(flags))
+        stdout = _run_example("sdk_workflow", "--url", app_url, "--models", *three, *flags)
+        wf = workflow.build(three, bool(flags))
         expected = client.run_workflow(wf, workflow.CONTEXT, {"field": "city", "expected": "lima"})
         assert _printed(stdout) == {r.name: one_line(r.text) for r in expected.results}
         assert len(expected.rounds) == 3

@@ -1,0 +1,92 @@
+"""The keyless test app: a Serve app without API keys, as a client that sends no key sees it.
+Registered in tests/keyless_app/conftest.py for that package: the SDK and its examples
+(test_sdk_e2e.py), the LoRA decode groups (test_lora_groups.py) and vLLM's own clients
+(test_vllm_compat.py).
+
+The base (one prefill replica); "lookup" and "tool_call", full decoders that share its KV;
+"verify", whose KV shape differs (3 KV heads: private prefill); and a LoRA decode group on the
+base serving "ad0" and "prüf-ágent-1" (an agent name with a dash and non-ASCII letters), whose
+large random B matrices visibly change the base's greedy tokens; "tmpl", tool_call's weights
+rendered by a chat template of its own (TEMPLATE). Random weights of the shipped
+shape, float32, so greedy answers compare with the transformers reference. It starts once, for
+the first test that asks for it, and stops after the package's last test (an app start takes
+minutes on 2 cores); each module's ``app_url`` waits until every engine answers /ready.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+from random_models import make_models, serve_app
+from serve_test_app import TEST_ENGINE
+
+ROOT = Path(__file__).resolve().parent.parent
+TOKENIZER = ROOT / "checkpoints" / "tokenizer"
+MAX_NEW = 6  # limits.max_tokens_default
+ADAPTERS = ("ad0", "prüf-ágent-1")
+# tmpl's chat template: the switches vLLM's chat route passes (continue_final_message, a kwarg) show in the prompt
+TEMPLATE = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}{% if not (loop.last and continue_final_message is "
+            "defined and continue_final_message) %}</{{ m.role }}>{% endif %}{% endfor %}"
+            "{% if add_generation_prompt %}<assistant>{% endif %}{% if shout %}!{% endif %}")
+
+
+@pytest.fixture(scope="package")
+def keyless_models(tmp_path_factory):
+    """The app's models, plus an adapter trained on another base ("foreign": refused by the build)."""
+    from dataclasses import replace
+
+    from app.bench.models import random_adapter
+    from app.models.manifest import read_manifest, write_manifest
+    from app.rendering import TEMPLATE_FILE, Renderer
+
+    root = tmp_path_factory.mktemp("keyless")
+    paths = make_models(root, {"lookup": (1, {}), "tool_call": (2, {}), "verify": (3, {"num_key_value_heads": 3}),
+                               "tmpl": (2, {})})
+    write_manifest(paths["tmpl"], replace(read_manifest(paths["tmpl"]), prompt=Renderer.chat(TEMPLATE).fmt))
+    (paths["tmpl"] / TEMPLATE_FILE).write_text(TEMPLATE)
+    for i, name in enumerate(ADAPTERS):  # B ~ N(0, 0.1): each adapter changes the base's greedy tokens its own way
+        paths[name] = random_adapter(root / name, paths["base"], name, 8, seed=i + 1, b_std=0.1)
+    other = make_models(root / "other", {}, base_seed=7)
+    paths["foreign"] = random_adapter(root / "foreign", other["base"], "foreign", 8, seed=3)
+    return paths
+
+
+def keyless_config(paths: dict[str, Path], pool: str, group: dict | None = None) -> dict:
+    """The package app's config; ``group`` overrides fields of its LoRA group (the build tests)."""
+    group = dict(group or {})
+    adapters = group.pop("adapters", [{"name": a, "path": str(paths[a]), "rank": 8} for a in ADAPTERS])
+    place = {"num_cpus": 0.25, "placement_group_bundles": [{"CPU": 0.25}]}
+    dec = lambda name: {"name": name, "model": str(paths[name]), "engine": TEST_ENGINE, "placement": place}  # noqa: E731
+    return {
+        "tokenizer": str(TOKENIZER),
+        "pool": {"path": pool, "capacity_bytes": "128MiB"},
+        "limits": {"max_tokens_default": MAX_NEW, "max_tokens_cap": 64, "max_rounds": 3, "max_logprobs": 5},
+        "engine_env": {"VLLM_HOST_IP": "127.0.0.1"},
+        "prefill_modules": [{"name": "base", "model": str(paths["base"]), "engine": TEST_ENGINE,
+                             "placement": {"num_replicas": 1, "num_cpus": 0.5}}],
+        "decoders": [dec("lookup"), dec("tool_call"), dec("verify"),
+                     {"name": "group", "model": str(paths["base"]), "engine": TEST_ENGINE, "placement": place,
+                      "adapters": adapters, "max_lora_rank": 8, **group},
+                     dec("tmpl")],
+    }
+
+
+@pytest.fixture(scope="package")
+def keyless_app(keyless_models):
+    from app.config import load_config
+
+    pool_dir = f"/dev/shm/ps-keyless-{os.getpid()}"
+    cfg = load_config(keyless_config(keyless_models, pool_dir))
+    with serve_app(cfg, "ps-keyless", f"/tmp/rkl{os.getpid()}", pool_dir) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def app_url(keyless_app):
+    """The package's app as each module finds it: every engine answering /ready first."""
+    from agents import Client
+
+    with Client(keyless_app, retries=5, backoff_s=0.5) as c:
+        c.wait_ready(timeout_s=600, interval_s=2)  # waiting for startup, not a timing assertion
+    return keyless_app
