@@ -1,5 +1,6 @@
 """Stopping the app without its shutdown code gives back what it took: `serve run` loses a decoder
-replica to SIGKILL and then gets SIGTERM (serve run only exits: Ray kills the replicas, no replica
+replica (its engine core runs the model in a ``VLLM::Worker`` process, as on GPUs) to SIGKILL and
+then gets SIGTERM (serve run only exits: Ray kills the replicas, no replica
 shutdown runs). No process of it is left and no /dev/shm file but its KV pool, which the next start
 reclaims in place. Every process is tracked by ancestry (a descendant of `serve run`, sampled while
 it runs) and by an environment marker it inherits, so vLLM's renamed ``VLLM::EngineCore`` processes
@@ -49,8 +50,10 @@ def _serve_config(paths: dict[str, Path], pool: str, port: int) -> dict:
                               "engine_env": {"VLLM_HOST_IP": "127.0.0.1"},
                               "prefill_modules": [{"name": "base", "model": str(paths["base"]), "engine": engine,
                                                    "placement": {"num_replicas": 1, "num_cpus": 0.25}}],
-                              "decoders": [{"name": "alpha", "model": str(paths["alpha"]), "engine": engine,
-                                            "placement": {"num_cpus": 0.25}}],
+                              # threads_bind "0": vLLM runs the decoder's model in a VLLM::Worker process
+                              # of its core (as on GPUs), which must not outlive the replica either
+                              "decoders": [{"name": "alpha", "model": str(paths["alpha"]),
+                                            "engine": {**engine, "threads_bind": "0"}, "placement": {"num_cpus": 0.25}}],
                           }}}],
     }
 
@@ -102,8 +105,9 @@ def _run_and_stop(tmp: Path, models: dict[str, Path], pool: str, kill_a_decoder:
         out["cores"] = sum("EngineCore" in title(p) for p in tracked.running())
         if kill_a_decoder:  # a replica dies by SIGKILL: its engine core must not outlive it
             (replica,) = [p for p in tracked.running() if "Decode-alpha" in title(p) and "EngineCore" not in title(p)]
-            cores = [c for c in replica.children(recursive=True) if "EngineCore" in title(c)]
-            assert cores, [title(c) for c in replica.children(recursive=True)]
+            cores = [c for c in replica.children(recursive=True) if "EngineCore" in title(c) or "Worker" in title(c)]
+            assert {t for c in cores for t in ("EngineCore", "Worker") if t in title(c)} == {"EngineCore", "Worker"}, \
+                [title(c) for c in replica.children(recursive=True)]
             replica.kill()
             _, alive = psutil.wait_procs(cores, timeout=60)
             out["killed_cores_left"] = [c for c in alive if is_running(c)]  # waiting for the parent watch
@@ -133,7 +137,7 @@ def test_serve_run_stopped_without_shutdown_leaves_no_process_and_only_a_reclaim
         run = _run_and_stop(tmp_path / "run", models, pool, kill_a_decoder=True, stop=signal.SIGTERM)
         assert run["cores"] >= 2, run  # the tracking saw the prefill's and the decoder's engine cores
         assert run["left"] == [], run
-        assert run["killed_cores_left"] == [], "a SIGKILLed replica's engine core outlived it"
+        assert run["killed_cores_left"] == [], "a SIGKILLed replica's engine core or its worker outlived it"
         new_shm = _shm() - shm_before
         # nothing but the pool: no multiprocessing semaphore (sem.mp-*: a SIGKILLed engine core's
         # tqdm lock left one, see app/engine/core_lifetime.py) and no shared-memory segment (psm_*)
