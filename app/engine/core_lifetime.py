@@ -18,10 +18,7 @@ The same hook keeps the core from leaving a named semaphore behind: in a spawned
 tqdm's first progress bar (vLLM's weight loading) makes a multiprocessing RLock, a
 ``/dev/shm/sem.mp-*`` file that only a clean exit unlinks, so every SIGKILLed core left one (seen
 here: one per killed core, none after clean stops). The core's bars all run in its own process, so
-:func:`_thread_lock_for_progress_bars` gives tqdm a thread lock instead. Where vLLM runs its model
-in worker processes of the core (``VLLM::Worker``: GPUs, and CPUs unless ``threads_bind`` is
-``nobind``), the core hooks their entry (``WorkerProc.worker_main``) the same way: a worker's
-weight loading is where its bars run.
+:func:`_thread_lock_for_progress_bars` gives tqdm a thread lock instead.
 """
 from __future__ import annotations
 
@@ -33,11 +30,10 @@ import threading
 import time
 from multiprocessing.connection import wait
 
-__all__ = ["install", "run_engine_core", "run_worker"]
+__all__ = ["install", "run_engine_core"]
 
 _POLL_S = 1.0
 _vllm_run_engine_core = None  # vLLM's own entry, saved where install() replaced it
-_vllm_worker_main = None  # vLLM's worker entry, saved where the core replaced it
 
 
 def install() -> None:
@@ -45,24 +41,17 @@ def install() -> None:
     global _vllm_run_engine_core
     from vllm.v1.engine.core import EngineCoreProc
 
-    _vllm_run_engine_core = _swap_entry(EngineCoreProc, "run_engine_core", run_engine_core) or _vllm_run_engine_core
-
-
-def _swap_entry(cls, name: str, hook):
-    """Put ``hook`` where vLLM's spawn target ``cls.name`` (a staticmethod, pickled by name) was;
-    vLLM's own function, or None when ``hook`` is there already."""
-    current = cls.__dict__[name]
-    if getattr(current, "__func__", None) is hook:
-        return None
-    setattr(cls, name, staticmethod(hook))
-    return current.__func__
+    current = EngineCoreProc.__dict__["run_engine_core"]
+    if getattr(current, "__func__", None) is run_engine_core:
+        return
+    _vllm_run_engine_core = current.__func__
+    EngineCoreProc.run_engine_core = staticmethod(run_engine_core)
 
 
 def run_engine_core(*args, **kwargs):
     """The core's entry in the spawned child: start the parent watch, then run vLLM's entry."""
     _watch_parent()
     _thread_lock_for_progress_bars()
-    _hook_workers()
     entry = _vllm_run_engine_core
     if entry is None:  # a fresh child: vLLM's class still holds its own entry
         from vllm.v1.engine.core import EngineCoreProc
@@ -75,26 +64,6 @@ def run_engine_core(*args, **kwargs):
         # the whole heap once more (~1.5 s here), and vLLM's parent SIGKILLs a core still alive 5 s
         # after its SIGTERM. Frozen, the objects are freed by the exit without that scan.
         gc.freeze()
-
-
-def _hook_workers() -> None:
-    """Workers the core spawns from now on start in :func:`run_worker` (vLLM pickles the target by name)."""
-    global _vllm_worker_main
-    from vllm.v1.executor.multiproc_executor import WorkerProc
-
-    _vllm_worker_main = _swap_entry(WorkerProc, "worker_main", run_worker) or _vllm_worker_main
-
-
-def run_worker(*args, **kwargs):
-    """A worker's entry in its spawned process: tqdm's thread lock, then vLLM's entry. vLLM's own
-    death pipe ends the worker when its core is gone."""
-    _thread_lock_for_progress_bars()
-    entry = _vllm_worker_main
-    if entry is None:  # a fresh child: vLLM's class still holds its own entry
-        from vllm.v1.executor.multiproc_executor import WorkerProc
-
-        entry = WorkerProc.worker_main
-    return entry(*args, **kwargs)
 
 
 def _thread_lock_for_progress_bars() -> None:
