@@ -1,12 +1,7 @@
-"""`prefillshare overload`: the classification and the report's arithmetic (no app), and a short
-run against a real app at twice its saturation with the Orchestrator killed (-9) under it."""
+"""`prefillshare overload`: the classification and the report's arithmetic (no app). The short run
+against a real app, at twice its saturation with the Orchestrator killed (-9) under it, is
+tests/shared_app/test_serve_faults.py's last test."""
 from __future__ import annotations
-
-import os
-import shutil
-import time
-import urllib.request
-from pathlib import Path
 
 import pytest
 
@@ -103,71 +98,3 @@ def test_report_measures_recovery_drift_leaks_and_accounting():
     assert lost["faults"][0]["recovery_s"] is None and not lost["promises"]["recovered"]
     grow = [dict(m, engine_rss_bytes=200 + 10 * m["t_s"]) for m in mem]
     assert not summarize(_raw(fast + back, [], grow))["promises"]["no_leaks"]
-
-
-# --- a short run against a real app ----------------------------------------------------------
-@pytest.mark.serve
-@pytest.mark.engine
-def test_overload_with_the_orchestrator_killed_loses_nothing(tmp_path):
-    import ray
-    from random_models import free_port, make_models
-    from ray import serve
-
-    from app.bench import overload
-    from app.config import load_config
-    from deployments.application import build
-
-    paths = make_models(tmp_path / "models", {"alpha": (1, {}), "beta": (2, {})})
-    engine = {"dtype": "float32", "max_model_len": 256, "kv_cache_memory_bytes": "128MiB", "block_size": 32,
-              "max_num_seqs": 8, "threads_bind": "nobind"}
-    dec = lambda n: {"name": n, "model": str(paths[n]), "engine": engine,  # noqa: E731
-                     "placement": {"num_cpus": 0.25, "placement_group_bundles": [{"CPU": 0.25}]}}
-    pool_dir = f"/dev/shm/ps-overload-{os.getpid()}"
-    cfg = load_config({"tokenizer": str(paths["tokenizer"]), "pool": {"path": pool_dir, "capacity_bytes": "128MiB",
-                                                                    "lease_timeout_s": 10},
-                       "limits": {"max_tokens_default": 8, "max_inflight_requests": 8, "retry_after_s": 1},
-                       "engine_env": {"VLLM_HOST_IP": "127.0.0.1"},
-                       "prefill_modules": [{"name": "base", "model": str(paths["base"]), "engine": engine,
-                                            "placement": {"num_cpus": 0.5}}],
-                       "decoders": [dec("alpha"), dec("beta")]})
-    tmp = f"/tmp/ro{os.getpid()}"
-    ray.init(num_cpus=4, include_dashboard=False, _temp_dir=tmp)
-    try:
-        port = free_port()
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        serve.run(build(cfg), name="ps", route_prefix="/")
-        url = f"http://127.0.0.1:{port}"
-        for _ in range(120):
-            try:
-                if urllib.request.urlopen(url + "/ready", timeout=30).status == 200:
-                    break
-            except OSError:
-                pass
-            time.sleep(2)
-        # the CI version: a short search, 45 s at twice saturation, one fault; the settle outlasts
-        # the pool's 10 s lease (the 10-minute run is scripts/overload_run.sh)
-        spec = OverloadSpec(url=url, app="ps", duration_s=45, search_start=1.0, search_step_s=8, search_max_steps=3,
-                            drain_s=30, settle_s=12, timeout_s=120, faults=(FaultSpec(15, "kill", "Orchestrator"),),
-                            mix=Mix(max_tokens=8, bad_share=0.1, disconnect_share=0.2))
-        raw = overload.run(spec, log=print)
-    finally:
-        serve.shutdown()
-        ray.shutdown()
-        shutil.rmtree(pool_dir, ignore_errors=True)
-        shutil.rmtree(tmp, ignore_errors=True)
-    from app.bench.overload_report import write
-
-    report = summarize(raw)
-    print(write(raw, report, tmp_path / "out"))
-    assert Path(tmp_path / "out" / "overload.png").stat().st_size > 0
-    fired = raw["faults"][0]
-    assert fired["pid"] is not None and fired["error"] is None, fired  # the replica was found and killed
-    assert raw["saturation_per_s"] > 0 and raw["rate_per_s"] == pytest.approx(2 * raw["saturation_per_s"])
-    lost = {k: v for k, v in report["outcomes"].items() if k.startswith("lost")}
-    assert not lost, report["outcomes"]
-    assert "error internal" not in report["outcomes"], report["outcomes"]  # a dead replica is a typed 503, never a 500
-    p = report["promises"]
-    assert p["shed_with_retry_after"] and p["bad_input_refused"], report["outcomes"]
-    assert p["server_accounted"], report["server"]
-    assert report["outcomes"].get("ok", 0) > 0 and report["outcomes"].get("bad_input_ok", 0) > 0
-    assert report["fallbacks"] is not None  # /metrics read before and after: the retries are counted

@@ -340,3 +340,41 @@ def _replaced_and_sharing_again(app, reference, killed: str) -> None:
         r["instruction"] = a["instruction"]
         assert r["prefill"] is not None, r
     assert _check_agents(reference, ctx, out) == 0  # both loaded the base's KV
+
+
+def test_twice_saturation_with_the_orchestrator_killed_loses_nothing(app, tmp_path):
+    """`prefillshare overload`, the CI version: a short search (3 x 8 s), 45 s of open-loop arrivals
+    at twice the saturation rate on alpha (fan-outs and completions, streamed or not, some clients
+    hanging up, some bad input), the Orchestrator killed (-9) at 15 s. The settle outlasts the
+    pool's 30 s lease. The 10-minute run is scripts/overload_run.sh (docs/reliability.md)."""
+    from app.bench import overload
+    from app.bench.faults import FaultSpec
+    from app.bench.overload import Mix, OverloadSpec
+    from app.bench.overload_report import summarize, write
+
+    spec = OverloadSpec(url=app["url"], app="ps", api_key=KEY_A, models=("alpha",), duration_s=45, search_start=1.0,
+                        search_step_s=8, search_max_steps=3, drain_s=30, settle_s=32, timeout_s=120,
+                        faults=(FaultSpec(15, "kill", "Orchestrator"),),
+                        mix=Mix(max_tokens=8, bad_share=0.1, disconnect_share=0.2))
+    raw = overload.run(spec, log=print)
+    report = summarize(raw)
+    print(write(raw, report, tmp_path / "out"))
+    assert (tmp_path / "out" / "overload.png").stat().st_size > 0
+    fired = raw["faults"][0]
+    assert fired["pid"] is not None and fired["error"] is None, fired  # the replica was found and killed
+    assert raw["saturation_per_s"] > 0 and raw["rate_per_s"] == pytest.approx(2 * raw["saturation_per_s"])
+    lost = {k: v for k, v in report["outcomes"].items() if k.startswith("lost")}
+    assert not lost, report["outcomes"]
+    assert "error internal" not in report["outcomes"], report["outcomes"]  # a dead replica is a typed 503, never a 500
+    p = report["promises"]
+    assert p["shed_with_retry_after"] and p["bad_input_refused"], report["outcomes"]
+    assert p["server_accounted"], report["server"]
+    assert report["outcomes"].get("ok", 0) > 0 and report["outcomes"].get("bad_input_ok", 0) > 0
+    assert report["fallbacks"] is not None  # /metrics read before and after: the retries are counted
+    for _ in range(150):  # the replacement Orchestrator answers before the test ends
+        if _get(app["url"] + "/ready")[0] == 200:
+            break
+        time.sleep(2)
+    status, out = _post(app["url"] + "/v1/agents/run", {"context": CONTEXT, "agents": [
+        {"name": "a", "model": "alpha", "instruction": "what is the city?", "max_tokens": MAX_NEW}]})
+    assert status == 200 and out["results"][0]["error"] is None, out
