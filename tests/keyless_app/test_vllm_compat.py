@@ -198,11 +198,14 @@ def _saved_per_salt(app, send, salts: tuple[str, str]) -> list[float]:
     """The base's prefix-cache savings after each of three requests salted a, b, a (salts not
     used by another test: a salt's cache is shared by every prompt that starts alike)."""
     saved = lambda: _metric_sum(app["url"], "prefillshare_prefill_tokens_saved_total", stage="prefill")  # noqa: E731
-    done = _metric_sum(app["url"], "prefillshare_requests_total")
+    # one prefill record per request carries its saved tokens and its call time: counting the
+    # records says this request's has landed (the decoder's request record comes in another batch,
+    # from another replica, and may land first)
+    done = _metric_sum(app["url"], "prefillshare_prefill_seconds_count")
     after = []
     for salt in (*salts, salts[0]):
         send(salt)
-        done = _metric_reaches(app["url"], "prefillshare_requests_total", done + 1)  # its records have landed
+        done = _metric_reaches(app["url"], "prefillshare_prefill_seconds_count", done + 1)
         after.append(saved())
     return after
 
