@@ -18,7 +18,7 @@ import os
 from pathlib import Path
 
 import pytest
-from random_models import make_models, serve_app
+from random_models import make_models, serve_app, wait_app_ready
 from serve_test_app import TEST_ENGINE
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -85,8 +85,5 @@ def keyless_app(keyless_models):
 @pytest.fixture(scope="module")
 def app_url(keyless_app):
     """The package's app as each module finds it: every engine answering /ready first."""
-    from agents import Client
-
-    with Client(keyless_app, retries=5, backoff_s=0.5) as c:
-        c.wait_ready(timeout_s=600, interval_s=2)  # waiting for startup, not a timing assertion
+    wait_app_ready(keyless_app)
     return keyless_app

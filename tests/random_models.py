@@ -52,7 +52,6 @@ def serve_app(cfg, name: str, ray_tmp: str, pool_dir: str) -> Iterator[str]:
     import ray
     from ray import serve
 
-    from agents import Client
     from deployments.application import build
 
     os.environ["RAY_TMPDIR"] = ray_tmp
@@ -70,13 +69,20 @@ def serve_app(cfg, name: str, ray_tmp: str, pool_dir: str) -> Iterator[str]:
     serve.run(build(cfg), name=name, route_prefix="/")
     url = f"http://127.0.0.1:{port}"
     try:
-        with Client(url, retries=5, backoff_s=0.5) as c:
-            c.wait_ready(timeout_s=600, interval_s=2)  # waiting for startup, not a timing assertion
+        wait_app_ready(url)
         yield url
     finally:
         serve.shutdown()
         ray.shutdown()
         shutil.rmtree(pool_dir, ignore_errors=True)
+
+
+def wait_app_ready(url: str) -> None:
+    """Until every engine of the app at ``url`` answers /ready (its start, or a replacement's)."""
+    from agents import Client
+
+    with Client(url, retries=5, backoff_s=0.5) as c:
+        c.wait_ready(timeout_s=600, interval_s=2)  # waiting for engines to start, not a timing assertion
 
 
 def make_models(root: Path, decoders: dict[str, tuple[int, dict]], base_seed: int = 0) -> dict[str, Path]:

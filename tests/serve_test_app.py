@@ -131,10 +131,9 @@ def shared_app(tmp_path_factory):
 def app(shared_app):
     """The shared app as each module finds it: every engine answering /ready first, so that no
     module depends on what another one's fault tests did to it."""
-    from agents import Client
+    from random_models import wait_app_ready
 
-    with Client(shared_app["url"], retries=5, backoff_s=0.5) as c:
-        c.wait_ready(timeout_s=600, interval_s=2)  # waiting for replacements, not a timing assertion
+    wait_app_ready(shared_app["url"])
     return shared_app
 
 
