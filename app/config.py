@@ -278,8 +278,9 @@ class LimitsConfig(_Strict):
     max_agents: int = Field(16, ge=1)
     max_rounds: int = Field(4, ge=1)
     request_timeout_s: float = Field(
-        120.0, gt=0, description="a request's time: its engine calls run under it, a decode retry waits for a "
-        "restarted replica at most what is left of it, and a vllm-nixl lease outlives it")
+        120.0, gt=0, description="a request's whole time from its admission at the Router (then 504 `timeout`): "
+        "its engine calls run under it, a decode retry waits for a restarted replica at most what is left of it, "
+        "and a vllm-nixl lease outlives it")
     max_inflight_requests: int = Field(
         64, ge=1, description="generation requests one Router replica runs at once; more get 429 + Retry-After "
         "at once instead of queueing (must stay below router.max_ongoing_requests)"

@@ -22,6 +22,7 @@ class ErrorCode(enum.Enum):
     OVERLOADED = "overloaded"  # a deployment's queue is full (Serve's back-pressure)
     DECODER_UNAVAILABLE = "decoder_unavailable"  # the decoder replica died or cannot be reached
     ENGINE_ERROR = "engine_error"  # the engine failed while running the request
+    TIMEOUT = "timeout"  # the request outlived limits.request_timeout_s (counted from its admission)
 
 
 @dataclass(frozen=True)
@@ -59,6 +60,7 @@ HTTP: dict[ErrorCode, HttpShape] = {
     ErrorCode.OVERLOADED: HttpShape(429, "rate_limit_error", "overloaded", True),
     ErrorCode.DECODER_UNAVAILABLE: HttpShape(503, "server_error", "engine_error", True),
     ErrorCode.ENGINE_ERROR: HttpShape(503, "server_error", "engine_error", True),
+    ErrorCode.TIMEOUT: HttpShape(504, "server_error", "timeout", True),
 }
 
 # The body field each generation route's prompt comes from: the `param` of a failure about the input.

@@ -186,6 +186,12 @@ class AppMetrics:
             ["stage"], registry=r)
         for stage in ("ingress", "serve_queue", "engine_queue"):  # zero until the first 429: charts show 0
             self.overloaded.labels(stage)
+        self.timed_out = Counter(
+            "prefillshare_timed_out_requests",
+            "Admitted requests answered with the typed error `timeout` (504, or in-band once streaming) because "
+            "they outlived limits.request_timeout_s", ["route"], registry=r)
+        for route in ("completions", "chat", "agents"):
+            self.timed_out.labels(route)
         self.router_failovers = Counter(
             "prefillshare_router_failovers",
             "Requests a project request router failed on (by exception type) and left to Serve's default choice",
@@ -313,6 +319,9 @@ class MetricsServer:
     def overloaded(self, stage: str) -> None:
         self.m.overloaded.labels(stage).inc()
 
+    def timeout(self, route: str) -> None:
+        self.m.timed_out.labels(route).inc()
+
     def queue(self, deployment: str, replica: str, n: int) -> None:
         self.m.queue.labels(deployment, replica).set(n)
 
@@ -330,4 +339,5 @@ class MetricsServer:
             getattr(self, method)(*args)
 
 
-_EVENTS = frozenset({"request", "prefill", "fallback", "router_failover", "vllm_nixl", "overloaded", "queue", "engine"})
+_EVENTS = frozenset({"request", "prefill", "fallback", "router_failover", "vllm_nixl", "overloaded", "timeout", "queue",
+                     "engine"})

@@ -208,31 +208,37 @@ class Router:
         starts). The admission slot is held until the answer (or its stream) ends, however it ends.
         """
         slot = self._admit(route)
+        deadline = asyncio.get_running_loop().time() + self.limits.request_timeout_s
         call = gen()
         streaming = False
         outcome: Outcome = "failed"
         try:
-            try:
-                head = await self._first(call)
-            except _ReplicaGone:  # e.g. the Orchestrator died: nothing reached the client, so repeat it once
-                self.events.send("fallback", "router_retry", 1)
-                call = gen()
+            async with asyncio.timeout_at(deadline):
                 try:
                     head = await self._first(call)
-                except _ReplicaGone as gone:
-                    raise self._unavailable(gone.cause) from None
+                except _ReplicaGone:  # e.g. the Orchestrator died: nothing reached the client, so repeat it once
+                    self.events.send("fallback", "router_retry", 1)
+                    call = gen()
+                    try:
+                        head = await self._first(call)
+                    except _ReplicaGone as gone:
+                        raise self._unavailable(gone.cause) from None
             if isinstance(head, DecodeChunk) and head.error:
                 raise self._failure(head.error, route)
             if stream:
                 streaming = True
-                return StreamingResponse(self._sse(events(head, call), call, slot, route),
+                return StreamingResponse(self._sse(events(head, call), call, slot, route, deadline),
                                          media_type="text/event-stream")
             try:
-                result = await collect(head, call)
+                async with asyncio.timeout_at(deadline):
+                    result = await collect(head, call)
             except RayActorError as e:  # the replica died mid-answer; the client has received nothing yet
                 raise self._unavailable(e) from None
             outcome = "completed"
             return result
+        except TimeoutError:
+            call.cancel()
+            raise self._failure(self._timed_out(route), route) from None
         except asyncio.CancelledError:
             outcome = "cancelled"
             raise
@@ -240,15 +246,29 @@ class Router:
             if not streaming:
                 slot.release(outcome)
 
-    async def _sse(self, events: AsyncIterator[str], call, slot: Slot, route: str):
-        """Server-sent events of one answer; failures in-band in OpenAI's error shape, then [DONE]."""
+    def _timed_out(self, route: str) -> Failure:
+        self.events.send("timeout", route)
+        return Failure(ErrorCode.TIMEOUT, f"the request did not finish within limits.request_timeout_s "
+                       f"({self.limits.request_timeout_s:g} s)")
+
+    async def _sse(self, events: AsyncIterator[str], call, slot: Slot, route: str, deadline: float):
+        """Server-sent events of one answer; failures in-band in OpenAI's error shape, then [DONE].
+        The request's deadline bounds each wait for the next event, never a yield (the client's pace)."""
         finished = False
         outcome: Outcome = "cancelled"  # unless the stream ends: the client went away
         try:
-            async for event in events:
+            while True:
+                try:
+                    async with asyncio.timeout_at(deadline):
+                        event = await anext(events)
+                except StopAsyncIteration:
+                    break
                 yield event
             finished = True
             outcome = "completed"
+        except TimeoutError:
+            outcome = "failed"
+            yield "data: " + json.dumps(self._failure(self._timed_out(route), route).body()) + "\n\n"
         except _StreamFailed as e:
             outcome = "failed"
             yield "data: " + json.dumps(self._failure(e.failure, route).body()) + "\n\n"

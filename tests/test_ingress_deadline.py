@@ -1,0 +1,114 @@
+"""The Router bounds a whole request by ``limits.request_timeout_s`` from its admission: a request
+still waiting then (a queue behind a restarting replica, a stalled stream) gets the typed error
+``timeout`` (504, or in-band once its stream has started), its engine call is cancelled and its
+admission slot is counted as failed. Without Ray: the Router's class with fake calls."""
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from app.config import LimitsConfig
+from deployments.admission import Admission
+from deployments.errors import ApiError
+from deployments.router import Router
+
+
+class _Events:
+    def __init__(self):
+        self.sent: list[tuple] = []
+
+    def send(self, method, *args):
+        self.sent.append((method, *args))
+
+
+class _Call:
+    """A stream that sends ``items`` and then hangs until it is cancelled."""
+
+    def __init__(self, items=(), hang_s: float = 3600.0):
+        self.items, self.hang_s, self.cancelled = list(items), hang_s, False
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        if self.items:
+            return self.items.pop(0)
+        await asyncio.sleep(self.hang_s)
+        raise StopAsyncIteration
+
+    def cancel(self):
+        self.cancelled = True
+
+
+# the Router class itself, under Serve's ingress wrapper (whose async __del__ a bare instance would leave unawaited)
+_ROUTER = next(c for c in Router.func_or_class.__mro__ if c.__name__ == "Router" and "__del__" not in vars(c))
+
+
+def _router(timeout_s: float):
+    r = object.__new__(_ROUTER)
+    r.limits = LimitsConfig(request_timeout_s=timeout_s)
+    r.admission = Admission(4)
+    r.events = _Events()
+    return r
+
+
+async def _events(head, call):
+    yield f"data: {head}\n\n"
+    async for item in call:
+        yield f"data: {item}\n\n"
+
+
+async def _collect(head, call):
+    return [head] + [item async for item in call]
+
+
+def test_a_request_with_no_answer_by_its_deadline_gets_504_timeout_and_its_call_is_cancelled():
+    r, call = _router(0.2), _Call()
+
+    async def run():
+        t0 = asyncio.get_running_loop().time()
+        with pytest.raises(ApiError) as e:
+            await r._serve("completions", lambda: call, False, _events, _collect)
+        return e.value, asyncio.get_running_loop().time() - t0
+
+    err, waited = asyncio.run(run())
+    assert 0.2 <= waited < 2.0
+    assert (err.status, err.code, err.type) == (504, "timeout", "server_error")
+    assert err.headers == {"Retry-After": "1"} and "request_timeout_s" in err.message
+    assert call.cancelled
+    assert r.admission.snapshot()["outcomes"] == {"completions": {"completed": 0, "failed": 1, "cancelled": 0}}
+    assert r.admission.inflight == 0
+    assert ("timeout", "completions") in r.events.sent
+
+
+def test_a_collected_answer_that_stalls_after_its_first_item_times_out_too():
+    r, call = _router(0.2), _Call(items=["a", "b"])
+    with pytest.raises(ApiError) as e:
+        asyncio.run(r._serve("chat", lambda: call, False, _events, _collect))
+    assert e.value.status == 504 and call.cancelled
+
+
+def test_a_stalled_stream_ends_with_an_in_band_timeout_then_done():
+    r, call = _router(0.3), _Call(items=["first", "second"])
+
+    async def run():
+        resp = await r._serve("agents", lambda: call, True, _events, _collect)
+        return [chunk async for chunk in resp.body_iterator]
+
+    chunks = asyncio.run(run())
+    assert chunks[:2] == ["data: first\n\n", "data: second\n\n"]
+    error = json.loads(chunks[2].removeprefix("data: "))["error"]
+    assert error["code"] == "timeout" and error["type"] == "server_error"
+    assert chunks[3:] == ["data: [DONE]\n\n"]
+    assert call.cancelled
+    assert r.admission.snapshot()["outcomes"]["agents"]["failed"] == 1 and r.admission.inflight == 0
+
+
+def test_an_answer_within_its_deadline_is_untouched():
+    r, call = _router(5.0), _Call(items=["a", "b"], hang_s=0.05)
+    assert asyncio.run(r._serve("completions", lambda: call, False, _events, _collect)) == ["a", "b"]
+    assert not call.cancelled
+    assert r.admission.snapshot()["outcomes"]["completions"]["completed"] == 1
+    assert not [e for e in r.events.sent if e[0] == "timeout"]
