@@ -3,6 +3,9 @@ and ingress deployments), a prefill node advertising ``prefill_node`` and a deco
 advertising ``decode_node``, the custom resources the KubeRay worker groups give their pods."""
 from __future__ import annotations
 
+import contextlib
+import os
+import shutil
 import time
 import urllib.error
 import urllib.request
@@ -36,6 +39,50 @@ def start_cluster():
                 c.shutdown()
             if attempt == 3:
                 raise
+
+
+class ServingCluster:
+    """The started raylets (``cluster``, ``nodes``: role -> node id) and Serve on them."""
+
+    def __init__(self, cluster, nodes: dict[str, str]):
+        self.cluster, self.nodes = cluster, nodes
+
+    def serve(self, apps: dict) -> str:
+        """Serve's one proxy on the head (``HeadOnly``: every raylet here shares the machine's
+        ports); ``apps`` (name -> (application, route prefix)) run and ready. Returns the URL."""
+        from random_models import free_port
+        from ray import serve
+
+        port = free_port()
+        serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
+        for name, (application, prefix) in apps.items():
+            serve.run(application, name=name, route_prefix=prefix)
+        url = f"http://127.0.0.1:{port}"
+        wait_ready(url, set(apps))
+        return url
+
+
+@contextlib.contextmanager
+def serving_cluster(tag: str, dirs: tuple[str, ...] = ()):
+    """The three raylets for one test module; afterwards Serve, Ray and the cluster are shut down
+    and ``dirs`` (the apps' pool folders) and the raylets' temp dir removed, however it ended."""
+    import ray
+    from ray import serve
+
+    tmp = f"/tmp/r{tag}{os.getpid()}"
+    os.environ["RAY_TMPDIR"] = tmp
+    try:
+        cluster, nodes = start_cluster()
+        try:
+            yield ServingCluster(cluster, nodes)
+        finally:
+            serve.shutdown()
+            ray.shutdown()
+            cluster.shutdown()
+    finally:
+        for d in dirs:
+            shutil.rmtree(d, ignore_errors=True)
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def replica_nodes() -> dict[str, set[str]]:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import threading
 import time
@@ -31,7 +30,7 @@ import torch
 pytest.importorskip("nixl._api")
 
 from random_models import free_port, make_models, post_json
-from ray_cluster import DECODE_NODE, PREFILL_NODE, start_cluster, wait_ready
+from ray_cluster import DECODE_NODE, PREFILL_NODE, serving_cluster, wait_ready
 from ray_cluster import get as _get
 from ray_cluster import replica_nodes as _replica_nodes
 
@@ -78,39 +77,20 @@ def _post(url: str, body: dict, timeout: float = 300) -> tuple[int, dict]:
 
 @pytest.fixture(scope="module")
 def app(tmp_path_factory):
-    import ray
-    from ray import serve
-
     from app.config import load_config
     from deployments.application import build
     from deployments.kv_server import build_kv_server
 
     tag = os.getpid()
     pools = {"prefill": f"/dev/shm/ps-mn-prefill-{tag}", "decode": f"/dev/shm/ps-mn-decode-{tag}"}
-    tmp = f"/tmp/rmn{tag}"
-    os.environ["RAY_TMPDIR"] = tmp
     # the models are written while the raylets start (which mostly wait for registration)
     with ThreadPoolExecutor(1) as ex:
         models = ex.submit(_make_models, tmp_path_factory.mktemp("models"))
-        cluster, nodes = start_cluster()
-    port = free_port()
-    try:
-        paths = models.result()
-        cfg = load_config(_app_config(paths, pools, free_port()))
-        # one HTTP proxy: every raylet here shares the machine's ports
-        serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
-        serve.run(build_kv_server(cfg), name="kv", route_prefix=None)
-        serve.run(build(cfg), name="ps", route_prefix="/")
-        base = f"http://127.0.0.1:{port}"
-        wait_ready(base, {"kv", "ps"})
-        yield {"url": base, "paths": paths, "cfg": cfg, "cluster": cluster, "pools": pools, "nodes": nodes}
-    finally:
-        serve.shutdown()
-        ray.shutdown()
-        cluster.shutdown()
-        for p in pools.values():
-            shutil.rmtree(p, ignore_errors=True)
-        shutil.rmtree(tmp, ignore_errors=True)
+        with serving_cluster("mn", tuple(pools.values())) as sc:
+            paths = models.result()
+            cfg = load_config(_app_config(paths, pools, free_port()))
+            url = sc.serve({"kv": (build_kv_server(cfg), None), "ps": (build(cfg), "/")})
+            yield {"url": url, "paths": paths, "cfg": cfg, "cluster": sc.cluster, "pools": pools, "nodes": sc.nodes}
 
 
 @pytest.fixture(scope="module")

@@ -28,6 +28,33 @@ def test_no_replica_of_an_unknown_deployment():
     assert replica_pids("no-such-app", "Decode-x") == []
 
 
+def test_a_stall_of_another_applications_deployment_stops_then_resumes_its_replica():
+    """``APP/DEPLOYMENT`` names a replica of another Serve application (the NIXL block server runs in
+    its own, ``kv``); found by the process title Ray gives it, here worn by a sleeping child."""
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+
+    from app.bench.faults import inject
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "ray::ServeReplica:kv:KVBlockServer"])
+    try:
+        with pytest.raises(FaultError, match="prefillshare:KVBlockServer"):  # not in the overloaded app itself
+            inject(FaultSpec(0, "stall", "KVBlockServer", 0.5), "prefillshare")
+        assert inject(FaultSpec(0, "stall", "kv/KVBlockServer", 1.0), "prefillshare") == child.pid
+        states = []
+        for _ in range(30):  # the stop lands once the child is back from the kernel; the resume 1 s later
+            states.append(psutil.Process(child.pid).status())
+            time.sleep(0.1)
+        assert psutil.STATUS_STOPPED in states, states
+        assert states[-1] != psutil.STATUS_STOPPED, states
+    finally:
+        child.kill()
+        child.wait()
+
+
 def test_fill_pool_pins_every_free_slot_until_the_deadline(tmp_path):
     from app.bench.faults import fill_pool
     from app.engine.kv_pool import KVPool, PoolSpec
@@ -98,3 +125,25 @@ def test_report_measures_recovery_drift_leaks_and_accounting():
     assert lost["faults"][0]["recovery_s"] is None and not lost["promises"]["recovered"]
     grow = [dict(m, engine_rss_bytes=200 + 10 * m["t_s"]) for m in mem]
     assert not summarize(_raw(fast + back, [], grow))["promises"]["no_leaks"]
+
+
+def test_the_multinode_runs_config_loads_and_places_engines_on_both_nodes():
+    """scripts/overload_multinode.py's app: serve_config.yaml's, its engines split over the nodes."""
+    import importlib.util
+    from pathlib import Path
+
+    from app.config import load_config
+    from app.plan import plan_app
+
+    path = Path(__file__).resolve().parent.parent / "scripts" / "overload_multinode.py"
+    spec = importlib.util.spec_from_file_location("overload_multinode", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    cfg = load_config(mod.app_config("t", 5555))
+    assert cfg.pool.transport == "nixl" and cfg.pool.decode_path and cfg.pool.server_resources == {"prefill_node": 0.01}
+    nodes = {d.name: next(iter(d.placement.placement_group_bundles[0])) for d in cfg.decoders}
+    assert nodes == {"lookup": "decode_node", "tool_call": "decode_node", "reschedule": "prefill_node",
+                     "route": "prefill_node"}
+    assert [next(iter(m.placement.placement_group_bundles[0])) for m in cfg.prefill_modules] == ["prefill_node"]
+    plan = plan_app(cfg)
+    assert {d.name: d.prefill_module for d in plan.decoders} == dict.fromkeys(nodes, "base")

@@ -17,12 +17,11 @@ tenant's cache salt. Run through scripts/test.sh (loopback-only network namespac
 from __future__ import annotations
 
 import os
-import shutil
 import time
 from dataclasses import replace
 
 import pytest
-from ray_cluster import replica_nodes, start_cluster, wait_ready
+from ray_cluster import replica_nodes, serving_cluster
 from serve_test_app import (
     KEY_A,
     MAX_NEW,
@@ -64,9 +63,7 @@ def _app_config(paths, pool_dir: str, keys_file) -> dict:
 
 @pytest.fixture(scope="module")
 def nixl_app(tmp_path_factory):
-    import ray
-    from random_models import free_port, make_models
-    from ray import serve
+    from random_models import make_models
 
     from app.bench.models import random_adapter
     from app.config import load_config
@@ -80,22 +77,9 @@ def nixl_app(tmp_path_factory):
     keys_file = tmp_path_factory.mktemp("auth") / "keys.yaml"
     keys_file.write_text(f"{KEY_A}: acme\n")
     cfg = load_config(_app_config(paths, pool_dir, keys_file))
-    tmp = f"/tmp/rsn{os.getpid()}"
-    os.environ["RAY_TMPDIR"] = tmp
-    cluster, nodes = start_cluster()
-    try:
-        port = free_port()
-        serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
-        serve.run(build(cfg), name=APP, route_prefix="/")
-        url = f"http://127.0.0.1:{port}"
-        wait_ready(url, {APP})
-        yield {"url": url, "paths": paths, "nodes": nodes}
-    finally:
-        serve.shutdown()
-        ray.shutdown()
-        cluster.shutdown()
-        shutil.rmtree(pool_dir, ignore_errors=True)
-        shutil.rmtree(tmp, ignore_errors=True)
+    with serving_cluster("sn", (pool_dir,)) as sc:
+        url = sc.serve({APP: (build(cfg), "/")})
+        yield {"url": url, "paths": paths, "nodes": sc.nodes}
 
 
 @pytest.fixture(scope="module")

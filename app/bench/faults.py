@@ -1,6 +1,7 @@
 """Faults for `prefillshare overload`: kill -9 or stall one replica of a running Serve app.
 
-A fault names a deployment (``Decode-lookup``, ``Prefill-base``, ``Orchestrator``). Its
+A fault names a deployment (``Decode-lookup``, ``Prefill-base``, ``Orchestrator``; one of another
+Serve application as ``APP/DEPLOYMENT``, e.g. ``kv/KVBlockServer``, the NIXL block server). Its
 replica processes are found by the title Ray gives every actor process,
 ``ray::ServeReplica:<app>:<deployment>``, so this works on the machine the app runs on,
 without a Ray dashboard. ``kill`` sends SIGKILL to one replica (Serve restarts it; its
@@ -99,9 +100,10 @@ def inject(spec: FaultSpec, app: str) -> int:
     fill-pool: the number of blocks pinned)."""
     if spec.kind == "fill-pool":
         return fill_pool(spec.deployment, spec.hold_s)
-    pids = replica_pids(app, spec.deployment)
+    app, deployment = spec.deployment.split("/", 1) if "/" in spec.deployment else (app, spec.deployment)
+    pids = replica_pids(app, deployment)
     if not pids:
-        raise FaultError(f"fault {spec.label}: no replica process of {app}:{spec.deployment} on this machine")
+        raise FaultError(f"fault {spec.label}: no replica process of {app}:{deployment} on this machine")
     pid = pids[0]
     if spec.kind == "kill":
         os.kill(pid, signal.SIGKILL)

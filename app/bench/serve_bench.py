@@ -328,8 +328,8 @@ def cfg_tokenizer(cfg: ServeBenchConfig) -> str:
 
 
 def _warm_up(url: str, cfg: ServeBenchConfig, system: str, n: int, maker, log) -> None:
-    """Unrecorded sessions, sent together so that every prefill replica gets some; with the same
-    driver as the points."""
+    """Unrecorded sessions (fresh contexts), sent together so that every prefill replica gets some
+    before the measurement; with the same driver as the points (a stock server has no agent route)."""
     from app.bench.client import open_loop
     from app.bench.workload import make_sessions
 
@@ -366,19 +366,6 @@ def _model_set(cfg: ServeBenchConfig, tokenizer: str):
         return mset, cfg.shape.max_position
     mset = bm.shipped_models(model_root / "shipped", PROJECT / cfg.checkpoints, n_max, cfg.topology.dtype)
     return mset, json.loads((Path(mset.base) / "config.json").read_text())["max_position_embeddings"]
-
-
-def _warm_up(url: str, cfg: ServeBenchConfig, system: str, n: int, maker, log) -> None:
-    """Several fresh contexts at once, so that every prefill replica gets some before the measurement."""
-    from app.bench.client import open_loop
-    from app.bench.workload import make_sessions
-
-    spec = WorkloadSpec(min(cfg.lengths), n, cfg.output_tokens, 1)
-    sessions = make_sessions(spec, cfg.warmup, 90_000, maker)
-    res, _, _ = asyncio.run(open_loop(url, sessions, spec, [0.0] * len(sessions), cfg.session_timeout_s))
-    for r in res:
-        if not r.ok:
-            log(f"[{system}] warm-up session failed: {r.error or [a.error for a in r.agents]}")
 
 
 @contextlib.contextmanager

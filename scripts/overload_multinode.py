@@ -1,0 +1,124 @@
+"""The overload run of docs/reliability.md across nodes: a local three-raylet Ray cluster (head,
+prefill node, decode node, as the KubeRay worker groups give their pods), the shipped models,
+the KV pool per node with transport `nixl`. The prefill module and the KV block server run on
+the prefill node, `lookup` and `tool_call` on the decode node (they pull the base's KV over
+NIXL), `reschedule` and `route` on the prefill node (they read its pool). `prefillshare
+overload` then holds 2x the searched saturation with a stalled NIXL peer (the block server
+SIGSTOPped, then resumed), a killed decode-node decoder and a killed prefill replica.
+
+    bash scripts/overload_multinode.sh [OUT_DIR] [DURATION_S]
+
+On one machine every raylet shares the cores, so the figures show behaviour, not capacity.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+PREFILL_NODE = {"num_cpus": 0, "resources": {"prefill_node": 1}}
+DECODE_NODE = {"num_cpus": 0, "resources": {"decode_node": 1}}
+APP = "prefillshare"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def app_config(tag: str, kv_port: int) -> dict:
+    """serve_config.yaml's application, its engines placed on the two nodes, the pool over NIXL."""
+    cfg = yaml.safe_load((ROOT / "serve_config.yaml").read_text())["applications"][0]["args"]["config"]
+    cfg["pool"].update({"path": f"/dev/shm/ps-ovmn-prefill-{tag}", "decode_path": f"/dev/shm/ps-ovmn-decode-{tag}",
+                        "transport": "nixl", "nixl_listen": f"127.0.0.1:{kv_port}",
+                        "nixl_peers": [f"127.0.0.1:{kv_port}"], "server_resources": {"prefill_node": 0.01}})
+    on = {"prefill": {"prefill_node": 0.1}, "decode": {"decode_node": 0.1}}
+    for m in cfg["prefill_modules"]:
+        m["placement"] = {"num_replicas": 1, "num_cpus": 0, "placement_group_bundles": [on["prefill"]]}
+    where = {"lookup": "decode", "tool_call": "decode", "reschedule": "prefill", "route": "prefill"}
+    for d in cfg["decoders"]:
+        d["placement"] = {"num_replicas": 1, "num_cpus": 0, "placement_group_bundles": [on[where[d["name"]]]]}
+    return cfg
+
+
+def _wait_ready(url: str, timeout_s: float = 900) -> None:
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        try:
+            with urllib.request.urlopen(url + "/ready", timeout=10) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(2)
+    raise RuntimeError(f"{url}/ready never answered 200 within {timeout_s:.0f} s")
+
+
+def main(out: Path, duration_s: float) -> int:
+    import ray
+    from ray import serve
+    from ray.cluster_utils import Cluster
+
+    from app.bench.overload import FaultSpec, OverloadSpec, run
+    from app.bench.overload_report import summarize, write
+    from app.config import load_config
+    from deployments.application import build
+    from deployments.kv_server import build_kv_server
+
+    tag = str(os.getpid())
+    os.environ["RAY_TMPDIR"] = tmp = f"/tmp/ps-ovmn-{tag}"
+    out.mkdir(parents=True, exist_ok=True)
+    cfg_dict = app_config(tag, _free_port())
+    (out / "app_config.yaml").write_text(yaml.safe_dump(cfg_dict, sort_keys=False))
+    cfg = load_config(cfg_dict)
+    shm_before = set(os.listdir("/dev/shm"))
+    cluster = Cluster(initialize_head=True, head_node_args={
+        "num_cpus": 2, "include_dashboard": False,
+        "_system_config": {"health_check_failure_threshold": 10, "memory_monitor_refresh_ms": 0}})
+    try:
+        cluster.add_node(**PREFILL_NODE)
+        cluster.add_node(**DECODE_NODE)
+        ray.init(address=cluster.address, log_to_driver=False)
+        cluster.wait_for_nodes()
+        port = _free_port()
+        serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
+        serve.run(build_kv_server(cfg), name="kv", route_prefix=None)
+        serve.run(build(cfg), name=APP, route_prefix="/", blocking=False)
+        url = f"http://127.0.0.1:{port}"
+        _wait_ready(url)
+        print(f"app ready; load average {os.getloadavg()}", flush=True)
+        t = duration_s / 4
+        faults = (f"{t:.0f}:stall:kv/KVBlockServer:20", f"{2 * t:.0f}:kill:Decode-lookup", f"{3 * t:.0f}:kill:Prefill-base")
+        spec = OverloadSpec(url=url, app=APP, duration_s=duration_s,
+                            faults=tuple(FaultSpec.parse(f) for f in faults))
+        raw = run(spec, log=lambda m: print(m, file=sys.stderr, flush=True))
+        raw["setup"] = {"nodes": "head (2 CPUs: ingress, Serve) + prefill node + decode node, one machine",
+                        "decode_node": ["lookup", "tool_call"], "prefill_node": ["base", "KVBlockServer",
+                                                                                  "reschedule", "route"]}
+        report = summarize(raw)
+        print(write(raw, report, out))
+        return 0 if report["promises"]["nothing_lost"] else 1
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+        cluster.shutdown()
+        for p in (cfg.pool.path, cfg.pool.decode_path):
+            if p:
+                shutil.rmtree(p, ignore_errors=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        time.sleep(5)
+        left = sorted(set(os.listdir("/dev/shm")) - shm_before)
+        print(f"/dev/shm entries left after the stop: {left or 'none'}", flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main(Path(sys.argv[1] if len(sys.argv) > 1 else "runs/overload_multinode"),
+                  float(sys.argv[2]) if len(sys.argv) > 2 else 600.0))

@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# The multi-node overload run (scripts/overload_multinode.py: three raylets on this machine, KV over
+# NIXL, a stalled NIXL peer among the faults) in a loopback-only network namespace, as
+# scripts/overload_run.sh runs the single-node one.
+#   bash scripts/overload_multinode.sh [OUT_DIR] [DURATION_S]
+set -uo pipefail
+cd "$(dirname "$0")/.."
+if [ -z "${PREFILLSHARE_NETNS:-}" ] && [ "$(id -u)" = 0 ] && unshare -n true 2>/dev/null; then
+  PREFILLSHARE_NETNS=1 exec unshare -n bash -c 'ip link set lo up && exec "$0" "$@"' "$0" "$@"
+fi
+export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false RAY_AUTH_MODE=disabled VLLM_HOST_IP=127.0.0.1
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+exec .venv/bin/python scripts/overload_multinode.py "${1:-runs/overload_multinode}" "${2:-600}"
