@@ -19,7 +19,6 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -30,12 +29,6 @@ ROOT = Path(__file__).resolve().parent.parent
 ADAPTERS = ("lookup", "tool_call", "reschedule", "route")
 ENGINE = {"dtype": "auto", "max_model_len": 1024, "kv_cache_memory_bytes": "256MiB", "block_size": 32, "max_num_seqs": 16,
           "enforce_eager": True, "threads_bind": "nobind"}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _names() -> list[str]:
@@ -153,9 +146,10 @@ def _wait(url: str, proc: subprocess.Popen, timeout_s: float) -> None:
 
 def run_vllm(args) -> dict:
     """Stock vLLM's OpenAI server on the base with prefix caching and the same adapters."""
+    from app.bench.local_cluster import free_port
     from app.engine.compute_dtype import resolve
 
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(ROOT / "checkpoints" / "base"),
            "--tokenizer", str(ROOT / "checkpoints" / "tokenizer"), "--host", "127.0.0.1", "--port", str(port),

@@ -14,10 +14,8 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import yaml
@@ -26,12 +24,6 @@ ROOT = Path(__file__).resolve().parent.parent
 PREFILL_NODE = {"num_cpus": 0, "resources": {"prefill_node": 1}}
 DECODE_NODE = {"num_cpus": 0, "resources": {"decode_node": 1}}
 APP = "prefillshare"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def app_config(tag: str, kv_port: int) -> dict:
@@ -49,24 +41,12 @@ def app_config(tag: str, kv_port: int) -> dict:
     return cfg
 
 
-def _wait_ready(url: str, timeout_s: float = 900) -> None:
-    end = time.monotonic() + timeout_s
-    while time.monotonic() < end:
-        try:
-            with urllib.request.urlopen(url + "/ready", timeout=10) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(2)
-    raise RuntimeError(f"{url}/ready never answered 200 within {timeout_s:.0f} s")
-
-
 def main(out: Path, duration_s: float) -> int:
     import ray
     from ray import serve
-    from ray.cluster_utils import Cluster
 
+    from agents import Client
+    from app.bench.local_cluster import free_port, start_local_cluster
     from app.bench.overload import FaultSpec, OverloadSpec, run
     from app.bench.overload_report import summarize, write
     from app.config import load_config
@@ -76,24 +56,20 @@ def main(out: Path, duration_s: float) -> int:
     tag = str(os.getpid())
     os.environ["RAY_TMPDIR"] = tmp = f"/tmp/ps-ovmn-{tag}"
     out.mkdir(parents=True, exist_ok=True)
-    cfg_dict = app_config(tag, _free_port())
+    cfg_dict = app_config(tag, free_port())
     (out / "app_config.yaml").write_text(yaml.safe_dump(cfg_dict, sort_keys=False))
     cfg = load_config(cfg_dict)
     shm_before = set(os.listdir("/dev/shm"))
-    cluster = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 2, "include_dashboard": False,
-        "_system_config": {"health_check_failure_threshold": 10, "memory_monitor_refresh_ms": 0}})
+    cluster = None
     try:
-        cluster.add_node(**PREFILL_NODE)
-        cluster.add_node(**DECODE_NODE)
-        ray.init(address=cluster.address, log_to_driver=False)
-        cluster.wait_for_nodes()
-        port = _free_port()
+        cluster, _ = start_local_cluster(PREFILL_NODE, DECODE_NODE, log_to_driver=False)
+        port = free_port()
         serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
         serve.run(build_kv_server(cfg), name="kv", route_prefix=None)
         serve.run(build(cfg), name=APP, route_prefix="/", blocking=False)
         url = f"http://127.0.0.1:{port}"
-        _wait_ready(url)
+        with Client(url, retries=5, backoff_s=0.5) as c:
+            c.wait_ready(timeout_s=900, interval_s=2)
         print(f"app ready; load average {os.getloadavg()}", flush=True)
         t = duration_s / 4
         faults = (f"{t:.0f}:stall:kv/KVBlockServer:20", f"{2 * t:.0f}:kill:Decode-lookup", f"{3 * t:.0f}:kill:Prefill-base")
@@ -109,7 +85,8 @@ def main(out: Path, duration_s: float) -> int:
     finally:
         serve.shutdown()
         ray.shutdown()
-        cluster.shutdown()
+        if cluster is not None:
+            cluster.shutdown()
         for p in (cfg.pool.path, cfg.pool.decode_path):
             if p:
                 shutil.rmtree(p, ignore_errors=True)

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+
+from app.bench.local_cluster import free_port
 
 TOKENIZER = Path(__file__).resolve().parent.parent / "checkpoints" / "tokenizer"
 
@@ -37,12 +38,6 @@ def post_json(url: str, body: dict, timeout: float = 120) -> tuple[int, dict]:
             return e.code, json.loads(raw)
         except ValueError:  # not the app's JSON error (a proxy's page, a dying server)
             return e.code, {"error": {"message": raw.decode(errors="replace")}}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextmanager

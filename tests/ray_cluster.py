@@ -14,33 +14,6 @@ PREFILL_NODE = {"num_cpus": 0, "resources": {"prefill_node": 1, "beta_slot": 1}}
 DECODE_NODE = {"num_cpus": 0, "resources": {"decode_node": 1, "beta_slot": 1}}
 
 
-def start_cluster():
-    """Three raylets (their temp dir: ``RAY_TMPDIR``); Ray gives a raylet a fixed 30 s to register, which a busy 2-core box can miss."""
-    import ray
-    from ray.cluster_utils import Cluster
-
-    for attempt in range(4):
-        c = None
-        try:
-            c = Cluster(initialize_head=True, head_node_args={
-                "num_cpus": 2, "include_dashboard": False,
-                # a raylet starved by other jobs on this box must not be declared dead (default 5 misses)
-                # and Ray's own memory monitor counts the other jobs' memory on this shared machine
-                # and kills our workers at 95% of it (the kernel's OOM killer still applies)
-                "_system_config": {"health_check_failure_threshold": 10, "memory_monitor_refresh_ms": 0}})
-            prefill = c.add_node(**PREFILL_NODE)
-            decode = c.add_node(**DECODE_NODE)
-            ray.init(address=c.address)
-            c.wait_for_nodes()
-            return c, {"head": c.head_node.node_id, "prefill": prefill.node_id, "decode": decode.node_id}
-        except Exception:  # noqa: BLE001 - retried, then raised
-            ray.shutdown()
-            if c is not None:
-                c.shutdown()
-            if attempt == 3:
-                raise
-
-
 class ServingCluster:
     """The started raylets (``cluster``, ``nodes``: role -> node id) and Serve on them."""
 
@@ -50,8 +23,9 @@ class ServingCluster:
     def serve(self, apps: dict) -> str:
         """Serve's one proxy on the head (``HeadOnly``: every raylet here shares the machine's
         ports); ``apps`` (name -> (application, route prefix)) run and ready. Returns the URL."""
-        from random_models import free_port
         from ray import serve
+
+        from app.bench.local_cluster import free_port
 
         port = free_port()
         serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
@@ -69,10 +43,12 @@ def serving_cluster(tag: str, dirs: tuple[str, ...] = ()):
     import ray
     from ray import serve
 
+    from app.bench.local_cluster import start_local_cluster
+
     tmp = f"/tmp/r{tag}{os.getpid()}"
     os.environ["RAY_TMPDIR"] = tmp
     try:
-        cluster, nodes = start_cluster()
+        cluster, nodes = start_local_cluster(PREFILL_NODE, DECODE_NODE)
         try:
             yield ServingCluster(cluster, nodes)
         finally:

@@ -27,12 +27,12 @@ import json
 import math
 import os
 import shutil
-import socket
 import statistics
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
+from app.bench.local_cluster import free_port
 from app.bench.models import SMALL, ModelShape
 from app.bench.stock_vllm import STOCK_SYSTEMS
 from app.bench.systems import SYSTEMS, Topology, decoder_names
@@ -123,12 +123,6 @@ def _max_model_len(cfg: ServeBenchConfig, limit: int) -> int:
 
 
 # --- cluster helpers -----------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _cluster_cpu_s() -> float:
     """User + system CPU seconds of every process this driver started (Ray, replicas, engines)."""
     import psutil
@@ -374,7 +368,7 @@ def _deployed(cfg: ServeBenchConfig, system: str, n: int, mset, topo, tokenizer:
     if system in STOCK_SYSTEMS:
         from app.bench.stock_vllm import StockServer, server_argv
 
-        argv = server_argv(system, mset.base, mset.adapters, n, topo, tokenizer, _free_port())
+        argv = server_argv(system, mset.base, mset.adapters, n, topo, tokenizer, free_port())
         server = StockServer(argv, Path(cfg.out) / f"server-{system}.log", topo.threads_bind)
         try:
             server.wait_ready(cfg.ready_timeout_s)
@@ -443,7 +437,7 @@ def run(cfg: ServeBenchConfig, log=print) -> dict:
     on_serve = any(s not in STOCK_SYSTEMS for s in cfg.systems)
     if on_serve:
         _start_ray(tmp, log)
-        port = _free_port()
+        port = free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port})
     app_url = f"http://127.0.0.1:{port}" if on_serve else ""
     points, costs, skipped, deploy_s = [], {}, [], {}
