@@ -5,29 +5,93 @@ load with a clear answer instead of letting requests queue until clients time ou
 held from admission until the response (or its stream) ends, whatever way it ends, and how it
 ended is counted per route, so that admitted = completed + failed + cancelled + in flight
 holds at every moment: no request is lost without a trace, also across a replica restart.
+
+A fixed bound lets accepted requests wait as long as the bound divided by what the app
+completes per second: 64 slots at 2 answers/s (a 2-core box at twice its saturation, engines
+restarting) is a 30 s wait. With a latency target the bound follows the load instead
+(:class:`LatencyLimit`), so accepted requests keep a bounded wait and the rest are shed.
 """
 from __future__ import annotations
 
+import math
+import time
 from typing import Literal
+
+from app.config import LimitsConfig
 
 Outcome = Literal["completed", "failed", "cancelled"]
 OUTCOMES: tuple[Outcome, ...] = ("completed", "failed", "cancelled")
 
 
+class LatencyLimit:
+    """AIMD on the wait from admission to a request's first output, as TCP does on loss.
+
+    Samples are judged a window at a time: when the window's 90th percentile exceeds the target
+    the limit shrinks by ``backoff`` (not below ``floor``); when the target is met while the
+    limit was binding (a request was turned away) it grows by a tenth (at least 1, not above
+    ``ceiling``). Each change starts an epoch, and only requests admitted in the current epoch
+    are judged: those admitted under the old limit would otherwise shrink it again.
+    """
+
+    def __init__(self, ceiling: int, floor: int, target_s: float, window: int = 16, backoff: float = 0.75):
+        if not 1 <= floor <= ceiling:
+            raise ValueError(f"LatencyLimit needs 1 <= floor ({floor}) <= ceiling ({ceiling})")
+        if target_s <= 0 or window < 1 or not 0 < backoff < 1:
+            raise ValueError("LatencyLimit needs target_s > 0, window >= 1 and 0 < backoff < 1")
+        self.ceiling, self.floor, self.target_s = ceiling, floor, target_s
+        self.window, self.backoff = window, backoff
+        self.value = float(ceiling)
+        self.epoch = 0
+        self._waits: list[float] = []
+        self._binding = False
+
+    @property
+    def limit(self) -> int:
+        return int(self.value)
+
+    def turned_away(self) -> None:
+        self._binding = True
+
+    def observe(self, wait_s: float, epoch: int) -> None:
+        if epoch != self.epoch:
+            return
+        self._waits.append(wait_s)
+        if len(self._waits) < self.window:
+            return
+        p90 = sorted(self._waits)[math.ceil(0.9 * len(self._waits)) - 1]
+        old = self.value
+        if p90 > self.target_s:
+            self.value = max(float(self.floor), self.value * self.backoff)
+        elif self._binding:
+            self.value = min(float(self.ceiling), self.value + max(1.0, self.value / 10))
+        self._waits, self._binding = [], False
+        if int(self.value) != int(old):
+            self.epoch += 1
+
+
 class Admission:
-    def __init__(self, limit: int):
+    def __init__(self, limit: int, steer: LatencyLimit | None = None):
         if limit < 1:
             raise ValueError("Admission limit must be >= 1")
-        self.limit = limit
+        if steer is not None and steer.ceiling != limit:
+            raise ValueError(f"the latency limit's ceiling ({steer.ceiling}) must be the admission limit ({limit})")
+        self.max_limit = limit
+        self.steer = steer
         self.inflight = 0
         self.admitted = 0
         self.rejected = 0
         self.outcomes: dict[str, dict[str, int]] = {}  # route -> outcome -> count
 
+    @property
+    def limit(self) -> int:
+        return self.steer.limit if self.steer else self.max_limit
+
     def try_enter(self) -> bool:
         """Take a slot; False (counted as rejected) when every slot is taken."""
         if self.inflight >= self.limit:
             self.rejected += 1
+            if self.steer:
+                self.steer.turned_away()
             return False
         self.inflight += 1
         self.admitted += 1
@@ -43,8 +107,17 @@ class Admission:
         counts[outcome] += 1
 
     def snapshot(self) -> dict:
-        return {"inflight": self.inflight, "limit": self.limit, "admitted": self.admitted,
+        return {"inflight": self.inflight, "limit": self.limit, "max_limit": self.max_limit, "admitted": self.admitted,
                 "rejected": self.rejected, "outcomes": {r: dict(c) for r, c in sorted(self.outcomes.items())}}
+
+
+def admission_for(limits: LimitsConfig) -> Admission:
+    """A Router replica's admission from the app's limits: fixed, or steered by a latency target."""
+    ceiling = limits.max_inflight_requests
+    steer = None
+    if limits.admission_target_s is not None:
+        steer = LatencyLimit(ceiling, min(limits.min_inflight_requests, ceiling), limits.admission_target_s)
+    return Admission(ceiling, steer)
 
 
 class Slot:
@@ -55,6 +128,17 @@ class Slot:
         self._admission = admission
         self._route = route
         self._held = True
+        self._since = time.monotonic()
+        self._epoch = admission.steer.epoch if admission.steer else 0
+        self._judged = False
+
+    def first_output(self, late: bool = False) -> None:
+        """The request's first output is here (or, ``late``, it never came in time): its wait
+        since admission is what the latency limit steers by. Counted once per request."""
+        steer = self._admission.steer
+        if steer and not self._judged:
+            self._judged = True
+            steer.observe(math.inf if late else time.monotonic() - self._since, self._epoch)
 
     def release(self, outcome: Outcome = "cancelled") -> None:
         if self._held:

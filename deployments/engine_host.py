@@ -17,7 +17,7 @@ from ray import serve
 
 from app.engine.async_engine import Engine, EngineConfig
 from app.engine.vllm_nixl import with_side_channel
-from deployments.metrics import ENGINE_PUSH_S, MetricsSender, engine_samples
+from deployments.metrics import ENGINE_PUSH_S, MetricsSender, engine_samples, pool_families, pool_path
 
 
 class EngineHost:
@@ -31,15 +31,26 @@ class EngineHost:
         self.replica_id = ctx.replica_id.unique_id
         self.deployment = ctx.deployment
         self.in_flight = 0
+        self._pool_path = pool_path(engine_config.kv_transfer_config)
+        self._pool = None
         if metrics is not None:
             self._engine_metrics = asyncio.get_running_loop().create_task(self._push_engine_metrics())
 
     async def _push_engine_metrics(self) -> None:
-        """vLLM's stat logger keeps this replica's vllm:* metrics; the Metrics deployment exports them."""
+        """vLLM's stat logger keeps this replica's vllm:* metrics, and its node's KV pool holds the
+        connector's counters; the Metrics deployment, on another node perhaps, exports both."""
         name = next(iter(self._identity().values()), self.deployment)
+        node = ray.get_runtime_context().get_node_id()
         while True:
             with contextlib.suppress(Exception):  # a missed push only delays the next scrape's numbers
                 self.metrics.send("engine", self.deployment, self.replica_id, engine_samples(name))
+            if self._pool_path:
+                with contextlib.suppress(Exception):  # no pool yet (its producer is starting): next time
+                    if self._pool is None:
+                        from app.engine.kv_pool import KVPool
+
+                        self._pool = KVPool.attach(self._pool_path)
+                    self.metrics.gauge("pool", node, pool_families(self._pool))
             await asyncio.sleep(ENGINE_PUSH_S)
 
     @contextlib.contextmanager

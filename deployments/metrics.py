@@ -18,8 +18,9 @@ import re
 import time
 from dataclasses import dataclass
 
+import ray
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import Metric
 from ray import serve
 
 log = logging.getLogger("ray.serve")
@@ -53,50 +54,34 @@ class PrefillRecord:
     seconds: float
 
 
-class PoolCollector:
-    """The KV pool's own state and the connector's counters, read at scrape time.
+def pool_families(pool) -> list[EngineFamily]:
+    """One node's KV pool as plain data: its state, and the counters every engine on the node
+    keeps in the pool's index (hits, misses, bytes moved, load time, evictions, fallbacks by
+    reason) under the engine's scope (prefill module or decoder name)."""
+    total = pool.stats()
+    scoped = {s: pool.stats(s).counters for s in pool.scopes()}
+    families: list[EngineFamily] = [(name, doc, "gauge", [(name, {}, float(value))]) for name, value, doc in (
+        ("prefillshare_kv_pool_capacity_bytes", total.capacity_bytes, "Pool byte capacity"),
+        ("prefillshare_kv_pool_held_bytes", total.bytes_held, "Bytes of KV blocks held"),
+        ("prefillshare_kv_pool_blocks", total.blocks, "KV blocks held"),
+        ("prefillshare_kv_pool_pinned_blocks", total.pinned_blocks, "Blocks pinned for pending fan-out loads"),
+    )]
+    events = [("prefillshare_kv_pool_events_total",
+               {"scope": scope or "pool", "event": re.sub(r"[^a-zA-Z0-9_:]", "_", event)}, float(value))
+              for scope, counters in sorted(scoped.items()) for event, value in sorted(counters.items())]
+    families.append(("prefillshare_kv_pool_events", "Connector/pool counters by engine scope", "counter", events))
+    hits, misses = total.get("hits"), total.get("misses")
+    if hits + misses:
+        name = "prefillshare_kv_pool_request_hit_ratio"
+        families.append((name, "Decoder lookups that found the whole shared prefix / all lookups", "gauge",
+                         [(name, {}, hits / (hits + misses))]))
+    return families
 
-    The pool lives in shared memory on this node; its index holds every engine's counters
-    (hits, misses, bytes moved, load time, evictions, fallbacks by reason) under the engine's
-    scope (prefill module or decoder name).
-    """
 
-    def __init__(self, path: str):
-        self.path = path
-        self._pool = None
-
-    def _open(self):
-        if self._pool is None:
-            from app.engine.kv_pool import KVPool
-
-            self._pool = KVPool.attach(self.path)
-        return self._pool
-
-    def collect(self):
-        try:
-            pool = self._open()
-            total = pool.stats()
-            scoped = {s: pool.stats(s).counters for s in pool.scopes()}
-        except Exception:  # noqa: BLE001 - a missing pool yields no samples, never a failed scrape
-            return
-        for name, value, doc in (
-            ("prefillshare_kv_pool_capacity_bytes", total.capacity_bytes, "Pool byte capacity"),
-            ("prefillshare_kv_pool_held_bytes", total.bytes_held, "Bytes of KV blocks held"),
-            ("prefillshare_kv_pool_blocks", total.blocks, "KV blocks held"),
-            ("prefillshare_kv_pool_pinned_blocks", total.pinned_blocks, "Blocks pinned for pending fan-out loads"),
-        ):
-            yield GaugeMetricFamily(name, doc, value=value)
-        events = CounterMetricFamily("prefillshare_kv_pool_events", "Connector/pool counters by engine scope",
-                                     labels=["scope", "event"])
-        for scope, counters in sorted(scoped.items()):
-            for event, value in sorted(counters.items()):
-                events.add_metric([scope or "pool", re.sub(r"[^a-zA-Z0-9_:]", "_", event)], value)
-        yield events
-        hits, misses = total.get("hits"), total.get("misses")
-        if hits + misses:
-            yield GaugeMetricFamily("prefillshare_kv_pool_request_hit_ratio",
-                                    "Decoder lookups that found the whole shared prefix / all lookups",
-                                    value=hits / (hits + misses))
+def pool_path(engine_kv_transfer_config: dict | None) -> str | None:
+    """The pool an engine's project connector writes to or reads from (None: no pool, e.g. vllm-nixl)."""
+    extra = (engine_kv_transfer_config or {}).get("kv_connector_extra_config") or {}
+    return (extra.get("pool") or {}).get("path")
 
 
 ENGINE_PUSH_S = 2.0  # how often an engine replica sends its vllm:* samples
@@ -121,36 +106,62 @@ def engine_samples(model_name: str, registry=None) -> list[EngineFamily]:
     return out
 
 
-class EngineCollector:
-    """The engines' vllm:* families, one per name, each sample labelled by its replica."""
+class PushedFamilies:
+    """Families other processes send as plain data, each sample labelled by its sender (``labels``
+    names the key's parts); a sender silent for ENGINE_STALE_S is dropped (a replica or a node
+    that is gone)."""
 
-    def __init__(self) -> None:
-        self.replicas: dict[tuple[str, str], tuple[float, list[EngineFamily]]] = {}
+    def __init__(self, labels: tuple[str, ...]) -> None:
+        self.labels = labels
+        self.senders: dict[tuple[str, ...], tuple[float, list[EngineFamily]]] = {}
 
-    def update(self, deployment: str, replica: str, families: list[EngineFamily]) -> None:
-        self.replicas[(deployment, replica)] = (time.monotonic(), families)
+    def update(self, key: tuple[str, ...], families: list[EngineFamily]) -> None:
+        self.senders[key] = (time.monotonic(), families)
 
     def collect(self):
         now = time.monotonic()
-        for key in [k for k, (t, _) in self.replicas.items() if now - t > ENGINE_STALE_S]:
-            del self.replicas[key]
+        for key in [k for k, (t, _) in self.senders.items() if now - t > ENGINE_STALE_S]:
+            del self.senders[key]
         merged: dict[str, Metric] = {}
-        for (deployment, replica), (_, families) in sorted(self.replicas.items()):
+        for key, (_, families) in sorted(self.senders.items()):
             for name, doc, kind, samples in families:
                 m = merged.setdefault(name, Metric(name, doc, kind))
                 for sample, labels, value in samples:
-                    m.add_sample(sample, {**labels, "deployment": deployment, "replica": replica}, value)
+                    m.add_sample(sample, {**labels, **dict(zip(self.labels, key))}, value)
         yield from merged.values()
+
+
+class PoolCollector(PushedFamilies):
+    """Every node's KV pool, labelled ``node``: the engine replicas of each node send theirs
+    (pools are per node with transport nixl, and on KubeRay this replica runs on the head, which
+    has none); the pool of this replica's own node, if any, is read at scrape time instead."""
+
+    def __init__(self, local_path: str | None = None, node: str = "local") -> None:
+        super().__init__(("node",))
+        self.local_path, self.node = local_path, node
+        self._pool = None
+
+    def collect(self):
+        if self.local_path:
+            try:
+                if self._pool is None:
+                    from app.engine.kv_pool import KVPool
+
+                    self._pool = KVPool.attach(self.local_path)
+                self.update((self.node,), pool_families(self._pool))
+            except Exception:  # noqa: BLE001 - a missing pool yields no samples, never a failed scrape
+                pass
+        yield from super().collect()
 
 
 class AppMetrics:
     """The registry and its instruments; pure prometheus_client, usable without Ray."""
 
-    def __init__(self, pool_path: str | None = None) -> None:
+    def __init__(self, pool_path: str | None = None, node: str = "local") -> None:
         r = self.registry = CollectorRegistry()
-        if pool_path:
-            r.register(PoolCollector(pool_path))
-        self.engines = EngineCollector()
+        self.pools = PoolCollector(pool_path, node)
+        r.register(self.pools)
+        self.engines = PushedFamilies(("deployment", "replica"))
         r.register(self.engines)
         ma = ["model", "agent"]
         self.ttft = Histogram("prefillshare_ttft_seconds", "Time to first token seen by the app",
@@ -196,6 +207,10 @@ class AppMetrics:
             "prefillshare_router_failovers",
             "Requests a project request router failed on (by exception type) and left to Serve's default choice",
             ["deployment", "error"], registry=r)
+        self.admission_limit = Gauge(
+            "prefillshare_admission_limit", "Generation requests a Router replica admits at once now "
+            "(limits.max_inflight_requests, or less while limits.admission_target_s is missed)", ["replica"],
+            registry=r)
         self.queue = Gauge("prefillshare_queue_length", "Requests in flight in a replica",
                            ["deployment", "replica"], registry=r)
         self.prefill_seconds = Histogram("prefillshare_prefill_seconds", "Prefill call latency per module",
@@ -300,7 +315,7 @@ class MetricsServer:
     """Holds the app's registry; other deployments send it events."""
 
     def __init__(self, pool_path: str | None = None) -> None:
-        self.m = AppMetrics(pool_path)
+        self.m = AppMetrics(pool_path, ray.get_runtime_context().get_node_id())
 
     def request(self, rec: RequestRecord) -> None:
         self.m.request(rec)
@@ -322,11 +337,18 @@ class MetricsServer:
     def timeout(self, route: str) -> None:
         self.m.timed_out.labels(route).inc()
 
+    def admission(self, replica: str, limit: int) -> None:
+        self.m.admission_limit.labels(replica).set(limit)
+
     def queue(self, deployment: str, replica: str, n: int) -> None:
         self.m.queue.labels(deployment, replica).set(n)
 
     def engine(self, deployment: str, replica: str, families: list[EngineFamily]) -> None:
-        self.m.engines.update(deployment, replica, families)
+        self.m.engines.update((deployment, replica), families)
+
+    def pool(self, node: str, families: list[EngineFamily]) -> None:
+        if node != self.m.pools.node or not self.m.pools.local_path:  # its own node's pool it reads itself
+            self.m.pools.update((node,), families)
 
     def render(self) -> bytes:
         return self.m.render()
@@ -340,4 +362,4 @@ class MetricsServer:
 
 
 _EVENTS = frozenset({"request", "prefill", "fallback", "router_failover", "vllm_nixl", "overloaded", "timeout", "queue",
-                     "engine"})
+                     "engine", "admission", "pool"})

@@ -33,7 +33,7 @@ from app.auth import KeyRing, Tenant, load_keyring
 from app.config import AuthConfig
 from app.plan import AppPlan
 from app.sampling import Sampling
-from deployments.admission import Admission, Outcome, Slot
+from deployments.admission import Outcome, Slot, admission_for
 from deployments.decode_call import DecoderCall, Output
 from deployments.errors import ApiError, ErrorCode, Failure, error_body
 from deployments.fanout import FanOut, Leg
@@ -147,7 +147,10 @@ class Router:
         load_grammar_backend()  # now, not in the first structured request
         self.created = int(time.time())
         self.limits = plan.limits
-        self.admission = Admission(self.limits.max_inflight_requests)
+        self.admission = admission_for(self.limits)
+        self.replica = serve.get_replica_context().replica_id.unique_id
+        self._published_limit = self.admission.limit
+        self.events.gauge("admission", self.replica, self._published_limit)
         auth = auth or AuthConfig()
         self.keys: KeyRing | None = load_keyring(auth.keys_file, auth.keys_env, auth.required)
 
@@ -173,6 +176,14 @@ class Router:
             raise _overloaded(f"server busy: {self.admission.limit} requests in flight on this replica; retry later",
                               self.limits.retry_after_s)
         return Slot(self.admission, route)
+
+    def _judge(self, slot: Slot, late: bool = False) -> None:
+        """Feed a request's wait for its first output to the latency limit; a changed limit is
+        published as ``prefillshare_admission_limit`` of this replica."""
+        slot.first_output(late)
+        if self.admission.limit != self._published_limit:
+            self._published_limit = self.admission.limit
+            self.events.gauge("admission", self.replica, self._published_limit)
 
     def _unavailable(self, e: Exception) -> ApiError:
         return ApiError(503, f"service unavailable: {type(e).__name__}: {e}", None, "unavailable", "server_error",
@@ -224,7 +235,10 @@ class Router:
                     except _ReplicaGone as gone:
                         raise self._unavailable(gone.cause) from None
             if isinstance(head, DecodeChunk) and head.error:
+                if head.error.code is ErrorCode.OVERLOADED:
+                    self._judge(slot, late=True)  # shed downstream: the app is past its load
                 raise self._failure(head.error, route)
+            self._judge(slot)
             if stream:
                 streaming = True
                 return StreamingResponse(self._sse(events(head, call), call, slot, route, deadline),
@@ -238,7 +252,12 @@ class Router:
             return result
         except TimeoutError:
             call.cancel()
+            self._judge(slot, late=True)  # no-op when its first output had come
             raise self._failure(self._timed_out(route), route) from None
+        except ApiError as e:
+            if e.status == 429:  # a Serve queue downstream was full
+                self._judge(slot, late=True)
+            raise
         except asyncio.CancelledError:
             outcome = "cancelled"
             raise

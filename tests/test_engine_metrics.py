@@ -27,9 +27,9 @@ def test_a_replica_sends_only_vllm_families_named_by_the_served_model():
 
 def test_metrics_export_each_replicas_samples_labelled_by_deployment_and_replica():
     m = AppMetrics()
-    m.engines.update("Decode-alpha", "r1", engine_samples("alpha", _engine_registry("/m/a")))
-    m.engines.update("Decode-alpha", "r2", engine_samples("alpha", _engine_registry("/m/a")))
-    m.engines.update("Prefill-base", "p1", engine_samples("base", _engine_registry("/m/b")))
+    m.engines.update(("Decode-alpha", "r1"), engine_samples("alpha", _engine_registry("/m/a")))
+    m.engines.update(("Decode-alpha", "r2"), engine_samples("alpha", _engine_registry("/m/a")))
+    m.engines.update(("Prefill-base", "p1"), engine_samples("base", _engine_registry("/m/b")))
     text = m.render().decode()
     assert text.count("# TYPE vllm:prompt_tokens") == 1  # one family, every replica's samples
     for replica in ("r1", "r2"):
@@ -41,7 +41,7 @@ def test_metrics_export_each_replicas_samples_labelled_by_deployment_and_replica
 
 def test_a_silent_replica_drops_out(monkeypatch):
     m = AppMetrics()
-    m.engines.update("Decode-alpha", "gone", engine_samples("alpha", _engine_registry("/m/a")))
+    m.engines.update(("Decode-alpha", "gone"), engine_samples("alpha", _engine_registry("/m/a")))
     now = metrics.time.monotonic()
     monkeypatch.setattr(metrics.time, "monotonic", lambda: now + metrics.ENGINE_STALE_S + 1)
     assert "vllm:" not in generate_latest(m.registry).decode()

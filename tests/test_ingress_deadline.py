@@ -10,7 +10,7 @@ import json
 import pytest
 
 from app.config import LimitsConfig
-from deployments.admission import Admission
+from deployments.admission import Admission, LatencyLimit
 from deployments.errors import ApiError
 from deployments.router import Router
 
@@ -21,6 +21,8 @@ class _Events:
 
     def send(self, method, *args):
         self.sent.append((method, *args))
+
+    gauge = send
 
 
 class _Call:
@@ -46,11 +48,12 @@ class _Call:
 _ROUTER = next(c for c in Router.func_or_class.__mro__ if c.__name__ == "Router" and "__del__" not in vars(c))
 
 
-def _router(timeout_s: float):
+def _router(timeout_s: float, admission: Admission | None = None):
     r = object.__new__(_ROUTER)
     r.limits = LimitsConfig(request_timeout_s=timeout_s)
-    r.admission = Admission(4)
+    r.admission = admission or Admission(4)
     r.events = _Events()
+    r.replica, r._published_limit = "replica-0", r.admission.limit
     return r
 
 
@@ -112,3 +115,40 @@ def test_an_answer_within_its_deadline_is_untouched():
     assert not call.cancelled
     assert r.admission.snapshot()["outcomes"]["completions"]["completed"] == 1
     assert not [e for e in r.events.sent if e[0] == "timeout"]
+
+
+def test_slow_first_outputs_shrink_the_admission_limit_and_the_router_sheds_past_it():
+    """Requests whose first output takes longer than the target shrink the limit (published as a
+    gauge); a request beyond the smaller limit gets 429 while the old limit would have admitted it."""
+    r = _router(5.0, Admission(8, LatencyLimit(8, 2, target_s=0.01, window=4)))
+
+    async def run():
+        for _ in range(4):  # each first output comes after 30 ms, past the 10 ms target
+            await r._serve("completions", lambda: _Late(0.03), False, _events, _collect)
+        held = [asyncio.create_task(r._serve("completions", lambda: _Call(items=["a"]), False, _events,
+                                             _collect)) for _ in range(6)]
+        await asyncio.sleep(0.05)
+        with pytest.raises(ApiError) as e:
+            await r._serve("completions", lambda: _Call(items=["a"]), False, _events, _collect)
+        for t in held:
+            t.cancel()
+        await asyncio.gather(*held, return_exceptions=True)
+        return e.value
+
+    err = asyncio.run(run())
+    assert r.admission.limit == 6 and ("admission", "replica-0", 6) in r.events.sent
+    assert (err.status, err.code) == (429, "overloaded") and "6 requests in flight" in err.message
+    assert r.admission.inflight == 0
+
+
+class _Late(_Call):
+    """One item, after ``delay_s``."""
+
+    def __init__(self, delay_s: float):
+        super().__init__(items=["a"], hang_s=0)
+        self.delay_s = delay_s
+
+    async def __anext__(self):
+        if self.items:
+            await asyncio.sleep(self.delay_s)
+        return await super().__anext__()

@@ -12,8 +12,8 @@ import pytest
 import yaml
 
 from app.auth import AuthError, KeyRing, load_keyring, tenant_salt
-from app.config import ConfigError, load_config
-from deployments.admission import Admission, Slot
+from app.config import ConfigError, LimitsConfig, load_config
+from deployments.admission import Admission, LatencyLimit, Slot, admission_for
 from deployments.prompts import locality_keys
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -217,3 +217,46 @@ def test_every_error_code_has_one_http_shape_used_for_json_and_streams():
         assert err.message == f"{code.value}: why" and set(err.body()["error"]) == {"message", "type", "param", "code"}
         assert (err.headers or {}).get("Retry-After") == ("7" if shape.retry_after else None)
     assert HTTP[ErrorCode.OVERLOADED].status == 429 and HTTP[ErrorCode.DECODER_UNAVAILABLE].status == 503
+
+
+def test_latency_limit_shrinks_on_a_slow_window_and_grows_back_only_while_binding():
+    lim = LatencyLimit(ceiling=64, floor=8, target_s=1.0, window=4)
+    for wait in (0.1, 0.2, 0.3, 5.0):  # one slow sample of four: the 90th percentile is 5 s
+        lim.observe(wait, lim.epoch)
+    assert lim.limit == 48 and lim.epoch == 1
+    lim.observe(9.0, 0)  # admitted under the old limit: not judged
+    for _ in range(40):
+        for _ in range(4):
+            lim.observe(9.0, lim.epoch)
+    assert lim.limit == 8  # never below the floor
+    for _ in range(4):
+        lim.observe(0.1, lim.epoch)
+    assert lim.limit == 8  # fast, but nobody was turned away: no reason to admit more
+    lim.turned_away()
+    for _ in range(4):
+        lim.observe(0.1, lim.epoch)
+    assert lim.limit == 9
+    for _ in range(200):
+        lim.turned_away()
+        lim.observe(0.1, lim.epoch)
+    assert lim.limit == 64  # never above the ceiling
+    lim.observe(float("inf"), lim.epoch)  # a request that timed out counts as slow
+    for _ in range(3):
+        lim.observe(0.1, lim.epoch)
+    assert lim.limit == 48
+
+
+def test_admission_steered_by_latency_turns_away_past_the_current_limit():
+    adm = admission_for(LimitsConfig(max_inflight_requests=4, min_inflight_requests=8, admission_target_s=0.5))
+    assert adm.steer.floor == 4 and adm.limit == 4  # the floor is at most the ceiling
+    assert admission_for(LimitsConfig()).steer is None  # no target: the fixed bound of today
+    adm = Admission(16, LatencyLimit(16, 2, 1.0, window=2))
+    slots = [Slot(adm, "chat") for _ in range(2) if adm.try_enter()]
+    for s in slots:
+        s.first_output(late=True)
+        s.first_output()  # judged once
+        s.release("failed")
+    assert adm.limit == 12 and adm.snapshot()["max_limit"] == 16
+    assert all(adm.try_enter() for _ in range(12)) and not adm.try_enter()
+    with pytest.raises(ValueError, match="ceiling"):
+        Admission(8, LatencyLimit(16, 2, 1.0))

@@ -44,11 +44,46 @@ def test_pool_counters_are_exported_per_scope(tmp_path):
     pool = KVPool(PoolSpec(str(tmp_path / "pool"), capacity_bytes=1 << 20))
     pool.add("alpha", {"hits": 3, "misses": 1, "bytes_moved": 4096, "fallback:missing": 1})
     pool.flush()
-    s = _samples(AppMetrics(str(tmp_path / "pool")))
-    assert s["prefillshare_kv_pool_events_total{event=hits,scope=alpha}"] == 3
-    assert s["prefillshare_kv_pool_events_total{event=fallback:missing,scope=alpha}"] == 1
-    assert s["prefillshare_kv_pool_request_hit_ratio{}"] == 0.75
-    assert s["prefillshare_kv_pool_capacity_bytes{}"] == 1 << 20
+    s = _samples(AppMetrics(str(tmp_path / "pool"), node="n0"))
+    assert s["prefillshare_kv_pool_events_total{event=hits,node=n0,scope=alpha}"] == 3
+    assert s["prefillshare_kv_pool_events_total{event=fallback:missing,node=n0,scope=alpha}"] == 1
+    assert s["prefillshare_kv_pool_request_hit_ratio{node=n0}"] == 0.75
+    assert s["prefillshare_kv_pool_capacity_bytes{node=n0}"] == 1 << 20
+
+
+def test_pools_of_other_nodes_arrive_from_their_engines_labelled_by_node(tmp_path, monkeypatch):
+    """With transport nixl every node has its own pool and the Metrics replica (the head's, on
+    KubeRay) has none: each node's engines send theirs, and a node silent too long drops out."""
+    from app.engine.kv_pool import KVPool, PoolSpec
+    from deployments import metrics
+
+    pools = {}
+    for node, cap in (("prefill-node", 1 << 20), ("decode-node", 2 << 20)):
+        pools[node] = KVPool(PoolSpec(str(tmp_path / node), capacity_bytes=cap))
+        pools[node].add("base" if node == "prefill-node" else "alpha", {"hits": 1})
+        pools[node].flush()
+    m = AppMetrics()  # no pool on this replica's node
+    for node, pool in pools.items():
+        m.pools.update((node,), metrics.pool_families(pool))
+    s = _samples(m)
+    assert s["prefillshare_kv_pool_capacity_bytes{node=prefill-node}"] == 1 << 20
+    assert s["prefillshare_kv_pool_capacity_bytes{node=decode-node}"] == 2 << 20
+    assert s["prefillshare_kv_pool_events_total{event=hits,node=decode-node,scope=alpha}"] == 1
+    assert "prefillshare_kv_pool_events_total{event=hits,node=prefill-node,scope=alpha}" not in s
+    now = metrics.time.monotonic()
+    monkeypatch.setattr(metrics.time, "monotonic", lambda: now + metrics.ENGINE_STALE_S + 1)
+    m.pools.update(("decode-node",), metrics.pool_families(pools["decode-node"]))
+    s = _samples(m)
+    assert "prefillshare_kv_pool_capacity_bytes{node=prefill-node}" not in s  # gone silent: dropped
+    assert s["prefillshare_kv_pool_capacity_bytes{node=decode-node}"] == 2 << 20
+
+
+def test_an_engines_pool_is_the_one_its_connector_config_names():
+    from deployments.metrics import pool_path
+
+    assert pool_path({"kv_connector": "X", "kv_connector_extra_config": {"pool": {"path": "/dev/shm/p"}}}) == "/dev/shm/p"
+    assert pool_path({"kv_connector": "NixlConnector", "kv_role": "kv_both"}) is None
+    assert pool_path(None) is None
 
 
 def test_missing_pool_never_fails_a_scrape(tmp_path):
@@ -57,3 +92,21 @@ def test_missing_pool_never_fails_a_scrape(tmp_path):
     text = AppMetrics(str(f)).render().decode()
     assert "# TYPE prefillshare_ttft_seconds histogram" in text
     assert "prefillshare_kv_pool_held_bytes" not in text
+
+
+def test_the_overload_report_sums_the_pool_gauges_over_nodes(monkeypatch):
+    import httpx
+
+    from app.bench.overload import pool_gauges
+
+    def gauge(name, value):
+        return (name, "", "gauge", [(name, {}, value)])
+
+    m = AppMetrics()
+    m.pools.update(("a",), [gauge("prefillshare_kv_pool_held_bytes", 100.0),
+                            gauge("prefillshare_kv_pool_pinned_blocks", 2.0)])
+    m.pools.update(("b",), [gauge("prefillshare_kv_pool_held_bytes", 50.0)])
+    monkeypatch.setattr(httpx, "get", lambda url, timeout: type("R", (), {"text": m.render().decode()})())
+    assert pool_gauges("http://x") == {"held_bytes": 150.0, "pinned_blocks": 2.0}
+    m.pools.senders.clear()
+    assert pool_gauges("http://x") == {}  # no pool anywhere: nothing to plot, not zeros

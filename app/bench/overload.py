@@ -345,19 +345,17 @@ _POOL_GAUGES = ("prefillshare_kv_pool_pinned_blocks", "prefillshare_kv_pool_held
 
 
 def pool_gauges(url: str) -> dict:
-    """The pool's gauges from the app's /metrics (empty when the app does not answer)."""
+    """The pools' gauges from the app's /metrics, summed over nodes (empty when the app does not answer)."""
     import httpx
 
+    from app.bench.report import metric_sum, parse_metrics
+
     try:
-        text = httpx.get(url + "/metrics", timeout=10).text
+        m = parse_metrics(httpx.get(url + "/metrics", timeout=10).text)
     except Exception:  # noqa: BLE001 - a sample missed while a replica restarts
         return {}
-    out = {}
-    for line in text.splitlines():
-        name, _, value = line.partition(" ")
-        if name in _POOL_GAUGES:
-            out[name.removeprefix("prefillshare_kv_pool_")] = float(value)
-    return out
+    return {name.removeprefix("prefillshare_kv_pool_"): metric_sum(m, name)
+            for name in _POOL_GAUGES if any(n == name for n, _ in m)}
 
 
 def fallbacks(url: str) -> dict[str, float] | None:
