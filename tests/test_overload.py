@@ -125,6 +125,11 @@ def test_report_measures_recovery_drift_leaks_and_accounting():
     assert lost["faults"][0]["recovery_s"] is None and not lost["promises"]["recovered"]
     grow = [dict(m, engine_rss_bytes=200 + 10 * m["t_s"]) for m in mem]
     assert not summarize(_raw(fast + back, [], grow))["promises"]["no_leaks"]
+    # the pool's slab fills /dev/shm as its cache fills: judged without it; anything else growing there is a leak
+    cache = [dict(m, held_bytes=10 + 4 * m["t_s"], dev_shm_used_bytes=50 + 4 * m["t_s"]) for m in mem]
+    assert summarize(_raw(fast + back, [], cache))["promises"]["no_leaks"]
+    shm = [dict(m, dev_shm_used_bytes=m["dev_shm_used_bytes"] + 2 * m["t_s"]) for m in cache]
+    assert not summarize(_raw(fast + back, [], shm))["promises"]["no_leaks"]
 
 
 def test_the_multinode_runs_config_loads_and_places_engines_on_both_nodes():

@@ -94,10 +94,10 @@ def test_missing_pool_never_fails_a_scrape(tmp_path):
     assert "prefillshare_kv_pool_held_bytes" not in text
 
 
-def test_the_overload_report_sums_the_pool_gauges_over_nodes(monkeypatch):
+def test_the_overload_report_sums_the_pool_gauges_over_nodes_and_the_admission_bounds(monkeypatch):
     import httpx
 
-    from app.bench.overload import pool_gauges
+    from app.bench.overload import app_gauges
 
     def gauge(name, value):
         return (name, "", "gauge", [(name, {}, value)])
@@ -107,6 +107,8 @@ def test_the_overload_report_sums_the_pool_gauges_over_nodes(monkeypatch):
                             gauge("prefillshare_kv_pool_pinned_blocks", 2.0)])
     m.pools.update(("b",), [gauge("prefillshare_kv_pool_held_bytes", 50.0)])
     monkeypatch.setattr(httpx, "get", lambda url, timeout: type("R", (), {"text": m.render().decode()})())
-    assert pool_gauges("http://x") == {"held_bytes": 150.0, "pinned_blocks": 2.0}
+    m.admission_limit.labels("r1").set(12)
+    m.admission_limit.labels("r2").set(64)
+    assert app_gauges("http://x") == {"held_bytes": 150.0, "pinned_blocks": 2.0, "admission_limit": 76.0}
     m.pools.senders.clear()
-    assert pool_gauges("http://x") == {}  # no pool anywhere: nothing to plot, not zeros
+    assert "held_bytes" not in app_gauges("http://x")  # no pool anywhere: nothing to plot, not zeros

@@ -317,7 +317,7 @@ class Sampler:
 
     def _loop(self) -> None:
         while not self._stop.is_set():
-            self.rows.append({"t_s": time.perf_counter() - self._t0, **memory_now(self.app), **pool_gauges(self.url)})
+            self.rows.append({"t_s": time.perf_counter() - self._t0, **memory_now(self.app), **app_gauges(self.url)})
             self._stop.wait(self.period_s)
 
 
@@ -341,11 +341,13 @@ def memory_now(app: str) -> dict:
             "dev_shm_used_bytes": (st.f_blocks - st.f_bfree) * st.f_frsize}
 
 
-_POOL_GAUGES = ("prefillshare_kv_pool_pinned_blocks", "prefillshare_kv_pool_held_bytes", "prefillshare_kv_pool_blocks")
+_GAUGES = {"prefillshare_kv_pool_pinned_blocks": "pinned_blocks", "prefillshare_kv_pool_held_bytes": "held_bytes",
+           "prefillshare_kv_pool_blocks": "blocks", "prefillshare_admission_limit": "admission_limit"}
 
 
-def pool_gauges(url: str) -> dict:
-    """The pools' gauges from the app's /metrics, summed over nodes (empty when the app does not answer)."""
+def app_gauges(url: str) -> dict:
+    """The pools' gauges (summed over nodes) and the Routers' admission bound (summed over
+    replicas) from the app's /metrics; empty when the app does not answer."""
     import httpx
 
     from app.bench.report import metric_sum, parse_metrics
@@ -354,8 +356,8 @@ def pool_gauges(url: str) -> dict:
         m = parse_metrics(httpx.get(url + "/metrics", timeout=10).text)
     except Exception:  # noqa: BLE001 - a sample missed while a replica restarts
         return {}
-    return {name.removeprefix("prefillshare_kv_pool_"): metric_sum(m, name)
-            for name in _POOL_GAUGES if any(n == name for n, _ in m)}
+    present = {n for n, _ in m}
+    return {key: metric_sum(m, name) for name, key in _GAUGES.items() if name in present}
 
 
 def fallbacks(url: str) -> dict[str, float] | None:
@@ -441,7 +443,7 @@ def run(spec: OverloadSpec, log=print) -> dict:
         time.sleep(2)
     time.sleep(spec.settle_s)  # fan-out pins whose decoders never came expire after the pool's lease
     mem = sampler.stop()
-    mem.append({"t_s": time.perf_counter() - t0, **memory_now(spec.app), **pool_gauges(spec.url)})
+    mem.append({"t_s": time.perf_counter() - t0, **memory_now(spec.app), **app_gauges(spec.url)})
     return {"spec": _spec_dict(spec), "saturation_per_s": saturation, "rate_per_s": rate, "search": search,
             "wall_s": wall, "samples": [s.__dict__ for s in samples], "memory": mem, "faults": clock.fired,
             "server_before": before, "server_after": admission(spec.url),

@@ -9,7 +9,7 @@ Each promise of docs/reliability.md "Overload and faults" is one boolean in
   ``RECOVERY_FACTOR`` of its value before the fault within ``RECOVERY_LIMIT_S``;
 - no_drift: the last minute's p95 within ``RECOVERY_FACTOR`` of the first minute's;
 - no_leaks: process memory and /dev/shm flat (last minute's median within ``LEAK_FACTOR`` of the
-  first's; the pool's held bytes are a cache and only reported) and no pinned blocks once
+  first's; the pool's held bytes are a cache, only reported, and /dev/shm is judged without them) and no pinned blocks once
   traffic stopped and the pins' lease ran out;
 - server_accounted: the Router's own counts balance (admitted = completed + failed + cancelled).
 
@@ -83,8 +83,14 @@ def _median(rows: list[dict], key: str, start: float, end: float) -> float | Non
 
 
 def leaks(memory: list[dict], duration_s: float) -> dict:
+    """First and last minute's medians of each memory series. The KV pool's slab is in /dev/shm and
+    fills as the cache does, so /dev/shm is also given without the pool's held bytes
+    (``dev_shm_beyond_pool_bytes``): what anything else the app made there takes."""
+    memory = [{**r, "dev_shm_beyond_pool_bytes": r["dev_shm_used_bytes"] - r["held_bytes"]}
+              if "dev_shm_used_bytes" in r and "held_bytes" in r else r for r in memory]
     out = {}
-    for key in ("replica_rss_bytes", "engine_rss_bytes", "dev_shm_used_bytes", "held_bytes"):
+    for key in ("replica_rss_bytes", "engine_rss_bytes", "dev_shm_used_bytes", "dev_shm_beyond_pool_bytes",
+                "held_bytes"):
         first, last = _median(memory, key, 0, 60), _median(memory, key, duration_s - 60, duration_s)
         out[key] = {"first_minute": first, "last_minute": last,
                     "ratio": last / first if first and last is not None else None}
@@ -116,9 +122,11 @@ def summarize(raw: dict) -> dict:
     first, last = _p95(samples, 0, 60), _p95(samples, duration - 60, duration)
     mem = leaks(raw["memory"], duration)
     acc = accounting(raw)
-    # the pool's held bytes are a cache that fills by design: reported, not judged
+    # the pool's held bytes are a cache that fills by design: reported, not judged; /dev/shm is
+    # judged without them where the pool was sampled
+    unjudged = {"held_bytes"} | ({"dev_shm_used_bytes"} if mem["dev_shm_beyond_pool_bytes"]["ratio"] else set())
     flat = all(v["ratio"] is None or v["ratio"] <= LEAK_FACTOR for k, v in mem.items()
-               if isinstance(v, dict) and k != "held_bytes")
+               if isinstance(v, dict) and k not in unjudged)
     promises = {
         "nothing_lost": not any(k.startswith("lost") for k in outcomes),
         "shed_with_retry_after": "lost 429 without Retry-After" not in outcomes,
@@ -186,6 +194,14 @@ def plot(raw: dict, report: dict, path: Path) -> None:
     ax[1].plot(t, [r["completed_per_s"] for r in rows], label="complete answers/s")
     ax[1].plot(t, [r["outcomes"].get("shed", 0) / w for r in rows], label="shed (429)/s")
     ax[1].set_ylabel("per second")
+    bound = [m for m in raw["memory"] if "admission_limit" in m]
+    if bound:  # the Routers' admission bound (steered by limits.admission_target_s)
+        twin = ax[1].twinx()
+        twin.plot([m["t_s"] for m in bound], [m["admission_limit"] for m in bound], color="grey",
+                  linestyle=":", label="admitted at once, at most")
+        twin.set_ylabel("requests")
+        twin.set_ylim(bottom=0)
+        twin.legend(fontsize=7, loc="upper right")
     codes = sorted({k for r in rows for k in r["outcomes"] if k not in ("ok", "shed", "bad_input_ok")})
     bottom = [0.0] * len(rows)
     for code in codes:
@@ -195,7 +211,7 @@ def plot(raw: dict, report: dict, path: Path) -> None:
     ax[2].set_ylabel("other outcomes per window")
     mem = raw["memory"]
     for key, label in (("replica_rss_bytes", "replica RSS"), ("engine_rss_bytes", "engine RSS"),
-                       ("dev_shm_used_bytes", "/dev/shm used")):
+                       ("dev_shm_used_bytes", "/dev/shm used"), ("held_bytes", "KV pool held (in /dev/shm)")):
         ax[3].plot([m["t_s"] for m in mem], [m.get(key, 0) / 2**30 for m in mem], label=label)
     ax[3].set_ylabel("GiB")
     ax[3].set_xlabel("seconds since the overload phase started")
