@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import socket
 from collections.abc import Iterator
 
 import ray
@@ -40,7 +41,7 @@ class EngineHost:
         """vLLM's stat logger keeps this replica's vllm:* metrics, and its node's KV pool holds the
         connector's counters; the Metrics deployment, on another node perhaps, exports both."""
         name = next(iter(self._identity().values()), self.deployment)
-        node = ray.get_runtime_context().get_node_id()
+        host = socket.gethostname()
         while True:
             with contextlib.suppress(Exception):  # a missed push only delays the next scrape's numbers
                 self.metrics.send("engine", self.deployment, self.replica_id, engine_samples(name))
@@ -50,7 +51,7 @@ class EngineHost:
                         from app.engine.kv_pool import KVPool
 
                         self._pool = KVPool.attach(self._pool_path)
-                    self.metrics.gauge("pool", node, pool_families(self._pool))
+                    self.metrics.gauge("pool", host, self._pool_path, pool_families(self._pool))
             await asyncio.sleep(ENGINE_PUSH_S)
 
     @contextlib.contextmanager

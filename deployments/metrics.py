@@ -15,10 +15,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
+import socket
 import time
 from dataclasses import dataclass
 
-import ray
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import Metric
 from ray import serve
@@ -132,13 +132,15 @@ class PushedFamilies:
 
 
 class PoolCollector(PushedFamilies):
-    """Every node's KV pool, labelled ``node``: the engine replicas of each node send theirs
-    (pools are per node with transport nixl, and on KubeRay this replica runs on the head, which
-    has none); the pool of this replica's own node, if any, is read at scrape time instead."""
+    """Every KV pool of the app, labelled by its host (``node``) and its path (``pool``): the
+    engine replicas of each node send their pool's (pools are per node with transport nixl, and
+    on KubeRay this replica runs on the head, which has none); a pool on this replica's own host
+    is read at scrape time instead. One pool seen by several nodes of one host (test clusters
+    of several raylets on one machine) is one series, not one per raylet."""
 
-    def __init__(self, local_path: str | None = None, node: str = "local") -> None:
-        super().__init__(("node",))
-        self.local_path, self.node = local_path, node
+    def __init__(self, local_path: str | None = None, host: str = "local") -> None:
+        super().__init__(("node", "pool"))
+        self.local_path, self.host = local_path, host
         self._pool = None
 
     def collect(self):
@@ -148,7 +150,7 @@ class PoolCollector(PushedFamilies):
                     from app.engine.kv_pool import KVPool
 
                     self._pool = KVPool.attach(self.local_path)
-                self.update((self.node,), pool_families(self._pool))
+                self.update((self.host, self.local_path), pool_families(self._pool))
             except Exception:  # noqa: BLE001 - a missing pool yields no samples, never a failed scrape
                 pass
         yield from super().collect()
@@ -157,9 +159,9 @@ class PoolCollector(PushedFamilies):
 class AppMetrics:
     """The registry and its instruments; pure prometheus_client, usable without Ray."""
 
-    def __init__(self, pool_path: str | None = None, node: str = "local") -> None:
+    def __init__(self, pool_path: str | None = None, host: str = "local") -> None:
         r = self.registry = CollectorRegistry()
-        self.pools = PoolCollector(pool_path, node)
+        self.pools = PoolCollector(pool_path, host)
         r.register(self.pools)
         self.engines = PushedFamilies(("deployment", "replica"))
         r.register(self.engines)
@@ -315,7 +317,7 @@ class MetricsServer:
     """Holds the app's registry; other deployments send it events."""
 
     def __init__(self, pool_path: str | None = None) -> None:
-        self.m = AppMetrics(pool_path, ray.get_runtime_context().get_node_id())
+        self.m = AppMetrics(pool_path, socket.gethostname())
 
     def request(self, rec: RequestRecord) -> None:
         self.m.request(rec)
@@ -346,9 +348,8 @@ class MetricsServer:
     def engine(self, deployment: str, replica: str, families: list[EngineFamily]) -> None:
         self.m.engines.update((deployment, replica), families)
 
-    def pool(self, node: str, families: list[EngineFamily]) -> None:
-        if node != self.m.pools.node or not self.m.pools.local_path:  # its own node's pool it reads itself
-            self.m.pools.update((node,), families)
+    def pool(self, host: str, path: str, families: list[EngineFamily]) -> None:
+        self.m.pools.update((host, path), families)
 
     def render(self) -> bytes:
         return self.m.render()

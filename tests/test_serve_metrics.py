@@ -44,11 +44,14 @@ def test_pool_counters_are_exported_per_scope(tmp_path):
     pool = KVPool(PoolSpec(str(tmp_path / "pool"), capacity_bytes=1 << 20))
     pool.add("alpha", {"hits": 3, "misses": 1, "bytes_moved": 4096, "fallback:missing": 1})
     pool.flush()
-    s = _samples(AppMetrics(str(tmp_path / "pool"), node="n0"))
-    assert s["prefillshare_kv_pool_events_total{event=hits,node=n0,scope=alpha}"] == 3
-    assert s["prefillshare_kv_pool_events_total{event=fallback:missing,node=n0,scope=alpha}"] == 1
-    assert s["prefillshare_kv_pool_request_hit_ratio{node=n0}"] == 0.75
-    assert s["prefillshare_kv_pool_capacity_bytes{node=n0}"] == 1 << 20
+    path = str(tmp_path / "pool")
+    m = AppMetrics(path, host="h0")
+    m.pools.update(("h0", path), [])  # an engine of this host sent its (older) view: the scrape reads the pool
+    s = _samples(m)
+    assert s[f"prefillshare_kv_pool_events_total{{event=hits,node=h0,pool={path},scope=alpha}}"] == 3
+    assert s[f"prefillshare_kv_pool_events_total{{event=fallback:missing,node=h0,pool={path},scope=alpha}}"] == 1
+    assert s[f"prefillshare_kv_pool_request_hit_ratio{{node=h0,pool={path}}}"] == 0.75
+    assert s[f"prefillshare_kv_pool_capacity_bytes{{node=h0,pool={path}}}"] == 1 << 20
 
 
 def test_pools_of_other_nodes_arrive_from_their_engines_labelled_by_node(tmp_path, monkeypatch):
@@ -64,18 +67,20 @@ def test_pools_of_other_nodes_arrive_from_their_engines_labelled_by_node(tmp_pat
         pools[node].flush()
     m = AppMetrics()  # no pool on this replica's node
     for node, pool in pools.items():
-        m.pools.update((node,), metrics.pool_families(pool))
+        m.pools.update((node, "/dev/shm/p"), metrics.pool_families(pool))
+    m.pools.update(("decode-node", "/dev/shm/p"), metrics.pool_families(pools["decode-node"]))  # its second engine
     s = _samples(m)
-    assert s["prefillshare_kv_pool_capacity_bytes{node=prefill-node}"] == 1 << 20
-    assert s["prefillshare_kv_pool_capacity_bytes{node=decode-node}"] == 2 << 20
-    assert s["prefillshare_kv_pool_events_total{event=hits,node=decode-node,scope=alpha}"] == 1
-    assert "prefillshare_kv_pool_events_total{event=hits,node=prefill-node,scope=alpha}" not in s
+    assert s["prefillshare_kv_pool_capacity_bytes{node=prefill-node,pool=/dev/shm/p}"] == 1 << 20
+    assert s["prefillshare_kv_pool_capacity_bytes{node=decode-node,pool=/dev/shm/p}"] == 2 << 20
+    assert s["prefillshare_kv_pool_events_total{event=hits,node=decode-node,pool=/dev/shm/p,scope=alpha}"] == 1
+    assert "prefillshare_kv_pool_events_total{event=hits,node=prefill-node,pool=/dev/shm/p,scope=alpha}" not in s
+    assert sum(v for k, v in s.items() if k.startswith("prefillshare_kv_pool_capacity_bytes")) == 3 << 20
     now = metrics.time.monotonic()
     monkeypatch.setattr(metrics.time, "monotonic", lambda: now + metrics.ENGINE_STALE_S + 1)
-    m.pools.update(("decode-node",), metrics.pool_families(pools["decode-node"]))
+    m.pools.update(("decode-node", "/dev/shm/p"), metrics.pool_families(pools["decode-node"]))
     s = _samples(m)
-    assert "prefillshare_kv_pool_capacity_bytes{node=prefill-node}" not in s  # gone silent: dropped
-    assert s["prefillshare_kv_pool_capacity_bytes{node=decode-node}"] == 2 << 20
+    assert "prefillshare_kv_pool_capacity_bytes{node=prefill-node,pool=/dev/shm/p}" not in s  # gone silent
+    assert s["prefillshare_kv_pool_capacity_bytes{node=decode-node,pool=/dev/shm/p}"] == 2 << 20
 
 
 def test_an_engines_pool_is_the_one_its_connector_config_names():
@@ -103,9 +108,9 @@ def test_the_overload_report_sums_the_pool_gauges_over_nodes_and_the_admission_b
         return (name, "", "gauge", [(name, {}, value)])
 
     m = AppMetrics()
-    m.pools.update(("a",), [gauge("prefillshare_kv_pool_held_bytes", 100.0),
-                            gauge("prefillshare_kv_pool_pinned_blocks", 2.0)])
-    m.pools.update(("b",), [gauge("prefillshare_kv_pool_held_bytes", 50.0)])
+    m.pools.update(("a", "/p"), [gauge("prefillshare_kv_pool_held_bytes", 100.0),
+                                 gauge("prefillshare_kv_pool_pinned_blocks", 2.0)])
+    m.pools.update(("b", "/p"), [gauge("prefillshare_kv_pool_held_bytes", 50.0)])
     monkeypatch.setattr(httpx, "get", lambda url, timeout: type("R", (), {"text": m.render().decode()})())
     m.admission_limit.labels("r1").set(12)
     m.admission_limit.labels("r2").set(64)
