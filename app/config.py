@@ -286,10 +286,10 @@ class LimitsConfig(_Strict):
         "at once instead of queueing (must stay below router.max_ongoing_requests)"
     )
     admission_target_s: float | None = Field(
-        None, gt=0, description="the wait from admission to a request's first output that admission steers "
+        None, gt=0, description="the time from admission to a request's complete answer that admission steers "
         "to: while the 90th percentile over a window of requests exceeds it, a Router replica admits fewer at "
         "once (down to min_inflight_requests) and sheds the rest with 429, and more again while it is met; "
-        "null: a fixed bound of max_inflight_requests")
+        "null: a fixed bound of max_inflight_requests. Set it above the answers' time at a load they meet")
     min_inflight_requests: int = Field(
         8, ge=1, description="the fewest requests admission_target_s may leave a Router replica to run at once "
         "(at most max_inflight_requests)")

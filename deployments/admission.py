@@ -24,13 +24,16 @@ OUTCOMES: tuple[Outcome, ...] = ("completed", "failed", "cancelled")
 
 
 class LatencyLimit:
-    """AIMD on the wait from admission to a request's first output, as TCP does on loss.
+    """AIMD on the time from admission to a request's complete answer, as TCP does on loss.
 
     Samples are judged a window at a time: when the window's 90th percentile exceeds the target
     the limit shrinks by ``backoff`` (not below ``floor``); when the target is met while the
-    limit was binding (a request was turned away) it grows by a tenth (at least 1, not above
-    ``ceiling``). Each change starts an epoch, and only requests admitted in the current epoch
-    are judged: those admitted under the old limit would otherwise shrink it again.
+    limit was binding (a request was turned away) it grows by one (not above ``ceiling``). Each
+    change starts an epoch, and only requests admitted in the current epoch are judged: those
+    admitted under the old limit would otherwise shrink it again. The whole answer is judged,
+    not its first token: on CPUs every decode step slows as the batch grows, so a first token in
+    time says little about the rest (measured: a first-output target of 5 s held the p95 of
+    complete answers at 10-14 s).
     """
 
     def __init__(self, ceiling: int, floor: int, target_s: float, window: int = 16, backoff: float = 0.75):
@@ -63,7 +66,7 @@ class LatencyLimit:
         if p90 > self.target_s:
             self.value = max(float(self.floor), self.value * self.backoff)
         elif self._binding:
-            self.value = min(float(self.ceiling), self.value + max(1.0, self.value / 10))
+            self.value = min(float(self.ceiling), self.value + 1.0)
         self._waits, self._binding = [], False
         if int(self.value) != int(old):
             self.epoch += 1
@@ -97,7 +100,9 @@ class Admission:
         self.admitted += 1
         return True
 
-    def leave(self, route: str = "", outcome: Outcome = "cancelled") -> None:
+    def leave(self, route: str = "", outcome: Outcome = "cancelled", took_s: float | None = None,
+              epoch: int = 0) -> None:
+        """Free a slot; ``took_s`` (admission to answer; None: not judged) steers the limit."""
         if self.inflight <= 0:
             raise RuntimeError("Admission.leave without a matching try_enter")
         if outcome not in OUTCOMES:
@@ -105,6 +110,8 @@ class Admission:
         self.inflight -= 1
         counts = self.outcomes.setdefault(route, dict.fromkeys(OUTCOMES, 0))
         counts[outcome] += 1
+        if self.steer is not None and took_s is not None:
+            self.steer.observe(took_s, epoch)
 
     def snapshot(self) -> dict:
         return {"inflight": self.inflight, "limit": self.limit, "max_limit": self.max_limit, "admitted": self.admitted,
@@ -130,20 +137,19 @@ class Slot:
         self._held = True
         self._since = time.monotonic()
         self._epoch = admission.steer.epoch if admission.steer else 0
-        self._judged = False
+        self._late = False
 
-    def first_output(self, late: bool = False) -> None:
-        """The request's first output is here (or, ``late``, it never came in time): its wait
-        since admission is what the latency limit steers by. Counted once per request."""
-        steer = self._admission.steer
-        if steer and not self._judged:
-            self._judged = True
-            steer.observe(math.inf if late else time.monotonic() - self._since, self._epoch)
+    def late(self) -> None:
+        """The request ran out of time, or a queue downstream shed it: past any latency target."""
+        self._late = True
 
     def release(self, outcome: Outcome = "cancelled") -> None:
+        """A complete answer's time since admission (a late one's: infinite) steers the limit; a
+        request that failed fast or that its client left says nothing about the load."""
         if self._held:
             self._held = False
-            self._admission.leave(self._route, outcome)
+            took = math.inf if self._late else time.monotonic() - self._since if outcome == "completed" else None
+            self._admission.leave(self._route, outcome, took, self._epoch)
 
     def __del__(self):
         # A streaming response dropped before its generator ever ran never reaches the

@@ -177,10 +177,10 @@ class Router:
                               self.limits.retry_after_s)
         return Slot(self.admission, route)
 
-    def _judge(self, slot: Slot, late: bool = False) -> None:
-        """Feed a request's wait for its first output to the latency limit; a changed limit is
+    def _release(self, slot: Slot, outcome: Outcome) -> None:
+        """Free a request's slot; a changed admission bound (a latency target steers it) is
         published as ``prefillshare_admission_limit`` of this replica."""
-        slot.first_output(late)
+        slot.release(outcome)
         if self.admission.limit != self._published_limit:
             self._published_limit = self.admission.limit
             self.events.gauge("admission", self.replica, self._published_limit)
@@ -236,9 +236,8 @@ class Router:
                         raise self._unavailable(gone.cause) from None
             if isinstance(head, DecodeChunk) and head.error:
                 if head.error.code is ErrorCode.OVERLOADED:
-                    self._judge(slot, late=True)  # shed downstream: the app is past its load
+                    slot.late()  # shed downstream: the app is past its load
                 raise self._failure(head.error, route)
-            self._judge(slot)
             if stream:
                 streaming = True
                 return StreamingResponse(self._sse(events(head, call), call, slot, route, deadline),
@@ -252,18 +251,18 @@ class Router:
             return result
         except TimeoutError:
             call.cancel()
-            self._judge(slot, late=True)  # no-op when its first output had come
+            slot.late()
             raise self._failure(self._timed_out(route), route) from None
         except ApiError as e:
             if e.status == 429:  # a Serve queue downstream was full
-                self._judge(slot, late=True)
+                slot.late()
             raise
         except asyncio.CancelledError:
             outcome = "cancelled"
             raise
         finally:
             if not streaming:
-                slot.release(outcome)
+                self._release(slot, outcome)
 
     def _timed_out(self, route: str) -> Failure:
         self.events.send("timeout", route)
@@ -287,6 +286,7 @@ class Router:
             outcome = "completed"
         except TimeoutError:
             outcome = "failed"
+            slot.late()
             yield "data: " + json.dumps(self._failure(self._timed_out(route), route).body()) + "\n\n"
         except _StreamFailed as e:
             outcome = "failed"
@@ -298,7 +298,7 @@ class Router:
             outcome = "failed"
             yield "data: " + json.dumps(error_body(f"internal error: {e}", "server_error", None, "internal")) + "\n\n"
         finally:  # also on a client disconnect (the generator is cancelled): free the slot, stop the engines
-            slot.release(outcome)
+            self._release(slot, outcome)
             if not finished:
                 call.cancel()
         yield "data: [DONE]\n\n"
