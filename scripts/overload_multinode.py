@@ -61,6 +61,7 @@ def main(out: Path, duration_s: float) -> int:
     cfg = load_config(cfg_dict)
     shm_before = set(os.listdir("/dev/shm"))
     cluster = None
+    finished = False
     try:
         cluster, _ = start_local_cluster(PREFILL_NODE, DECODE_NODE, log_to_driver=False)
         port = free_port()
@@ -81,6 +82,7 @@ def main(out: Path, duration_s: float) -> int:
                                                                                   "reschedule", "route"]}
         report = summarize(raw)
         print(write(raw, report, out))
+        finished = True
         return 0 if report["promises"]["nothing_lost"] else 1
     finally:
         serve.shutdown()
@@ -90,6 +92,10 @@ def main(out: Path, duration_s: float) -> int:
         for p in (cfg.pool.path, cfg.pool.decode_path):
             if p:
                 shutil.rmtree(p, ignore_errors=True)
+        for logs in ([] if finished else Path(tmp).glob("**/session_latest/logs")):
+            # a run that failed (e.g. an app that did not start): keep the cluster's logs
+            shutil.copytree(logs, out / "ray_logs", dirs_exist_ok=True, ignore_dangling_symlinks=True)
+            print(f"the run did not finish: Ray's logs are in {out / 'ray_logs'}", flush=True)
         shutil.rmtree(tmp, ignore_errors=True)
         time.sleep(5)
         left = sorted(set(os.listdir("/dev/shm")) - shm_before)
