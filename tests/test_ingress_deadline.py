@@ -117,13 +117,13 @@ def test_an_answer_within_its_deadline_is_untouched():
     assert not [e for e in r.events.sent if e[0] == "timeout"]
 
 
-def test_slow_first_outputs_shrink_the_admission_limit_and_the_router_sheds_past_it():
-    """Requests whose first output takes longer than the target shrink the limit (published as a
-    gauge); a request beyond the smaller limit gets 429 while the old limit would have admitted it."""
+def test_slow_answers_shrink_the_admission_limit_and_the_router_sheds_past_it():
+    """Answers that take longer than the target shrink the limit (published as a gauge); a request
+    beyond the smaller limit gets 429 while the old limit would have admitted it."""
     r = _router(5.0, Admission(8, LatencyLimit(8, 2, target_s=0.01, window=4)))
 
     async def run():
-        for _ in range(4):  # each first output comes after 30 ms, past the 10 ms target
+        for _ in range(4):  # each answer takes 30 ms, past the 10 ms target
             await r._serve("completions", lambda: _Late(0.03), False, _events, _collect)
         held = [asyncio.create_task(r._serve("completions", lambda: _Call(items=["a"]), False, _events,
                                              _collect)) for _ in range(6)]
