@@ -18,7 +18,7 @@ from ray import serve
 
 from app.engine.async_engine import Engine, EngineConfig
 from app.engine.vllm_nixl import with_side_channel
-from deployments.metrics import ENGINE_PUSH_S, MetricsSender, engine_samples, pool_families, pool_path
+from deployments.metrics import ENGINE_PUSH_S, MetricsSender, PoolReader, engine_samples, pool_path
 
 
 class EngineHost:
@@ -32,8 +32,8 @@ class EngineHost:
         self.replica_id = ctx.replica_id.unique_id
         self.deployment = ctx.deployment
         self.in_flight = 0
-        self._pool_path = pool_path(engine_config.kv_transfer_config)
-        self._pool = None
+        path = pool_path(engine_config.kv_transfer_config)
+        self._pool = PoolReader(path) if path else None
         if metrics is not None:
             self._engine_metrics = asyncio.get_running_loop().create_task(self._push_engine_metrics())
 
@@ -45,13 +45,9 @@ class EngineHost:
         while True:
             with contextlib.suppress(Exception):  # a missed push only delays the next scrape's numbers
                 self.metrics.send("engine", self.deployment, self.replica_id, engine_samples(name))
-            if self._pool_path:
+            if self._pool is not None:
                 with contextlib.suppress(Exception):  # no pool yet (its producer is starting): next time
-                    if self._pool is None:
-                        from app.engine.kv_pool import KVPool
-
-                        self._pool = KVPool.attach(self._pool_path)
-                    self.metrics.gauge("pool", host, self._pool_path, pool_families(self._pool))
+                    self.metrics.gauge("pool", host, self._pool.path, self._pool.families())
             await asyncio.sleep(ENGINE_PUSH_S)
 
     @contextlib.contextmanager

@@ -78,6 +78,21 @@ def pool_families(pool) -> list[EngineFamily]:
     return families
 
 
+class PoolReader:
+    """A reader's handle on one pool, opened on first use (its creator may still be starting)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._pool = None
+
+    def families(self) -> list[EngineFamily]:
+        if self._pool is None:
+            from app.engine.kv_pool import KVPool
+
+            self._pool = KVPool.attach(self.path)
+        return pool_families(self._pool)
+
+
 def pool_path(engine_kv_transfer_config: dict | None) -> str | None:
     """The pool an engine's project connector writes to or reads from (None: no pool, e.g. vllm-nixl)."""
     extra = (engine_kv_transfer_config or {}).get("kv_connector_extra_config") or {}
@@ -140,17 +155,13 @@ class PoolCollector(PushedFamilies):
 
     def __init__(self, local_path: str | None = None, host: str = "local") -> None:
         super().__init__(("node", "pool"))
-        self.local_path, self.host = local_path, host
-        self._pool = None
+        self.host = host
+        self.local = PoolReader(local_path) if local_path else None
 
     def collect(self):
-        if self.local_path:
+        if self.local is not None:
             try:
-                if self._pool is None:
-                    from app.engine.kv_pool import KVPool
-
-                    self._pool = KVPool.attach(self.local_path)
-                self.update((self.host, self.local_path), pool_families(self._pool))
+                self.update((self.host, self.local.path), self.local.families())
             except Exception:  # noqa: BLE001 - a missing pool yields no samples, never a failed scrape
                 pass
         yield from super().collect()

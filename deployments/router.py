@@ -235,8 +235,6 @@ class Router:
                     except _ReplicaGone as gone:
                         raise self._unavailable(gone.cause) from None
             if isinstance(head, DecodeChunk) and head.error:
-                if head.error.code is ErrorCode.OVERLOADED:
-                    slot.late()  # shed downstream: the app is past its load
                 raise self._failure(head.error, route)
             if stream:
                 streaming = True
@@ -254,7 +252,7 @@ class Router:
             slot.late()
             raise self._failure(self._timed_out(route), route) from None
         except ApiError as e:
-            if e.status == 429:  # a Serve queue downstream was full
+            if e.status == 429:  # shed downstream (a Serve or engine queue was full): the app is past its load
                 slot.late()
             raise
         except asyncio.CancelledError:

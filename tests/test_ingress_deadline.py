@@ -152,3 +152,18 @@ class _Late(_Call):
         if self.items:
             await asyncio.sleep(self.delay_s)
         return await super().__anext__()
+
+
+def test_an_engine_queue_that_sheds_a_request_counts_as_too_slow():
+    """A decoder call answered `overloaded` (its engine's queue was full) becomes 429 to the client
+    and counts as past the target, as a timeout does: two such answers shrink the bound."""
+    from deployments.errors import ErrorCode, Failure
+    from deployments.messages import DecodeChunk
+
+    r = _router(5.0, Admission(8, LatencyLimit(8, 2, target_s=60.0, window=2)))
+    shed = DecodeChunk("rq", "alpha", "", [], True, error=Failure(ErrorCode.OVERLOADED, "queue full"))
+    for _ in range(2):
+        with pytest.raises(ApiError) as e:
+            asyncio.run(r._serve("completions", lambda: _Call(items=[shed]), False, _events, _collect))
+        assert e.value.status == 429
+    assert r.admission.limit == 6 and ("admission", "replica-0", 6) in r.events.sent

@@ -1,6 +1,8 @@
 """The metrics registry without Ray: what one request record and the KV pool's counters become."""
 from __future__ import annotations
 
+import pytest
+
 from deployments.metrics import AppMetrics, PrefillRecord, RequestRecord
 
 
@@ -57,9 +59,12 @@ def test_pool_counters_are_exported_per_scope(tmp_path):
 def test_pools_of_other_nodes_arrive_from_their_engines_labelled_by_node(tmp_path, monkeypatch):
     """With transport nixl every node has its own pool and the Metrics replica (the head's, on
     KubeRay) has none: each node's engines send theirs, and a node silent too long drops out."""
-    from app.engine.kv_pool import KVPool, PoolSpec
+    from app.engine.kv_pool import KVPool, PoolMissing, PoolSpec
     from deployments import metrics
 
+    late = metrics.PoolReader(str(tmp_path / "decode-node"))  # an engine's reader, before the pool exists
+    with pytest.raises(PoolMissing):
+        late.families()  # the engine skips this push and tries again at the next
     pools = {}
     for node, cap in (("prefill-node", 1 << 20), ("decode-node", 2 << 20)):
         pools[node] = KVPool(PoolSpec(str(tmp_path / node), capacity_bytes=cap))
@@ -68,7 +73,7 @@ def test_pools_of_other_nodes_arrive_from_their_engines_labelled_by_node(tmp_pat
     m = AppMetrics()  # no pool on this replica's node
     for node, pool in pools.items():
         m.pools.update((node, "/dev/shm/p"), metrics.pool_families(pool))
-    m.pools.update(("decode-node", "/dev/shm/p"), metrics.pool_families(pools["decode-node"]))  # its second engine
+    m.pools.update(("decode-node", "/dev/shm/p"), late.families())  # its second engine, once the pool is there
     s = _samples(m)
     assert s["prefillshare_kv_pool_capacity_bytes{node=prefill-node,pool=/dev/shm/p}"] == 1 << 20
     assert s["prefillshare_kv_pool_capacity_bytes{node=decode-node,pool=/dev/shm/p}"] == 2 << 20
