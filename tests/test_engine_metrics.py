@@ -45,3 +45,47 @@ def test_a_silent_replica_drops_out(monkeypatch):
     now = metrics.time.monotonic()
     monkeypatch.setattr(metrics.time, "monotonic", lambda: now + metrics.ENGINE_STALE_S + 1)
     assert "vllm:" not in generate_latest(m.registry).decode()
+
+
+def test_engines_built_at_once_in_one_process_do_not_collide_in_the_registry(tmp_path, monkeypatch):
+    """vLLM's Prometheus stat logger first unregisters every vllm:* collector and then registers
+    its own; two engines started at once (threads of Engine.start) once interleaved there and one
+    start failed with DuplicateTimeseries. The window is widened here so that it always opens: vLLM's
+    own logger collides, the engine's (built under a lock) does not."""
+    import threading
+    import time
+
+    import vllm.v1.metrics.loggers as vllm_loggers
+    from random_models import make_models
+
+    from app.engine.async_engine import EngineConfig, _prometheus_stat_logger
+
+    base = make_models(tmp_path, {})["base"]
+    vllm_config = EngineConfig(model=str(base), dtype="float32", kv_cache_memory_bytes=64 << 20, max_model_len=256,
+                               block_size=16, skip_tokenizer_init=True).engine_args().create_engine_config()
+    unregister = vllm_loggers.unregister_vllm_metrics
+
+    def unregister_then_yield():
+        unregister()
+        time.sleep(0.2)  # the other threads run between the unregister and the registrations
+
+    monkeypatch.setattr(vllm_loggers, "unregister_vllm_metrics", unregister_then_yield)
+
+    def build_at_once(cls) -> list[str]:
+        errors: list[str] = []
+
+        def build():
+            try:
+                cls(vllm_config, [0])
+            except Exception as e:  # noqa: BLE001 - the test counts every failure
+                errors.append(type(e).__name__)
+
+        threads = [threading.Thread(target=build) for _ in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return errors
+
+    assert build_at_once(vllm_loggers.PrometheusStatLogger)  # the race this guards against
+    assert build_at_once(_prometheus_stat_logger()) == []

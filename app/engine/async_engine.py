@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import os
 import threading
 import uuid
@@ -307,6 +308,24 @@ def _engine_env(cfg: EngineConfig):
 
 
 _REAP_TIMEOUT_S = 10.0
+_STAT_LOGGER_LOCK = threading.Lock()
+
+
+@functools.cache
+def _prometheus_stat_logger():
+    """vLLM's Prometheus stat logger, built under a process-wide lock. Its constructor first
+    unregisters every ``vllm:*`` collector of the default registry and then registers its own, so
+    two engines built at once in one process (threads of ``Engine.start``) can interleave and fail
+    the later start with DuplicateTimeseries (seen in CI: 1 of 5 concurrent starts). As with vLLM
+    alone, the engine built last owns the process's ``vllm:*`` series."""
+    from vllm.v1.metrics.loggers import PrometheusStatLogger
+
+    class LockedPrometheusStatLogger(PrometheusStatLogger):
+        def __init__(self, *args, **kwargs):
+            with _STAT_LOGGER_LOCK:
+                super().__init__(*args, **kwargs)
+
+    return LockedPrometheusStatLogger
 
 
 def _core_processes(llm) -> list:
@@ -331,7 +350,7 @@ class Engine:
         core_lifetime.install()  # the engine core dies with this process, even by SIGKILL
         with _engine_env(cfg):
             try:
-                self._llm = AsyncLLM.from_engine_args(cfg.engine_args())
+                self._llm = AsyncLLM.from_engine_args(cfg.engine_args(), stat_loggers=[_prometheus_stat_logger()])
             except Exception as e:  # noqa: BLE001 - startup failures of any kind
                 raise EngineError(f"engine for {cfg.model!r} failed to start: {e}") from e
 

@@ -65,6 +65,18 @@ def _isa(dtype: torch.dtype, block_size: int, head_size: int) -> str:
         return "unknown"
 
 
+def request_amx_tiles() -> None:
+    """Ask Linux for this process's AMX tile permission, on CPUs that have AMX.
+
+    vLLM's CPU attention runs AMX kernels for bf16 (its "amx" ISA) but leaves the permission to
+    oneDNN's matmuls, which ask for it on their first AMX use. A decoder's first forward is one
+    token over a cached prompt: the attention kernel runs before any matmul large enough to
+    have asked, and the worker dies of SIGILL (measured on an AMX Xeon VM: every decoder of the
+    default app died on its first request, bf16). Idempotent and cheap; a no-op elsewhere."""
+    if torch.cpu._is_amx_tile_supported():
+        torch.cpu._init_amx()
+
+
 def fingerprint(device: str, dtype: torch.dtype, num_layers: int, num_kv_heads: int,
                 head_size: int, block_size: int) -> str:
     """Name of a block layout; two engines can exchange blocks only if theirs are equal."""

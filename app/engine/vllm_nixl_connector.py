@@ -20,6 +20,8 @@ import functools
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_worker
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import NixlConnector as _VllmNixlConnector
 
+from app.engine.cpu_layout import request_amx_tiles
+
 __all__ = ["NixlConnector", "MODULE"]
 
 MODULE = __name__
@@ -30,6 +32,7 @@ class NixlConnector(_VllmNixlConnector):
     progress thread."""
 
     def __init__(self, vllm_config, role, kv_cache_config):
+        request_amx_tiles()  # a decoder's first forward is attention over pulled KV (cpu_layout)
         ktc = vllm_config.kv_transfer_config
         progress_thread = bool(ktc.get_from_extra_config("progress_thread", True))
         make_config = base_worker.nixl_agent_config

@@ -20,7 +20,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from app.engine.connector.metadata import ConnectorSettings, PrefillShareMeta
 from app.engine.connector.scheduler import ShareScheduler
 from app.engine.connector.worker import ShareWorker
-from app.engine.cpu_layout import fingerprint
+from app.engine.cpu_layout import fingerprint, request_amx_tiles
 from app.engine.kv_store import open_store
 
 if TYPE_CHECKING:
@@ -61,6 +61,7 @@ class PrefillShareConnector(KVConnectorBase_V1):
         if role == KVConnectorRole.SCHEDULER:
             self.scheduler = ShareScheduler(settings, open_store(settings.pool), block_size, layout)
         else:
+            request_amx_tiles()
             self.worker = ShareWorker(settings, open_store(settings.pool), block_size, kv_cache_config, layout)
 
     def _meta(self) -> PrefillShareMeta:
