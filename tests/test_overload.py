@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from app.bench.faults import FaultError, FaultSpec, replica_pids
-from app.bench.overload import Mix, OverloadSpec, classify_events, classify_response
+from app.bench.overload import Mix, OverloadSpec, Sample, classify_events, classify_response, completed_rate
 from app.bench.overload_report import render, summarize
 
 
@@ -85,6 +85,17 @@ def test_answers_are_classified_typed_or_lost():
     assert classify_events("completion", [{"choices": []}], done=True) == "ok"
     assert classify_events("completion", [{"choices": []}], done=False).startswith("lost")
     assert classify_events("completion", [{"error": {"code": "engine_error"}}], done=True) == "error engine_error"
+
+
+def test_the_saturation_search_counts_answers_that_came_back_within_its_step():
+    """A step's throughput is what came back while it lasted; answers that drain from a queue
+    after it are not (they made the search read 2.9x what the app then completed under load)."""
+    def sample(sent, latency, outcome="ok"):
+        return Sample("completion", False, sent, latency, outcome)
+
+    samples = [sample(1.0, 2.0), sample(5.0, 4.9), sample(6.0, 30.0), sample(2.0, 0.1, "shed"),
+               sample(3.0, 0.0, "not_sent")]
+    assert completed_rate(samples, 10.0) == pytest.approx(0.2)  # 2 of the 3 answers, in 10 s
 
 
 def _raw(samples, faults=(), memory=(), duration=120.0, before=None, after=None):

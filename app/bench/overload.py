@@ -275,8 +275,11 @@ async def open_loop(traffic: Traffic, rate: float, duration_s: float, seed: int,
 
 
 def completed_rate(samples: list[Sample], duration_s: float) -> float:
-    """Complete answers per second of arrivals (bad input and deliberate disconnects excluded)."""
-    return sum(1 for s in samples if s.outcome == "ok") / duration_s
+    """Complete answers per second that came back within the ``duration_s`` of arrivals (bad
+    input and deliberate disconnects excluded). Answers that finish after it are the queue
+    draining, not throughput: counting them (as the search once did) read 28.75/s at 32/s offered
+    on a box that then completed ~10/s under load."""
+    return sum(1 for s in samples if s.outcome == "ok" and s.sent_s + s.latency_s <= duration_s) / duration_s
 
 
 def find_saturation(traffic: Traffic, spec: OverloadSpec, log=print) -> tuple[float, list[dict]]:
