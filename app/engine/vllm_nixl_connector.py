@@ -32,7 +32,9 @@ class NixlConnector(_VllmNixlConnector):
     progress thread."""
 
     def __init__(self, vllm_config, role, kv_cache_config):
-        request_amx_tiles()  # a decoder's first forward is attention over pulled KV (cpu_layout)
+        # a decoder's first forward is attention over pulled KV, as with the pool, where that died of
+        # SIGILL (cpu_layout); this path's bf16 tests did not die without it here: a guard, not a fix
+        request_amx_tiles()
         ktc = vllm_config.kv_transfer_config
         progress_thread = bool(ktc.get_from_extra_config("progress_thread", True))
         make_config = base_worker.nixl_agent_config
