@@ -89,7 +89,7 @@ def test_answers_are_classified_typed_or_lost():
 
 def test_the_saturation_search_counts_answers_that_came_back_within_its_step():
     """A step's throughput is what came back while it lasted; answers that drain from a queue
-    after it are not (they made the search read 2.9x what the app then completed under load)."""
+    after it are not (they made the search read 2.8x what the app then completed under load)."""
     def sample(sent, latency, outcome="ok"):
         return Sample("completion", False, sent, latency, outcome)
 
