@@ -20,7 +20,10 @@ def engine_options(cfg: AppConfig, name: str, p: Placement, eng: EngineSettings,
     """Serve options of an engine deployment (prefill or decode alike)."""
     from ray.serve.config import BackpressureConfig
 
-    actor: dict[str, Any] = {"num_cpus": p.num_cpus, "runtime_env": {"env_vars": engine_env(cfg, p, eng)}}
+    from deployments.ray_internals import REPLICA_ENV  # Serve's settings of a request-path replica
+
+    actor: dict[str, Any] = {"num_cpus": p.num_cpus,
+                             "runtime_env": {"env_vars": {**REPLICA_ENV, **engine_env(cfg, p, eng)}}}
     if p.num_gpus:
         actor["num_gpus"] = p.num_gpus
     opts: dict[str, Any] = dict(
@@ -38,7 +41,10 @@ def _small(cfg: AppConfig, d) -> dict[str, Any]:
     """Serve options of a deployment without an engine (Router, Orchestrator)."""
     from ray.serve.config import BackpressureConfig
 
-    return dict(num_replicas=d.num_replicas, ray_actor_options={"num_cpus": d.num_cpus},
+    from deployments.ray_internals import REPLICA_ENV
+
+    return dict(num_replicas=d.num_replicas,
+                ray_actor_options={"num_cpus": d.num_cpus, "runtime_env": {"env_vars": dict(REPLICA_ENV)}},
                 max_ongoing_requests=d.max_ongoing_requests, max_queued_requests=d.max_queued_requests,
                 backpressure_config=BackpressureConfig(status_code=429, retry_after_s=cfg.limits.retry_after_s))
 

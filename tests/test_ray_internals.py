@@ -108,3 +108,40 @@ def test_private_ray_serve_names_appear_only_in_the_compat_module():
 def _own_attr(path: Path, attr: str) -> bool:
     """``self.<attr>`` assigned in the same file: the project's own attribute that shares a name."""
     return re.search(rf"self\.{attr}\s*(:[^=]+)?=[^=]", path.read_text()) is not None
+
+
+def test_the_replica_env_names_are_the_ones_serve_reads():
+    """Serve reads both settings when a replica's process imports it: with REPLICA_ENV set they
+    are off, without it they keep Serve's defaults (on). A Ray upgrade that renames one fails here."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    code = ("import json; from ray.serve._private import constants as c; print(json.dumps("
+            "[c.RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD, c.RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP]))")
+    clean = {k: v for k, v in os.environ.items() if k not in ray_internals.REPLICA_ENV}
+
+    def read(env):
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    assert read(clean) == [True, True]
+    assert read({**clean, **ray_internals.REPLICA_ENV}) == [False, False]
+
+
+def test_request_path_replicas_get_the_replica_env_and_an_engines_own_env_wins():
+    from app.config import load_config
+    from deployments.application import _small, engine_options
+
+    cfg = load_config(ROOT / "serve_config.yaml")
+    dec = cfg.decoders[0]
+    env = engine_options(cfg, "x", dec.placement, dec.engine)["ray_actor_options"]["runtime_env"]["env_vars"]
+    assert ray_internals.REPLICA_ENV.items() <= env.items()
+    assert env["VLLM_CPU_OMP_THREADS_BIND"] == dec.engine.threads_bind  # the engine's own env is still there
+    small = _small(cfg, cfg.router)["ray_actor_options"]["runtime_env"]["env_vars"]
+    assert small == ray_internals.REPLICA_ENV
+    own = dec.placement.model_copy(update={"env": {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "1"}})
+    env = engine_options(cfg, "x", own, dec.engine)["ray_actor_options"]["runtime_env"]["env_vars"]
+    assert env["RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD"] == "1"
