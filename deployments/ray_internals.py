@@ -1,4 +1,4 @@
-"""The private Ray Serve APIs the project uses, and why; nothing else in the project names them.
+"""The private Ray Serve APIs and settings the project uses, and why; nothing else in the project names them.
 
 ``ray[serve]`` is pinned (pyproject.toml) because of what is here. tests/test_ray_internals.py
 checks each name against the installed Ray without a cluster and fails on an upgrade that
