@@ -16,7 +16,8 @@ CPU_ENGINE_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
 
 def engine_env(cfg: AppConfig, p: Placement, eng: EngineSettings) -> dict[str, str]:
-    """The one set of env vars an engine replica gets (its Ray runtime env and its engine core)."""
+    """The one set of env vars of an engine: its engine core's, and its replica's Ray runtime env
+    (there beside Serve's own replica settings, ``REPLICA_ENV`` in deployments/ray_internals.py)."""
     base = dict(CPU_ENGINE_ENV) if not p.num_gpus and eng.threads_bind == "nobind" else {}
     return {**base, "VLLM_CPU_OMP_THREADS_BIND": eng.threads_bind, "TOKENIZERS_PARALLELISM": "false",
             "HF_HUB_OFFLINE": "1", **cfg.engine_env, **p.env}
