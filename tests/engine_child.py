@@ -7,21 +7,32 @@ test at once instead of after the whole timeout.
 from __future__ import annotations
 
 import multiprocessing
+import os
 import queue as queue_mod
 import time
 
 import pytest
 
+from app.engine_args import CPU_ENGINE_ENV
+
 # A fixed KV space: vLLM's CPU worker otherwise reserves gpu_memory_utilization x the machine's
 # memory and refuses to start when other processes hold more than the rest.
 KV_CACHE_BYTES = 256 << 20
+# vLLM's engine core and its worker inside the child itself (app.engine_args.CPU_ENGINE_ENV), not
+# two more processes that each import vLLM again
+CHILD_ENV = {**CPU_ENGINE_ENV, "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+
+
+def _in_child_env(target, *args) -> None:
+    os.environ.update(CHILD_ENV)
+    target(*args)
 
 
 def run_in_child(target, *args, timeout_s: float = 600.0):
     """``target(*args, queue)`` in a spawned process; returns what it puts on the queue."""
     ctx = multiprocessing.get_context("spawn")
     q = ctx.Queue()
-    proc = ctx.Process(target=target, args=(*args, q))
+    proc = ctx.Process(target=_in_child_env, args=(target, *args, q))
     proc.start()
     deadline = time.monotonic() + timeout_s
     try:

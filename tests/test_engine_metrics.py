@@ -51,7 +51,8 @@ def test_engines_built_at_once_in_one_process_do_not_collide_in_the_registry(tmp
     """vLLM's Prometheus stat logger first unregisters every vllm:* collector and then registers
     its own; two engines started at once (threads of Engine.start) once interleaved there and one
     start failed with DuplicateTimeseries. The window is widened here so that it always opens: vLLM's
-    own logger collides, the engine's (built under a lock) does not."""
+    own logger collides, the engine's (built under a lock) does not. So does the info gauge each one
+registers once its engine is up."""
     import threading
     import time
 
@@ -89,3 +90,17 @@ def test_engines_built_at_once_in_one_process_do_not_collide_in_the_registry(tmp
 
     assert build_at_once(vllm_loggers.PrometheusStatLogger)  # the race this guards against
     assert build_at_once(_prometheus_stat_logger()) == []
+
+    def both_come_up(cls) -> list[str]:
+        """Two engines built, then each one up: each registers the cache-config info gauge."""
+        loggers = [cls(vllm_config, [0]), cls(vllm_config, [0])]
+        errors = []
+        for logger in loggers:
+            try:
+                logger.log_engine_initialized()
+            except ValueError as e:  # prometheus_client: Duplicated timeseries
+                errors.append(str(e))
+        return errors
+
+    assert [e for e in both_come_up(vllm_loggers.PrometheusStatLogger) if "vllm:cache_config_info" in e]
+    assert both_come_up(_prometheus_stat_logger()) == []

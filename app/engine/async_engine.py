@@ -316,14 +316,27 @@ def _prometheus_stat_logger():
     """vLLM's Prometheus stat logger, built under a process-wide lock. Its constructor first
     unregisters every ``vllm:*`` collector of the default registry and then registers its own, so
     two engines built at once in one process (threads of ``Engine.start``) can interleave and fail
-    the later start with DuplicateTimeseries (seen in CI: 1 of 5 concurrent starts). As with vLLM
-    alone, the engine built last owns the process's ``vllm:*`` series."""
+    the later start with DuplicateTimeseries (seen in CI: 1 of 5 concurrent starts); so can the
+    cache-config info gauge it registers once its engine is up (seen with the worker in the engine
+    core, whose starts are shorter). As with vLLM alone, the engine built last owns the process's
+    ``vllm:*`` series."""
     from vllm.v1.metrics.loggers import PrometheusStatLogger
 
     class LockedPrometheusStatLogger(PrometheusStatLogger):
         def __init__(self, *args, **kwargs):
             with _STAT_LOGGER_LOCK:
                 super().__init__(*args, **kwargs)
+
+        def log_engine_initialized(self):
+            # Registers vllm:cache_config_info once the engine is up; an engine of this process that
+            # came up first has registered it already (DuplicateTimeseries), so it is replaced.
+            from prometheus_client import REGISTRY
+
+            with _STAT_LOGGER_LOCK:
+                for collector, names in list(REGISTRY._collector_to_names.items()):
+                    if "vllm:cache_config_info" in names:
+                        REGISTRY.unregister(collector)
+                super().log_engine_initialized()
 
     return LockedPrometheusStatLogger
 
