@@ -11,7 +11,9 @@ adapters round-robin. The client sends no ``ignore_eos``.
 
 (scripts/bench_follow_on.sh runs this file in a loopback-only network namespace.) One run of
 each server; prints and writes (``--out``, JSON) the median, p90 and p99 TTFT of each and their
-difference. ``--only app`` or ``--only vllm`` runs one side.
+difference. ``--only app`` or ``--only vllm`` runs one side. ``--stock-worker engine-core`` runs
+stock vLLM's worker inside its EngineCore, as the app runs its CPU engines (vLLM's default on the
+CPU is a process of its own).
 """
 from __future__ import annotations
 
@@ -151,6 +153,10 @@ def run_vllm(args) -> dict:
 
     port = free_port()
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+    if args.stock_worker == "engine-core":  # as the app's CPU engines run (app.engine_args.CPU_ENGINE_ENV)
+        from app.engine_args import CPU_ENGINE_ENV
+
+        env.update(CPU_ENGINE_ENV)
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(ROOT / "checkpoints" / "base"),
            "--tokenizer", str(ROOT / "checkpoints" / "tokenizer"), "--host", "127.0.0.1", "--port", str(port),
            "--dtype", resolve(ENGINE["dtype"]),  # what the app's engines run ("auto": float32 without native bf16)
@@ -180,6 +186,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--suffix-len", type=int, default=32)
     p.add_argument("--output-len", type=int, default=8)
     p.add_argument("--only", choices=("app", "vllm"))
+    p.add_argument("--stock-worker", choices=("process", "engine-core"), default="process",
+                   help="stock vLLM's worker: in its own process (vLLM's default on the CPU) or inside "
+                        "EngineCore, as the app's CPU engines run")
     p.add_argument("--out", default="runs/bench/follow_on_ttft.json")
     args = p.parse_args(argv)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
