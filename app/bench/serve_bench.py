@@ -176,7 +176,8 @@ def _wait_ready(url: str, timeout_s: float) -> None:
 
 
 # The app's replicas send their metrics events in batches, every 0.5 s (deployments/metrics.py
-# SEND_EVERY_S): a point's last events reach /metrics within that, so the closing scrape waits.
+# SEND_EVERY_S): a point's last events reach /metrics within that, so the closing scrape waits,
+# and so does the opening one (else the warm-up's or the probes' last events land in the point).
 METRICS_SETTLE_S = 1.5
 
 
@@ -281,6 +282,8 @@ def _run_point(url: str, cfg: ServeBenchConfig, system: str, spec: WorkloadSpec,
     else:
         count = cfg.max_sessions
     stock = system in STOCK_SYSTEMS
+    if not stock:
+        time.sleep(METRICS_SETTLE_S)
     before, cpu0 = _metrics(url, stock), _cluster_cpu_s()
 
     async def go():
