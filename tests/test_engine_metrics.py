@@ -51,8 +51,8 @@ def test_engines_built_at_once_in_one_process_do_not_collide_in_the_registry(tmp
     """vLLM's Prometheus stat logger first unregisters every vllm:* collector and then registers
     its own; two engines started at once (threads of Engine.start) once interleaved there and one
     start failed with DuplicateTimeseries. The window is widened here so that it always opens: vLLM's
-    own logger collides, the engine's (built under a lock) does not. So does the info gauge each one
-registers once its engine is up."""
+    own logger collides, the engine's (built under a lock) does not. The same holds for the info
+    gauge each one registers once its engine is up."""
     import threading
     import time
 
