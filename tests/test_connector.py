@@ -19,7 +19,7 @@ import uuid
 import pytest
 import torch
 
-from app.engine_args import CPU_ENGINE_ENV
+from tests.engine_child import CPU_TEST_ENGINE_ENV
 
 pytestmark = pytest.mark.engine
 
@@ -33,9 +33,6 @@ except ImportError:  # the NIXL wheels are optional (scripts/setup.sh installs t
 N_NEW = 8
 BS = 32
 NIXL_TIMEOUT_S = 3.0
-# As the app runs its CPU engines (app.engine_args.CPU_ENGINE_ENV): vLLM's worker inside the engine
-# core's process, not a third process per engine (a full vLLM import less at each start)
-ENGINE_ENV = {**CPU_ENGINE_ENV, "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
 
 
 def make_model(path: str, seed: int) -> None:
@@ -118,7 +115,7 @@ def stack(model_dirs, pool_dir, nixl_server):
     # B and C load on the default path (generations only).
     checked = PoolSpec(path=pool_dir, capacity_bytes=256 << 20, lease_timeout_s=120, check="crc32")
     common = dict(dtype="float32", kv_cache_memory_bytes=256 << 20, max_model_len=512, block_size=BS,
-                  max_num_batched_tokens=64, skip_tokenizer_init=True, extra_env=ENGINE_ENV, request_timeout_s=240)
+                  max_num_batched_tokens=64, skip_tokenizer_init=True, extra_env=CPU_TEST_ENGINE_ENV, request_timeout_s=240)
     cfgs = {"A": EngineConfig(model=model_dirs["A"], **common,
                               kv_transfer_config=connector_config("producer", "base-A", checked))}
     for name in "BCD":
@@ -133,11 +130,6 @@ def stack(model_dirs, pool_dir, nixl_server):
                                nixl_peers=(addr,), nixl_timeout_s=NIXL_TIMEOUT_S)
         kv = connector_config("consumer", "base-A", remote_spec, scope="dec-E")
         cfgs["E"] = EngineConfig(model=model_dirs["B"], **common, kv_transfer_config=kv)
-    # Same env for every engine, so they can start concurrently (startup dominates this file);
-    # set only while they start: the engine cores have it, later tests' processes do not.
-    saved = {k: os.environ.get(k) for k in (*ENGINE_ENV, "VLLM_CPU_KVCACHE_SPACE")}
-    os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
-    os.environ.update(ENGINE_ENV)
     loop = Loop()
     engines = {}
 
@@ -149,14 +141,13 @@ def stack(model_dirs, pool_dir, nixl_server):
             raise errors[0]
 
     try:
-        try:
+        # Same env for every engine, so they can start concurrently (startup dominates this file);
+        # set only while they start: the engine cores have it, later tests' processes do not.
+        with pytest.MonkeyPatch.context() as env:
+            env.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+            for k, v in CPU_TEST_ENGINE_ENV.items():
+                env.setenv(k, v)
             loop.run(start_all(), timeout=1800)  # a hang guard: engine start-up takes minutes on a busy box
-        finally:
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
         yield loop, engines, KVPool.attach(pool_dir)
     finally:
         for e in engines.values():

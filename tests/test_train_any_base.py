@@ -21,7 +21,7 @@ from app.models.compat import check
 from app.models.identity import config_hash_material
 from app.models.manifest import read_manifest
 from app.training import tasks
-from tests.engine_child import KV_CACHE_BYTES
+from tests.engine_child import CPU_TEST_ENGINE_ENV, KV_CACHE_BYTES
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKENIZER = ROOT / "checkpoints" / "tokenizer"
@@ -161,7 +161,7 @@ def test_a_decoder_trained_on_a_float32_base_decodes_on_its_kv_in_vllm(tmp_path)
     pm = prefill_module_id(base)
     common = dict(dtype="float32", kv_cache_memory_bytes=KV_CACHE_BYTES, max_model_len=512, block_size=32,
                   skip_tokenizer_init=True, request_timeout_s=240,
-                  extra_env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_OMP_THREADS_BIND": "nobind"})  # engine cores in this process
+                  extra_env=CPU_TEST_ENGINE_ENV)
     cfgs = [EngineConfig(model=str(base), **common, kv_transfer_config=connector_config("producer", pm, pool)),
             EngineConfig(model=str(dec), **common, kv_transfer_config=connector_config(
                 "consumer", pm, pool, scope="desk"))]  # the app's plan checks compatibility (compat.check, above)

@@ -19,6 +19,8 @@ import shutil
 import pytest
 from keyless_test_app import MAX_NEW, TOKENIZER, keyless_config
 
+from tests.engine_child import CPU_TEST_ENGINE_ENV
+
 CONTEXT = "order\nname: maya\nitem: lamp\nqty: 3\ncity: oslo\nday: tue\nnote: please call before noon"
 AGENTS = [("lookup", "what is the city?"), ("ad0", "what is the city?"), ("prüf-ágent-1", "call the shipping tool.")]
 GROUP = 3  # the LoRA group's index in the app's decoders (tests/keyless_app/conftest.py)
@@ -107,7 +109,7 @@ def test_per_adapter_kv_is_loaded_only_by_its_own_adapter(models):
     pool = PoolSpec(path=f"/dev/shm/ps-lora-kv-{os.getpid()}", capacity_bytes=64 << 20)
     mid = prefill_module_id(models["base"])
     common = dict(dtype="float32", max_model_len=256, block_size=32, kv_cache_memory_bytes=128 << 20, max_num_seqs=8,
-                  extra_env={"VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}, max_loras=2,
+                  extra_env=CPU_TEST_ENGINE_ENV, max_loras=2,
                   lora_adapters=tuple((a, str(models[a])) for a in ("ad0", "prüf-ágent-1")))
     rng = random.Random(0)
     prompt, other = ([rng.randrange(3, 600) for _ in range(77)] for _ in range(2))
