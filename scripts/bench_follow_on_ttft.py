@@ -13,7 +13,10 @@ adapters round-robin. The client sends no ``ignore_eos``.
 each server; prints and writes (``--out``, JSON) the median, p90 and p99 TTFT of each and their
 difference. ``--only app`` or ``--only vllm`` runs one side. ``--stock-worker engine-core`` runs
 stock vLLM's worker inside its EngineCore, as the app runs its CPU engines (vLLM's default on the
-CPU is a process of its own).
+CPU is a process of its own). ``--ingress`` picks how the client reaches the app: through Serve's
+HTTP proxy (``proxy``), straight to the Router replica's own port with Serve's direct ingress on
+(``direct``, README "Direct ingress"), or both from one deployment, alternating ``--repeats``
+times (``both``, the default).
 """
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -117,18 +121,33 @@ def _breakdown(url: str) -> dict:
 
 
 def run_app(args) -> dict:
+    """{"proxy": [runs], "direct": [runs], "breakdown": the app's own view}: one deployment, the
+    client through each ingress ``--ingress`` names, alternating."""
     sys.path.insert(0, str(ROOT / "tests"))
     from random_models import serve_app  # starts a private cluster, waits for /ready
 
     from app.config import load_config
+    from deployments.ray_internals import direct_ingress_env, direct_ingress_urls
 
+    if args.ingress != "proxy":  # read by the cluster this process starts (README "Direct ingress")
+        from app.bench.local_cluster import free_port
+
+        os.environ.update(direct_ingress_env(free_port()))
     pool = f"/dev/shm/ps-ttft-{os.getpid()}"
     ray_tmp = f"/tmp/ps-ttft-ray-{os.getpid()}"
     cfg = load_config(app_config(pool))
     try:
         with serve_app(cfg, "ttft", ray_tmp, pool) as url:  # stops the app and its cluster, removes the pool
-            result = client(int(url.rsplit(":", 1)[1]), args, "prefillshare")
-            return {**_summary(result), **_breakdown(url)}
+            ports = {"proxy": int(url.rsplit(":", 1)[1])}
+            if args.ingress != "proxy":
+                ports["direct"] = int(direct_ingress_urls("ttft")[0].rsplit(":", 1)[1])
+            order = ("proxy", "direct") if args.ingress == "both" else (args.ingress,)
+            runs: dict = {k: [] for k in order}
+            for rep in range(args.repeats):
+                for way in order if rep % 2 == 0 else order[::-1]:
+                    runs[way].append({**_summary(client(ports[way], args, f"prefillshare-{way}")),
+                                      "loadavg_1m": os.getloadavg()[0]})
+            return {**runs, "breakdown": _breakdown(url)}
     finally:
         shutil.rmtree(ray_tmp, ignore_errors=True)
 
@@ -146,7 +165,7 @@ def _wait(url: str, proc: subprocess.Popen, timeout_s: float) -> None:
     raise RuntimeError(f"vLLM's server did not answer within {timeout_s} s")
 
 
-def run_vllm(args) -> dict:
+def run_vllm(args) -> list[dict]:
     """Stock vLLM's OpenAI server on the base with prefix caching and the same adapters."""
     from app.bench.local_cluster import free_port
     from app.engine.compute_dtype import resolve
@@ -168,7 +187,7 @@ def run_vllm(args) -> dict:
     proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
     try:
         _wait(f"http://127.0.0.1:{port}", proc, 600)
-        return client(port, args, "vllm")
+        return [client(port, args, "vllm") for _ in range(args.repeats)]
     finally:
         proc.terminate()
         try:
@@ -189,6 +208,10 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--stock-worker", choices=("process", "engine-core"), default="process",
                    help="stock vLLM's worker: in its own process (vLLM's default on the CPU) or inside "
                         "EngineCore, as the app's CPU engines run")
+    p.add_argument("--ingress", choices=("proxy", "direct", "both"), default="both",
+                   help="how the client reaches the app: Serve's HTTP proxy, the Router replica's own port "
+                        "(Serve's direct ingress), or both from one deployment")
+    p.add_argument("--repeats", type=int, default=2, help="client runs per ingress (alternating) and of stock vLLM")
     p.add_argument("--out", default="runs/bench/follow_on_ttft.json")
     args = p.parse_args(argv)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
@@ -196,9 +219,13 @@ def main(argv: list[str] | None = None) -> dict:
     if args.only in (None, "app"):
         report["app"] = run_app(args)
     if args.only in (None, "vllm"):
-        report["vllm"] = _summary(run_vllm(args))
-    if "app" in report and "vllm" in report:
-        report["median_ttft_gap_ms"] = report["app"]["median_ttft_ms"] - report["vllm"]["median_ttft_ms"]
+        report["vllm"] = [_summary(r) for r in run_vllm(args)]
+    medians = {k: statistics.median(r["median_ttft_ms"] for r in runs)
+               for k, runs in [*report.get("app", {}).items(), ("vllm", report.get("vllm", []))]
+               if k != "breakdown" and runs}
+    report["median_ttft_ms"] = medians
+    if "vllm" in medians:
+        report["median_ttft_gap_ms"] = {k: v - medians["vllm"] for k, v in medians.items() if k != "vllm"}
     report["loadavg"] = os.getloadavg()
     Path(args.out).write_text(json.dumps(report, indent=1))
     print(json.dumps(report, indent=1))

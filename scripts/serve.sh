@@ -7,6 +7,9 @@
 # (RAY_AUTH_MODE=token; Ray writes the token to ~/.ray/auth_token). Other shells need the same
 # `export RAY_AUTH_MODE=token` before `serve status` / `serve deploy serve_config.yaml`.
 # The HTTP endpoint itself is bound to 127.0.0.1 (serve_config.yaml: http_options.host).
+#
+# RAY_SERVE_ENABLE_DIRECT_INGRESS=1 (Serve's direct ingress) also serves the Router replica on
+# its own port, http_options.port + 1, which skips Serve's proxy (README "Direct ingress").
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
@@ -31,6 +34,12 @@ then exit 1; fi
 
 PORT=$("$PY" -c "import yaml,sys; print(yaml.safe_load(open(sys.argv[1]))['http_options'].get('port', 8000))" "$CONFIG")
 URL="http://127.0.0.1:${PORT}"
+DIRECT=""
+if [ "${RAY_SERVE_ENABLE_DIRECT_INGRESS:-0}" = 1 ]; then
+  DIRECT_ENV=$("$PY" -m deployments.ray_internals direct-ingress-env "$((PORT + 1))") || exit 1
+  eval "$DIRECT_ENV"
+  DIRECT="http://127.0.0.1:$((PORT + 1))"
+fi
 
 # serve run in its own process group with SIGINT restored (bash ignores SIGINT in background
 # jobs), so that a stop is one SIGINT from the trap below: serve run turns it into Serve's
@@ -53,7 +62,7 @@ trap 'stop; exit 130' INT TERM HUP  # serve run is in its own process group: sto
 echo "starting the app (engines take 1-3 minutes on 2 cores); waiting for ${URL}/ready ..." >&2
 for _ in $(seq 1 300); do
   if ! kill -0 "$SERVE_PID" 2>/dev/null; then echo "serve run exited before the app was ready" >&2; exit 1; fi
-  if curl -fsS "${URL}/ready" >/dev/null 2>&1; then
+  if curl -fsS "${URL}/ready" >/dev/null 2>&1 && { [ -z "$DIRECT" ] || curl -fsS "${DIRECT}/ready" >/dev/null 2>&1; }; then
     cat <<EOM
 
 PrefillShare is ready at ${URL}
@@ -67,6 +76,9 @@ PrefillShare is ready at ${URL}
                    {"model": "reschedule", "instruction": "Q: move the delivery one day later. which\\nday"}]}'
   metrics:  curl ${URL}/metrics      status: RAY_AUTH_MODE=token .venv/bin/serve status
   OpenAI SDK: OpenAI(base_url="${URL}/v1", api_key="unused")
+EOM
+    [ -n "$DIRECT" ] && echo "  direct:   ${DIRECT} (the same routes on the Router's own port: no proxy hop)"
+    cat <<EOM
 Ctrl-C stops it. See docs/serving.md.
 EOM
     wait "$SERVE_PID"

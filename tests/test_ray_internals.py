@@ -147,3 +147,39 @@ def test_request_path_replicas_get_the_replica_env_and_an_engines_own_env_wins()
     own = dec.placement.model_copy(update={"env": {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "1"}})
     env = engine_options(cfg, "x", own, dec.engine)["ray_actor_options"]["runtime_env"]["env_vars"]
     assert env["RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD"] == "1"
+
+
+def test_the_direct_ingress_env_names_are_the_ones_serve_reads():
+    """With direct_ingress_env Serve's constants say direct ingress on, ports from the one given, no
+    draining wait and no port quarantine; without it they keep Serve's defaults. And the target
+    groups direct_ingress_urls reads still carry the fields it needs."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from ray.serve.context import _get_global_client  # noqa: F401 - direct_ingress_urls' client; an import error fails here
+    from ray.serve.schema import ServeInstanceDetails, Target, TargetGroup
+
+    code = ("import json; from ray.serve._private import constants as c; print(json.dumps("
+            "[c.RAY_SERVE_ENABLE_DIRECT_INGRESS, c.RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT, "
+            "c.RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT, c.RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S, "
+            "c.RAY_SERVE_PORT_QUARANTINE_S]))")
+    env = ray_internals.direct_ingress_env(8001)
+    clean = {k: v for k, v in os.environ.items() if k not in env and k != "RAY_SERVE_THROUGHPUT_OPTIMIZED"}
+
+    def read(e):
+        out = subprocess.run([sys.executable, "-c", code], env=e, capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    assert read({**clean, **env}) == [True, 8001, 8100, 0.0, 0.0]
+    off = read(clean)
+    assert off[0] is False and off[1] != 8001 and off[3] > 0 and off[4] > 0
+    assert "target_groups" in ServeInstanceDetails.model_fields
+    assert {"targets", "app_name", "ingress_deployment_name", "protocol"} <= set(TargetGroup.model_fields)
+    assert {"ip", "port"} <= set(Target.model_fields)
+    from ray.serve._private.client import ServeControllerClient
+
+
+    assert list(inspect.signature(ServeControllerClient.get_serve_details).parameters) == ["self"]

@@ -1,7 +1,9 @@
 """`make serve`'s script and the Serve CLI, on the default application: scripts/serve.sh
 (-> `serve run`) brings up serve_config.yaml itself (the shipped base and its four decoders,
 only the port and the pool path changed), prints how to reach it, and the shipped decoders
-answer the held-out task suite through an HTTP fan-out. `serve status` sees the app under
+answer the held-out task suite through an HTTP fan-out. Started with Serve's direct ingress on
+(``RAY_SERVE_ENABLE_DIRECT_INGRESS=1``), it also serves the same routes on the Router replica's own
+port, without the proxy. `serve status` sees the app under
 Ray's token auth, and `serve deploy` updates it in the running cluster. Stopped as Ctrl-C of
 `make serve` stops it (Serve's graceful shutdown), it leaves no process and no /dev/shm file,
 its KV pool included. Run through
@@ -59,7 +61,8 @@ def served(tmp_path_factory):
     # serve.sh's default: Ray's token auth on (the token given here instead of ~/.ray/auth_token)
     marker = secrets.token_hex(8)  # inherited by every process of the app (see process_tracking)
     env = dict(os.environ, PREFILLSHARE_SERVE_CONFIG=str(cfg_path), RAY_TMPDIR=ray_tmp,
-               RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(16), **{MARKER: marker})
+               RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(16), RAY_SERVE_ENABLE_DIRECT_INGRESS="1",
+               **{MARKER: marker})
     proc = subprocess.Popen(["bash", "scripts/serve.sh"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
     tracked = ProcessTracker(psutil.Process(proc.pid), (MARKER, marker))
@@ -153,6 +156,24 @@ def test_serve_sh_prints_how_to_reach_the_app_and_the_shipped_decoders_answer(se
     assert right["route"] >= NUM_CONTEXTS - 1, right
     assert right["lookup"] >= NUM_CONTEXTS - 2, right
     assert right["lookup_again"] >= NUM_CONTEXTS - 2, right
+
+
+def test_direct_ingress_serves_the_same_routes_on_the_routers_own_port(served):
+    """The Router replica listens on http_options.port + 1 as serve.sh prints; a greedy completion
+    and a refused body read the same there as through Serve's proxy."""
+    direct = f"http://127.0.0.1:{served['port'] + 1}"
+    assert f"direct:   {direct} " in "".join(served["lines"])
+    context, examples = next(iter(_held_out().items()))
+    body = {"model": "lookup", "prompt": context + "\n" + examples["lookup"].instruction, "max_tokens": 12,
+            "temperature": 0}
+    (s1, via_proxy), (s2, via_router) = (_post(u + "/v1/completions", body) for u in (served["url"], direct))
+    assert s1 == s2 == 200, (via_proxy, via_router)
+    assert via_router["choices"][0]["text"] == via_proxy["choices"][0]["text"]
+    counts = ("prompt_tokens", "completion_tokens")
+    assert [via_router["usage"][k] for k in counts] == [via_proxy["usage"][k] for k in counts]
+    bad = {**body, "max_tokens": "many"}
+    (s1, e1), (s2, e2) = (_post(u + "/v1/completions", bad) for u in (served["url"], direct))
+    assert s1 == s2 == 400 and e1["error"]["param"] == e2["error"]["param"] == "max_tokens", (e1, e2)
 
 
 def test_ray_token_auth_guards_the_cluster(served, status_at_start):
