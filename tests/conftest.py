@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 import uuid
 
 import psutil
@@ -17,6 +18,8 @@ from process_tracking import ProcessTracker, kill_all, title
 
 MARKER = "PREFILLSHARE_TEST_SESSION"
 _tracker: ProcessTracker | None = None
+_started = time.monotonic()
+_last_file: str | None = None
 
 
 def pytest_sessionstart(session):
@@ -25,8 +28,38 @@ def pytest_sessionstart(session):
     _tracker = ProcessTracker(psutil.Process(), (MARKER, marker))
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_logstart(nodeid, location):
+    """Ends each test file's progress line with the seconds since the session began.
+
+    A run stopped by a CI time limit prints no durations table; these stamps still show where
+    its time went.
+    """
+    global _last_file
+    path = nodeid.split("::", 1)[0]
+    if _last_file is not None and path != _last_file:
+        _write(f" {time.monotonic() - _started:.0f}s")
+    _last_file = path
+
+
+def _write(text: str) -> None:
+    reporter = _config.pluginmanager.get_plugin("terminalreporter") if _config else None
+    if reporter is not None:
+        reporter.write(text)
+
+
+_config: pytest.Config | None = None
+
+
+def pytest_configure(config):
+    global _config
+    _config = config
+
+
 @pytest.hookimpl(trylast=True)
 def pytest_sessionfinish(session, exitstatus):
+    if _last_file is not None:
+        _write(f" {time.monotonic() - _started:.0f}s")
     if _tracker is None:
         return
     left = [p for p in _tracker.stop() if not _pytest_helper(p)]
