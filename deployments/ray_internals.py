@@ -38,7 +38,7 @@ moves or reshapes one; after an upgrade, fix this module and that test, nothing 
   (``RAY_SERVE_PORT_QUARANTINE_S`` 0: Serve holds a freed port for minutes by default, for its
   HAProxy mode), and a stop does not wait the 30 s Serve leaves an outside load balancer
   (``RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S`` 0). Measured on 2 cores: the follow-on
-  completion's median first token about 20 ms lower than through the proxy (docs/benchmarks.md).
+  completion's median first token 8-21 ms lower than through the proxy (docs/benchmarks.md).
   :func:`direct_ingress_urls` reads the Router's port from the controller's target groups
   (``get_serve_details()`` of ``serve.context._get_global_client()``).
 """
