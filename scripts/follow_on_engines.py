@@ -7,7 +7,13 @@ prefix caching, no connector). Each request: a 768-token prefix shared by all, a
 suffix, adapters round-robin, one at a time. Prints the median prefill time, the decode group's
 time to its first token and their sum (or the stock engine's time to first token), as JSON.
 
-    PYTHONPATH=. .venv/bin/python scripts/follow_on_engines.py [--stock] [--requests 24]
+``--idle-sweep`` measures instead how an engine's first token depends on how long it sat idle
+before the request: the decode group alone, one-token prompts (nothing to load), adapters
+round-robin, each idle gap in turn; per gap the median first token and the median step after it.
+In a disaggregated path each engine idles while the other works, so each pays this; one stock
+engine serving requests back to back does not.
+
+    PYTHONPATH=. .venv/bin/python scripts/follow_on_engines.py [--stock | --idle-sweep] [--requests 24]
 """
 from __future__ import annotations
 
@@ -37,6 +43,26 @@ async def _first_token(engine, ids, rid, lora) -> float:
     return time.perf_counter() - t0
 
 
+async def _idle_sweep(engine, names: list[str], requests: int, gaps=(0.0, 0.002, 0.01, 0.05, 0.15, 0.5)) -> dict:
+    """Per idle gap (s): median first token and median later step (ms) of three-token answers."""
+    from app.sampling import Sampling
+
+    out = {}
+    for gap in gaps:
+        first, step = [], []
+        for i in range(requests):
+            t0, stamps = time.perf_counter(), []
+            async for o in engine.generate([11 + i % 300], Sampling(max_tokens=3, temperature=0, ignore_eos=True),
+                                           f"idle{gap}-{i}", lora=names[i % len(names)]):
+                stamps += [time.perf_counter() - t0] * len(o.new_token_ids)
+            first.append(stamps[0])
+            step.append((stamps[-1] - stamps[0]) / (len(stamps) - 1))
+            await asyncio.sleep(gap)
+        out[f"{gap:g}"] = {"first_token_ms": round(statistics.median(first[2:]) * 1e3, 2),
+                           "step_ms": round(statistics.median(step[2:]) * 1e3, 2)}
+    return {"idle_s": out, "requests": requests}
+
+
 async def main(args) -> dict:
     import bench_follow_on_ttft as bench
 
@@ -54,6 +80,13 @@ async def main(args) -> dict:
     prefix = [rng.randrange(10, 500) for _ in range(768)]
     prompts = [prefix + [rng.randrange(10, 500) for _ in range(32)] for _ in range(args.requests)]
     warm = 2  # the first requests fill the prefix cache and the pool
+    if args.idle_sweep:
+        engine = await Engine.start(engine_config(cfg, group.model, group.engine, group.placement, None, group))
+        try:
+            return await _idle_sweep(engine, names, args.requests)
+        finally:
+            engine.shutdown()
+            shutil.rmtree(pool_dir, ignore_errors=True)
     if args.stock:
         ec = replace(engine_config(cfg, base.model, base.engine, base.placement, None, group), enable_prefix_caching=True)
         engine = await Engine.start(ec)
@@ -92,6 +125,8 @@ async def main(args) -> dict:
 
 if __name__ == "__main__":  # engine cores start with spawn: nothing may start at import
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--stock", action="store_true", help="one stock engine instead of the app's two")
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--stock", action="store_true", help="one stock engine instead of the app's two")
+    mode.add_argument("--idle-sweep", action="store_true", help="the decode group's first token after idle gaps")
     parser.add_argument("--requests", type=int, default=24)
     print(json.dumps(asyncio.run(main(parser.parse_args()))))
