@@ -22,6 +22,16 @@ figures goes to ``--out``. The whole default run is bounded to 8 minutes by the 
    must equal app.reference.shared_greedy(A, B).
 4. NIXL: a block server (separate process) serves its slab; a puller reads slots into its own
    pool's slab; bytes checked, GB/s printed.
+5. The ``vllm-nixl`` hand-over (vLLM's own NixlConnector, the mode meant for GPUs), through
+   ``python -m app.bench.nixl_probe --device cuda``: a producer engine (the base) and a consumer
+   engine (a model with other weights) in two processes on the GPU, ``kv_buffer_device: cuda``,
+   vLLM's transport settings. Shipped models at L = 300, 900: the decoder's greedy tokens on the
+   pulled KV equal ``app.reference.shared_greedy`` (float32). A ~90M dummy Llama at ``--lengths``
+   (bf16): decoder TTFT with the pulled KV vs a private prefill, the second prefill of a prompt
+   computing at most one block (the prefix cache), and NIXL's bytes per second (vLLM's counters).
+   On the CPU (``--device cpu``) the shipped models at L = 300 only, over UCX on host memory.
+
+The JSON is rewritten after every step, so a run stopped by its time limit keeps what it measured.
 """
 from __future__ import annotations
 
@@ -410,24 +420,102 @@ class Engines:
             srv.wait(30)
 
 
+def _probe(args, name: str, probe_args: list[str], limit: float) -> dict:
+    """One run of app.bench.nixl_probe in its own process group (killed whole at ``limit``: its
+    engines are child processes); its JSON."""
+    import signal
+    import subprocess
+
+    out = os.path.join(tempfile.mkdtemp(prefix="ps-gpu-probe-"), f"{name}.json")
+    cmd = [sys.executable, "-m", "app.bench.nixl_probe", "--device", args.device, "--out", out, *probe_args]
+    print("  $", " ".join(cmd[1:]), flush=True)
+    proc = subprocess.Popen(cmd, start_new_session=True)
+    try:
+        rc = proc.wait(limit)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        raise TimeoutError(f"nixl_probe {name}: not done in {limit:.0f} s") from None
+    if rc != 0:
+        raise RuntimeError(f"nixl_probe {name}: exit {rc}")
+    with open(out) as f:
+        res = json.load(f)
+    shutil.rmtree(os.path.dirname(out), ignore_errors=True)
+    return res
+
+
+def vllm_nixl(args, results: dict, failures: list[str], limit: float) -> None:
+    """Step 5: the vllm-nixl hand-over between two engine processes (module docstring)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        vllm_version = version("vllm")
+    except PackageNotFoundError:
+        vllm_version = "unknown"
+    gpu = args.device == "cuda"
+    setting = "default" if gpu else "polled"  # vLLM's transport settings on GPUs; the CPU box's own
+    t0 = time.perf_counter()
+    runs = {"equality": ["--models", "shipped", "--lengths", "300,900" if gpu else "300", "--repeats", "1",
+                         "--max-tokens", "8", "--setting", setting, "--idle", "1", "--timeout", "60"]}
+    if gpu:
+        runs["speed"] = ["--models", "random", "--lengths", args.lengths, "--repeats", str(args.trials),
+                         "--max-tokens", "4", "--setting", setting, "--dtype", "bfloat16", "--idle", "1",
+                         "--timeout", "60"]
+    out: dict = {"vllm": vllm_version, "setting": setting}
+    results["vllm_nixl"] = out
+    for name, probe_args in runs.items():
+        res = _probe(args, name, probe_args, max(30.0, limit - (time.perf_counter() - t0)))
+        summary, rate = res["summary"], res["kv_transfer"]
+        out[name] = {"summary": summary, "kv_transfer": rate, "start_s": res.get("start_s"),
+                     "handover_counters": res.get("handover_counters"),
+                     "expired": res["producer_metrics"].get("num_kv_expired_reqs", 0.0)}
+        for n, row in summary.items():
+            ratio = row["ttft_private_s"] / row["ttft_shared_s"] if row["ttft_shared_s"] else 0.0
+            print(f"  {name} L={n}: decoder TTFT shared {row['ttft_shared_s'] * 1e3:.1f} ms, private "
+                  f"{row['ttft_private_s'] * 1e3:.1f} ms ({ratio:.1f}x); second prefill computed "
+                  f"{row['second_prefill_computed']} tokens; all pulled: {row['all_pulled']}; "
+                  f"tokens equal: {row['tokens_equal']}", flush=True)
+            if not (row["all_pulled"] and row["tokens_equal"]):
+                failures.append(f"vllm_nixl {name} L={n}: not every decoder pulled, or tokens differ")
+            if row["second_prefill_computed"] > 32:  # the probe's block size
+                failures.append(f"vllm_nixl {name} L={n}: the second prefill computed more than one block")
+            if name == "speed" and row["ttft_shared_s"] >= row["ttft_private_s"]:
+                failures.append(f"vllm_nixl speed L={n}: the pulled KV is not faster than a private prefill")
+        print(f"  {name}: NIXL moved {rate['mib']} MiB in {rate['seconds'] * 1e3:.1f} ms of transfers "
+              f"({rate['gb_s']} GB/s, vLLM's counters)", flush=True)
+        if not rate["mib"]:
+            failures.append(f"vllm_nixl {name}: vLLM counted no NIXL bytes")
+
+
+def _write(args, results: dict) -> None:
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "gpu_check.json"), "w") as f:
+            json.dump(results, f, indent=1)
+
+
 def run(args) -> int:
     results: dict = {"device": args.device, "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     failures: list[str] = []
+    results["failures"] = failures
     eng = None
     steps = {"1": ("KV transport: batched slot copies vs plain copies vs per-block (torch only)", 90),
              "2": (f"decoder TTFT shared vs private, L={args.lengths}", 200),
              "3": ("token equality (float32)", 120),
-             "4": ("NIXL slab-to-slab pull between two processes", 50)}
+             "4": ("NIXL slab-to-slab pull between two processes", 50),
+             "5": ("the vllm-nixl hand-over: vLLM's NixlConnector between two engine processes", 240)}
     try:
         for key in args.steps.split(","):
             if key not in steps:
-                raise SystemExit(f"--steps: unknown step {key!r} (1-4)")
+                raise SystemExit(f"--steps: unknown step {key!r} (1-5)")
             title, limit = steps[key]
             print(f"== {key}. {title} (limit {limit} s)", flush=True)
             t0 = time.perf_counter()
             try:
                 if key == "1":
                     transport(args, results, failures)
+                elif key == "5":
+                    vllm_nixl(args, results, failures, limit)
                 else:
                     eng = eng or Engines(args, results, failures)
                     fn = {"2": eng.speed, "3": eng.equality, "4": eng.nixl}[key]
@@ -441,14 +529,11 @@ def run(args) -> int:
             spent = time.perf_counter() - t0
             results.setdefault("step_seconds", {})[key] = spent
             print(f"   ({spent:.0f} s)", flush=True)
+            _write(args, results)
     finally:
         if eng is not None:
             eng.cleanup()
-    results["failures"] = failures
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "gpu_check.json"), "w") as f:
-            json.dump(results, f, indent=1)
+    _write(args, results)
     print("== RESULT:", "PASS" if not failures else f"FAIL {failures}", flush=True)
     return 1 if failures else 0
 
@@ -456,7 +541,8 @@ def run(args) -> int:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
-    ap.add_argument("--steps", default="1,2,3,4", help="comma-separated steps to run (1 needs only torch)")
+    ap.add_argument("--steps", default="1,5,3,2,4",
+                    help="comma-separated steps to run, in that order (1 needs only torch; 5 is the vllm-nixl mode)")
     ap.add_argument("--lengths", default="2048,4096")
     ap.add_argument("--shapes", default="8B,100M", help="step 1: cache shapes to measure")
     ap.add_argument("--full", action="store_true", help="--device cpu: step 1 at full sizes instead of toy ones")

@@ -8,7 +8,8 @@ NixlConnector over ``kv_buffer_device: cpu``. Per prompt: a prefill request on t
 It records per-request wall times, the decoder's ``num_cached_tokens`` (L when it pulled the
 prompt: vLLM counts every prompt token and recomputes the last), its greedy tokens against ``app.reference.shared_greedy`` (shipped models) and vLLM's
 NIXL counters, under one named transport setting (:data:`SETTINGS`). Each setting starts fresh
-engines (UCX reads its variables at start-up).
+engines (UCX reads its variables at start-up). ``--device cuda`` puts both engines on the GPU
+(``kv_buffer_device: cuda``, a small share of its memory each): scripts/gpu_check.py runs it so.
 
     python -m app.bench.nixl_probe --setting default --out runs/nixl/default.json
     python -m app.bench.nixl_probe --setting tuned --models random --lengths 2048,4096
@@ -58,6 +59,8 @@ class ProbeConfig:
     check_tokens: bool = True
     out: str = "runs/nixl/probe.json"
     seed: int = 0
+    device: str = "cpu"               # cpu: UCX over host memory; cuda: both engines on the GPU
+    dtype: str = "float32"
     extra_env: dict[str, str] = field(default_factory=dict)
 
 
@@ -261,7 +264,8 @@ def engine_configs(cfg: ProbeConfig, base: str, decoder: str, max_len: int):
 
     settings = SETTINGS[cfg.setting]
     lease = lease_for_timeout(cfg.request_timeout_s)
-    common = dict(dtype="float32", kv_cache_memory_bytes=536870912, max_model_len=max_len, block_size=cfg.block_size,
+    gpu = dict(gpu_memory_utilization=0.05) if cfg.device == "cuda" else {}
+    common = dict(dtype=cfg.dtype, kv_cache_memory_bytes=536870912, **gpu, max_model_len=max_len, block_size=cfg.block_size,
                   max_num_batched_tokens=2048, request_timeout_s=cfg.request_timeout_s,
                   load_format="dummy" if cfg.models == "random" else "auto")
 
@@ -269,11 +273,13 @@ def engine_configs(cfg: ProbeConfig, base: str, decoder: str, max_len: int):
         return {**cfg.extra_env, "VLLM_CPU_OMP_THREADS_BIND": cfg.binds[i]}
 
     prod = EngineConfig(model=base, extra_env=env(0), enable_prefix_caching=True,
-                        kv_transfer_config=nixl_transfer_config("producer", lease_s=lease, settings=settings),
+                        kv_transfer_config=nixl_transfer_config("producer", lease_s=lease, settings=settings,
+                                                                kv_buffer_device=cfg.device),
                         **common)
     cons = EngineConfig(model=base if cfg.lora else decoder, extra_env=env(1),
                         enable_prefix_caching=False,
-                        kv_transfer_config=nixl_transfer_config("consumer", lease_s=lease, settings=settings),
+                        kv_transfer_config=nixl_transfer_config("consumer", lease_s=lease, settings=settings,
+                                                                kv_buffer_device=cfg.device),
                         lora_adapters=(("agent", cfg.lora),) if cfg.lora else (), **common)
     return prod, cons, lease
 
@@ -353,7 +359,16 @@ def run_probe(cfg: ProbeConfig) -> dict:
                 case["reference_tokens"] = want
                 case["tokens_equal"] = case["shared_tokens"] == want
         result["summary"] = summarize(result["cases"])
+        result["kv_transfer"] = transfer_rate(result["consumer_metrics"])
     return result
+
+
+def transfer_rate(metrics: dict[str, float]) -> dict[str, float]:
+    """KV bytes the decoder pulled and NIXL's own time for them (vLLM's ``nixl_bytes_transferred``
+    and ``nixl_xfer_time_seconds``), with their ratio in GB/s."""
+    nbytes, secs = metrics.get("bytes_transferred_sum", 0.0), metrics.get("xfer_time_seconds_sum", 0.0)
+    return {"mib": round(nbytes / 2**20, 1), "seconds": round(secs, 4), "pulls": metrics.get("xfer_time_seconds_count", 0.0),
+            "gb_s": round(nbytes / secs / 1e9, 3) if secs else 0.0}
 
 
 def summarize(cases: list[dict]) -> dict:
@@ -387,17 +402,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--idle", type=float, default=5.0, help="seconds of idle CPU measured after the warm-up")
     ap.add_argument("--env", action="append", default=[], help="KEY=VALUE for both engines (repeatable)")
     ap.add_argument("--out", default=ProbeConfig.out)
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    ap.add_argument("--dtype", default=ProbeConfig.dtype)
     a = ap.parse_args(argv)
     cfg = ProbeConfig(setting=a.setting, models=a.models, decoder=a.decoder, lora=a.lora,
                       lengths=tuple(int(x) for x in a.lengths.split(",")), repeats=a.repeats,
                       max_tokens=a.max_tokens, binds=tuple(a.binds.split(",")), request_timeout_s=a.timeout,
-                      extra_env=dict(kv.split("=", 1) for kv in a.env), out=a.out, idle_s=a.idle)
+                      extra_env=dict(kv.split("=", 1) for kv in a.env), out=a.out, idle_s=a.idle,
+                      device=a.device, dtype=a.dtype)
     if cfg.models == "random":
         cfg = replace(cfg, check_tokens=False)
     result = run_probe(cfg)
     Path(cfg.out).parent.mkdir(parents=True, exist_ok=True)
     Path(cfg.out).write_text(json.dumps(result, indent=1))
-    print(json.dumps(result["summary"], indent=1))
+    print(json.dumps({"summary": result["summary"], "kv_transfer": result["kv_transfer"]}, indent=1))
     return 0
 
 
