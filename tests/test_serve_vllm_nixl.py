@@ -27,6 +27,8 @@ from serve_test_app import (
     MAX_NEW,
     TEST_ENGINE,
     _expected,
+    _metric,
+    _metrics,
     _post,
     decoder_entry,
     nixl_events,
@@ -39,6 +41,7 @@ pytestmark = [pytest.mark.serve, pytest.mark.engine]
 
 CONTEXT = "order\nname:maya\nitem:lamp\nqty:3\ncity:oslo\nday:tue\ncolor:teal\nnote:please call before noon thanks"
 APP = "psn"
+EXPIRED = "vllm:nixl_num_kv_expired_reqs_total"  # vLLM's counter (nixl/stats.py), as its replica pushes it
 
 
 def _on(node: str, entry: dict) -> dict:
@@ -51,7 +54,8 @@ def _app_config(paths, pool_dir: str, keys_file) -> dict:
         "tokenizer": str(paths["tokenizer"]),
         "handover": "vllm-nixl",
         "pool": {"path": pool_dir, "capacity_bytes": "64MiB"},
-        "limits": {"max_tokens_default": MAX_NEW, "max_tokens_cap": 64, "max_agents": 4},
+        # the lease follows the request timeout (35 s): short enough for the expiry test to wait it out
+        "limits": {"max_tokens_default": MAX_NEW, "max_tokens_cap": 64, "max_agents": 4, "request_timeout_s": 30},
         "auth": {"keys_file": str(keys_file)},
         "engine_env": {"VLLM_HOST_IP": "127.0.0.1"},
         "prefill_modules": [_on("prefill_node", {"name": "base", "model": str(paths["base"]), "engine": TEST_ENGINE})],
@@ -153,7 +157,9 @@ def test_a_lease_that_ran_out_is_answered_privately_and_counted(nixl_app, nixl_r
     """A real lease from the base, aged past its end before the decoder's replica takes it (the
     second of two prompts' leases hits the prefix cache the first one filled): the decoder must
     prefill privately (the private reference's tokens), never decode from released
-    blocks, and /metrics counts it as ``fallback:lease_expiring``."""
+    blocks, and /metrics counts it as ``fallback:lease_expiring``. Neither lease is pulled, so both
+    run out on the base's engine for real: vLLM's own expiry counter, which the Prefill replica pushes
+    with its other vllm:* metrics, shows them on /metrics."""
     from ray import serve
 
     from app.sampling import Sampling
@@ -164,8 +170,10 @@ def test_a_lease_that_ran_out_is_answered_privately_and_counted(nixl_app, nixl_r
     url = nixl_app["url"]
     prompt_ids = tuple(tok(render_prompt(CONTEXT, "what is the color?"))["input_ids"])
     before = nixl_events(url, "alpha", "fallback:lease_expiring")
+    expired_before = _metric(_metrics(url), EXPIRED, model_name="base")
+    prefill = serve.get_deployment_handle("Prefill-base", APP).prefill
     # two prompts, as a 2-agent fan-out sends them: one lease each, the second prefill a prefix-cache hit
-    ticket = serve.get_deployment_handle("Prefill-base", APP).prefill.remote(
+    ticket = prefill.remote(
         PrefillRequest(request_id="expired", prompts=(prompt_ids, prompt_ids), cache_salt="lease-test")).result()
     lease, second = ticket.leases
     assert lease.params.get("remote_block_ids") and second.params.get("remote_block_ids")  # kept for a pull
@@ -180,3 +188,14 @@ def test_a_lease_that_ran_out_is_answered_privately_and_counted(nixl_app, nixl_r
                                                                        private=True)
     assert chunks[-1].num_cached_tokens == 0  # nothing pulled
     assert wait_for_nixl_event(url, "alpha", "fallback:lease_expiring", before + 1) == before + 1
+    # vLLM counts a lease it reclaims in the step that finds it ran out; its stat logger gets the count
+    # with the engine's next outputs, so small prefills follow once the leases are over (their own
+    # leases run out only after this loop's deadline, so they cannot add to the count)
+    time.sleep(max(0.0, lease.expires_at + 1 - time.time()))
+    expired, deadline = expired_before, lease.expires_at + 30
+    while expired < expired_before + 2 and time.time() < deadline:
+        prefill.remote(PrefillRequest(request_id=f"tick-{time.time()}", prompts=(prompt_ids[:8],),
+                                      cache_salt="tick")).result()
+        time.sleep(2)
+        expired = _metric(_metrics(url), EXPIRED, model_name="base")
+    assert expired >= expired_before + 2, (expired_before, expired)

@@ -3,7 +3,7 @@
 The engine test (marked ``engine``) runs the shipped base as the NIXL producer and the shipped
 lookup decoder as its consumer, each engine in its own process, ``kv_buffer_device: cpu``: a lease
 that ran out must be answered with the private reference's tokens and counted, on our side and by
-vLLM (its own ``num_kv_expired_reqs``, which the Serve test cannot wait for). Shared-KV tokens of
+vLLM (its own ``num_kv_expired_reqs``, here with vLLM's shortest lease, 6 s). Shared-KV tokens of
 decoders with other weights and a LoRA group through the NixlConnector: tests/test_serve_vllm_nixl.py.
 """
 from __future__ import annotations
