@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import multiprocessing
 import os
@@ -258,19 +259,27 @@ def start_engines(specs: dict) -> dict[str, EngineProcess]:
     return out
 
 
+def engine_common(cfg: ProbeConfig, max_len: int) -> dict:
+    """EngineConfig fields both engines of a probe share, whatever carries their KV."""
+    gpu = dict(gpu_memory_utilization=0.05) if cfg.device == "cuda" else {}
+    return dict(dtype=cfg.dtype, kv_cache_memory_bytes=536870912, **gpu, max_model_len=max_len,
+                block_size=cfg.block_size, max_num_batched_tokens=2048, request_timeout_s=cfg.request_timeout_s,
+                load_format="dummy" if cfg.models == "random" else "auto")
+
+
+def engine_env(cfg: ProbeConfig, i: int) -> dict[str, str]:
+    """Env of the producer (0) or the consumer (1): its core binding."""
+    return {**cfg.extra_env, "VLLM_CPU_OMP_THREADS_BIND": cfg.binds[i]}
+
+
 def engine_configs(cfg: ProbeConfig, base: str, decoder: str, max_len: int):
     """(producer EngineConfig, consumer EngineConfig, lease seconds) of this probe."""
     from app.engine.async_engine import EngineConfig
 
     settings = SETTINGS[cfg.setting]
     lease = lease_for_timeout(cfg.request_timeout_s)
-    gpu = dict(gpu_memory_utilization=0.05) if cfg.device == "cuda" else {}
-    common = dict(dtype=cfg.dtype, kv_cache_memory_bytes=536870912, **gpu, max_model_len=max_len, block_size=cfg.block_size,
-                  max_num_batched_tokens=2048, request_timeout_s=cfg.request_timeout_s,
-                  load_format="dummy" if cfg.models == "random" else "auto")
-
-    def env(i: int) -> dict[str, str]:
-        return {**cfg.extra_env, "VLLM_CPU_OMP_THREADS_BIND": cfg.binds[i]}
+    common = engine_common(cfg, max_len)
+    env = functools.partial(engine_env, cfg)
 
     prod = EngineConfig(model=base, extra_env=env(0), enable_prefix_caching=True,
                         kv_transfer_config=nixl_transfer_config("producer", lease_s=lease, settings=settings,
