@@ -426,22 +426,23 @@ def _probe(args, name: str, probe_args: list[str], limit: float) -> dict:
     import signal
     import subprocess
 
-    out = os.path.join(tempfile.mkdtemp(prefix="ps-gpu-probe-"), f"{name}.json")
+    work = tempfile.mkdtemp(prefix="ps-gpu-probe-")
+    out = os.path.join(work, f"{name}.json")
     cmd = [sys.executable, "-m", "app.bench.nixl_probe", "--device", args.device, "--out", out, *probe_args]
     print("  $", " ".join(cmd[1:]), flush=True)
     proc = subprocess.Popen(cmd, start_new_session=True)
     try:
         rc = proc.wait(limit)
+        if rc != 0:
+            raise RuntimeError(f"nixl_probe {name}: exit {rc}")
+        with open(out) as f:
+            return json.load(f)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
         raise TimeoutError(f"nixl_probe {name}: not done in {limit:.0f} s") from None
-    if rc != 0:
-        raise RuntimeError(f"nixl_probe {name}: exit {rc}")
-    with open(out) as f:
-        res = json.load(f)
-    shutil.rmtree(os.path.dirname(out), ignore_errors=True)
-    return res
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
 
 
 def vllm_nixl(args, results: dict, failures: list[str], limit: float) -> None:
