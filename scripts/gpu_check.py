@@ -383,11 +383,9 @@ class Engines:
                 e.shutdown()
 
     def nixl(self) -> None:
-        import subprocess
-
         from app.engine.kv_keys import block_keys
         from app.engine.kv_pool import KVPool, PoolSpec
-        from app.engine.nixl_transport import NixlPuller
+        from app.engine.nixl_transport import NixlPuller, serve_process
 
         src, dst = self.pool_root + "-nx", self.pool_root + "-nx2"
         pool = KVPool(PoolSpec(src, capacity_bytes=1 << 30))
@@ -397,10 +395,8 @@ class Engines:
         for e, d in zip(res.entries, data):
             pool.view(e)[:] = d
         pool.publish(res)
-        srv = subprocess.Popen([sys.executable, "-m", "app.engine.nixl_transport", "serve", "--pool", src],
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        srv, addr = serve_process(src)
         try:
-            addr = next(line.split()[-1] for line in srv.stdout if "listening on" in line)
             puller = NixlPuller()
             rows = []
             for i in range(3):
@@ -449,6 +445,8 @@ def vllm_nixl(args, results: dict, failures: list[str], limit: float) -> None:
     """Step 5: the vllm-nixl hand-over between two engine processes (module docstring)."""
     from importlib.metadata import PackageNotFoundError, version
 
+    from app.bench.nixl_probe import ProbeConfig
+
     try:
         vllm_version = version("vllm")
     except PackageNotFoundError:
@@ -478,7 +476,7 @@ def vllm_nixl(args, results: dict, failures: list[str], limit: float) -> None:
                   f"tokens equal: {row['tokens_equal']}", flush=True)
             if not (row["all_pulled"] and row["tokens_equal"]):
                 failures.append(f"vllm_nixl {name} L={n}: not every decoder pulled, or tokens differ")
-            if row["second_prefill_computed"] > 32:  # the probe's block size
+            if row["second_prefill_computed"] > ProbeConfig.block_size:  # the probe runs with its default
                 failures.append(f"vllm_nixl {name} L={n}: the second prefill computed more than one block")
             if name == "speed" and row["ttft_shared_s"] >= row["ttft_private_s"]:
                 failures.append(f"vllm_nixl speed L={n}: the pulled KV is not faster than a private prefill")

@@ -3,7 +3,6 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import uuid
 
 import pytest
@@ -13,7 +12,7 @@ pytest.importorskip("nixl._api")
 from app.engine.kv_auth import KV_SECRET_ENV, KVAuthError  # noqa: E402
 from app.engine.kv_keys import block_keys  # noqa: E402
 from app.engine.kv_pool import KVPool, PoolSpec  # noqa: E402
-from app.engine.nixl_transport import NixlStore  # noqa: E402
+from app.engine.nixl_transport import NixlStore, serve_process  # noqa: E402
 from tests.kv_blocks import Block, put, read  # noqa: E402
 
 BLOCK = 256 << 10
@@ -24,13 +23,7 @@ def start_server(pool_path: str, secret: str | None = None) -> tuple[subprocess.
     env = {k: v for k, v in os.environ.items() if k != KV_SECRET_ENV}
     if secret:
         env[KV_SECRET_ENV] = secret
-    proc = subprocess.Popen([sys.executable, "-m", "app.engine.nixl_transport", "serve", "--pool", pool_path,
-                             "--listen", "127.0.0.1:0"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-    for line in proc.stdout:
-        if "listening on" in line:
-            return proc, line.split()[-1]
-    raise RuntimeError("NIXL block server did not start")
+    return serve_process(pool_path, env=env)
 
 
 @pytest.fixture

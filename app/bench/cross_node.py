@@ -31,8 +31,6 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 import uuid
@@ -45,23 +43,14 @@ from app.bench.nixl_probe import ProbeConfig
 MODES = ("pool-nixl", "vllm-nixl")
 
 
-def _block_server(pool_dir: str) -> tuple[subprocess.Popen, str]:
-    srv = subprocess.Popen([sys.executable, "-m", "app.engine.nixl_transport", "serve", "--pool", pool_dir],
-                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    for line in srv.stdout:
-        if "listening on" in line:
-            return srv, line.split()[-1]
-    srv.wait(10)
-    raise RuntimeError(f"NIXL block server exited with {srv.returncode} before listening")
-
-
 def _pool_engines(cfg: ProbeConfig, base: str, decoder: str, max_len: int, work: str):
     """Producer and consumer specs of ``pool-nixl``, and the block server (to stop after)."""
     from app.engine.async_engine import EngineConfig, connector_config
     from app.engine.kv_pool import PoolSpec
+    from app.engine.nixl_transport import serve_process
 
     prod_pool = PoolSpec(path=f"{work}-prefill-node", capacity_bytes=2 << 30)
-    srv, addr = _block_server(prod_pool.path)
+    srv, addr = serve_process(prod_pool.path)
     dec_pool = PoolSpec(path=f"{work}-decode-node", capacity_bytes=2 << 30, transport="nixl", nixl_peers=(addr,),
                         nixl_timeout_s=cfg.request_timeout_s)
     common = nixl_probe.engine_common(cfg, max_len)
@@ -132,10 +121,7 @@ def run(cfg: ProbeConfig, modes=MODES, fanout: int = 1) -> dict:
                     specs, srv = _pool_engines(cfg, base, decoder, max_len, work)
                     lease = 0
                 else:
-                    prod_cfg, cons_cfg, lease = nixl_probe.engine_configs(cfg, base, decoder, max_len)
-                    settings = nixl_probe.SETTINGS[cfg.setting]
-                    specs = {"producer": (prod_cfg, nixl_probe.side_channel_env(cfg.ports[0], settings=settings)),
-                             "consumer": (cons_cfg, nixl_probe.side_channel_env(cfg.ports[1], settings=settings))}
+                    specs, lease = nixl_probe.engine_specs(cfg, base, decoder, max_len)
                 t = time.perf_counter()
                 engines = nixl_probe.start_engines(specs)
                 result.setdefault("start_s", {})[mode] = round(time.perf_counter() - t, 1)

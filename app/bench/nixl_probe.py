@@ -293,6 +293,15 @@ def engine_configs(cfg: ProbeConfig, base: str, decoder: str, max_len: int):
     return prod, cons, lease
 
 
+def engine_specs(cfg: ProbeConfig, base: str, decoder: str, max_len: int) -> tuple[dict, int]:
+    """What :func:`start_engines` takes for this probe's two engines (each with its own NIXL
+    handshake port, ``cfg.ports``), and the lease seconds."""
+    prod, cons, lease = engine_configs(cfg, base, decoder, max_len)
+    settings = SETTINGS[cfg.setting]
+    return {"producer": (prod, side_channel_env(cfg.ports[0], settings=settings)),
+            "consumer": (cons, side_channel_env(cfg.ports[1], settings=settings))}, lease
+
+
 async def _cases(cfg: ProbeConfig, prod: EngineProcess, cons: EngineProcess, prompts, lease: int) -> dict:
     from app.engine import vllm_nixl_handover as ho
     from app.sampling import Sampling
@@ -349,13 +358,11 @@ def run_probe(cfg: ProbeConfig) -> dict:
     with tempfile.TemporaryDirectory(prefix="nixl-probe-") as tmp:
         base, decoder, max_len = _models(cfg, Path(tmp))
         prompts = _prompts(cfg, base)
-        prod_cfg, cons_cfg, lease = engine_configs(cfg, base, decoder, max_len)
-        settings = SETTINGS[cfg.setting]
-        result: dict = {"config": asdict(cfg), "settings": asdict(settings), "lease_s": lease,
+        specs, lease = engine_specs(cfg, base, decoder, max_len)
+        result: dict = {"config": asdict(cfg), "settings": asdict(SETTINGS[cfg.setting]), "lease_s": lease,
                         "base": base, "decoder": cfg.lora or decoder}
         t = time.perf_counter()
-        engines = start_engines({"producer": (prod_cfg, side_channel_env(cfg.ports[0], settings=settings)),
-                                 "consumer": (cons_cfg, side_channel_env(cfg.ports[1], settings=settings))})
+        engines = start_engines(specs)
         try:
             result["start_s"] = round(time.perf_counter() - t, 1)
             result.update(asyncio.run(_cases(cfg, engines["producer"], engines["consumer"], prompts, lease)))

@@ -29,6 +29,7 @@ import json
 import logging
 import socket
 import socketserver
+import subprocess
 import sys
 import threading
 import time
@@ -42,7 +43,7 @@ from app.engine.kv_pool import MISSING, BlockEntry, KVPool, PoolSpec
 
 log = logging.getLogger(__name__)
 
-__all__ = ["NixlBlockServer", "NixlPuller", "NixlStore", "parse_addr"]
+__all__ = ["NixlBlockServer", "NixlPuller", "NixlStore", "parse_addr", "serve_process"]
 
 
 def parse_addr(addr: str) -> tuple[str, int]:
@@ -377,6 +378,19 @@ class NixlStore:
 
     def close(self) -> None:
         self.local.close()
+
+
+def serve_process(pool_dir: str, listen: str = "127.0.0.1:0",
+                  env: dict[str, str] | None = None) -> tuple[subprocess.Popen, str]:
+    """``python -m app.engine.nixl_transport serve`` in its own process (benchmarks, the GPU check,
+    tests): the process and the address it listens on. The caller stops it."""
+    proc = subprocess.Popen([sys.executable, "-m", "app.engine.nixl_transport", "serve", "--pool", pool_dir,
+                             "--listen", listen], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    for line in proc.stdout:
+        if "listening on" in line:
+            return proc, line.split()[-1]
+    proc.wait(10)
+    raise RuntimeError(f"NIXL block server exited with {proc.returncode} before listening")
 
 
 def _serve(argv: list[str]) -> int:
