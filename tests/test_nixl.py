@@ -47,6 +47,25 @@ def blocks(n, salt="t"):
     return [Block(k.key, os.urandom(BLOCK), k.num_tokens, "L", i) for i, k in enumerate(keys)]
 
 
+def test_one_puller_fills_each_local_pool_it_is_given_with_the_right_bytes(nodes):
+    """A puller's slab registrations are per pool: a second local pool with the same slot size
+    gets its own bytes, not a write into the first pool's slab."""
+    from app.engine.nixl_transport import NixlPuller
+
+    producer_pool, dst, addr, _ = nodes
+    its = blocks(4)
+    put(producer_pool, its)
+    keys = [it.key for it in its]
+    puller = NixlPuller(timeout_s=10)
+    for i in range(2):
+        local = KVPool(PoolSpec(f"{dst}-{i}", capacity_bytes=64 << 20))
+        try:
+            assert puller.pull_into(addr, keys, local)["blocks"] == len(its)
+            assert [bytes(read(local, e)) for e in local.find(keys)] == [it.data for it in its], i
+        finally:
+            local.close()
+
+
 def test_pull_moves_exact_bytes_and_counts_the_fanout_load(nodes):
     producer_pool, dst, addr, _ = nodes
     its = blocks(12)

@@ -66,24 +66,27 @@ def _agent(name: str):
 
 
 class _Registrations:
-    """Slabs registered with one NIXL agent; a slab that grew (remapped) is registered again."""
+    """Slabs registered with one NIXL agent, one per (pool, slot size); a slab that grew (remapped)
+    is registered again."""
 
     def __init__(self, agent):
         self.agent = agent
-        self.by_size: dict[int, tuple[int, int, object]] = {}  # slot bytes -> (nslots, base address, tensor)
+        # (pool path, slot bytes) -> (nslots, base address, tensor)
+        self.by_slab: dict[tuple[str, int], tuple[int, int, object]] = {}
         self.version = 0
 
     def base(self, pool: KVPool, slot_bytes: int, upto_slot: int) -> tuple[int, int]:
         """(base address, stride) of the slab, registered; raises SlotOutOfRange if it has no such slot."""
         slab = pool.slab(slot_bytes)
         slab.ensure(upto_slot)
-        have = self.by_size.get(slot_bytes)
+        key = (pool.path, slot_bytes)
+        have = self.by_slab.get(key)
         if have is None or have[0] != slab.nslots:
             t = slab.tensor()
             self.agent.register_memory([t])
-            self.by_size[slot_bytes] = (slab.nslots, t.data_ptr(), t)
+            self.by_slab[key] = (slab.nslots, t.data_ptr(), t)
             self.version += 1
-        return self.by_size[slot_bytes][1], slab.stride
+        return self.by_slab[key][1], slab.stride
 
 
 @dataclass
