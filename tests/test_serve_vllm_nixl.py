@@ -12,16 +12,24 @@ the transformers reference. Completions and a 2-agent fan-out must give ``app.re
 shared-KV greedy tokens with every prompt token but the last pulled from the base (one lease per
 decoder); a lease that ran out before the decoder took its request must be answered with the
 private reference's tokens and counted on /metrics. API keys are on, so every prefill carries the
-tenant's cache salt. Run through scripts/test.sh (loopback-only network namespace).
+tenant's cache salt, and so is the KV secret, so every NIXL handshake runs over CURVE
+(app/engine/side_channel_auth.py; tests/test_side_channel_auth.py refuses peers without it). Run through scripts/test.sh (loopback-only network namespace).
 """
 from __future__ import annotations
 
+import json
 import os
+import signal
+import threading
 import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
-from ray_cluster import replica_nodes, serving_cluster
+from ray_cluster import DECODE_NODE, PREFILL_NODE, replica_nodes, serving_cluster, wait_ready
+from ray_cluster import get as _get
 from serve_test_app import (
     KEY_A,
     MAX_NEW,
@@ -35,18 +43,25 @@ from serve_test_app import (
     wait_for_nixl_event,
 )
 
+from app.engine.kv_auth import KV_SECRET_ENV
+
 pytest.importorskip("nixl._api")
 
 pytestmark = [pytest.mark.serve, pytest.mark.engine]
 
 CONTEXT = "order\nname:maya\nitem:lamp\nqty:3\ncity:oslo\nday:tue\ncolor:teal\nnote:please call before noon thanks"
 APP = "psn"
+LONG_NEW = 600  # node loss: decoding outlasts the removal of a node
+ENGINE = {**TEST_ENGINE, "max_model_len": 768}
+OUT = Path(__file__).resolve().parent.parent / "runs" / "multinode"
 EXPIRED = "vllm:nixl_num_kv_expired_reqs_total"  # vLLM's counter (nixl/stats.py), as its replica pushes it
 
 
-def _on(node: str, entry: dict) -> dict:
-    """A deployment entry placed on the raylet advertising ``node``, as a KubeRay worker group's pods."""
-    return {**entry, "placement": {"num_cpus": 0, "placement_group_bundles": [{node: 0.1}]}}
+def _on(node: str, entry: dict, replicas: int = 1) -> dict:
+    """A deployment entry placed on raylets advertising ``node``, as a KubeRay worker group's pods:
+    ``beta_slot`` (one per node) puts one replica on each."""
+    return {**entry, "engine": ENGINE, "placement": {"num_replicas": replicas, "num_cpus": 0,
+                                                    "placement_group_bundles": [{node: 0.1 if replicas == 1 else 1}]}}
 
 
 def _app_config(paths, pool_dir: str, keys_file) -> dict:
@@ -55,11 +70,11 @@ def _app_config(paths, pool_dir: str, keys_file) -> dict:
         "handover": "vllm-nixl",
         "pool": {"path": pool_dir, "capacity_bytes": "64MiB"},
         # the lease follows the request timeout (35 s): short enough for the expiry test to wait it out
-        "limits": {"max_tokens_default": MAX_NEW, "max_tokens_cap": 64, "max_agents": 4, "request_timeout_s": 30},
+        "limits": {"max_tokens_default": MAX_NEW, "max_tokens_cap": LONG_NEW, "max_agents": 4, "request_timeout_s": 30},
         "auth": {"keys_file": str(keys_file)},
         "engine_env": {"VLLM_HOST_IP": "127.0.0.1"},
         "prefill_modules": [_on("prefill_node", {"name": "base", "model": str(paths["base"]), "engine": TEST_ENGINE})],
-        "decoders": [_on("decode_node", decoder_entry(paths, "alpha")), _on("decode_node", decoder_entry(paths, "beta")),
+        "decoders": [_on("decode_node", decoder_entry(paths, "alpha")), _on("beta_slot", decoder_entry(paths, "beta"), replicas=2),
                      _on("decode_node", {**decoder_entry(paths, "base"), "name": "group", "max_lora_rank": 8,
                                          "adapters": [{"name": "ad0", "path": str(paths["ad0"]), "rank": 8}]})],
     }
@@ -81,9 +96,14 @@ def nixl_app(tmp_path_factory):
     keys_file = tmp_path_factory.mktemp("auth") / "keys.yaml"
     keys_file.write_text(f"{KEY_A}: acme\n")
     cfg = load_config(_app_config(paths, pool_dir, keys_file))
-    with serving_cluster("sn", (pool_dir,)) as sc:
-        url = sc.serve({APP: (build(cfg), "/")})
-        yield {"url": url, "paths": paths, "nodes": sc.nodes}
+    # the raylets, their workers and engines inherit it, as KubeRay pods get it from a Secret
+    os.environ[KV_SECRET_ENV] = "test-kv-secret-" + "x" * 16
+    try:
+        with serving_cluster("sn", (pool_dir,)) as sc:
+            url = sc.serve({APP: (build(cfg), "/")})
+            yield {"url": url, "paths": paths, "nodes": sc.nodes, "cluster": sc.cluster}
+    finally:
+        os.environ.pop(KV_SECRET_ENV, None)
 
 
 @pytest.fixture(scope="module")
@@ -106,8 +126,11 @@ def nixl_reference(nixl_app):
 def test_prefill_and_decoders_run_on_their_nodes(nixl_app):
     nodes = replica_nodes()
     assert nodes["Prefill-base"] == {nixl_app["nodes"]["prefill"]}, nodes
-    for d in ("Decode-alpha", "Decode-beta", "Decode-group"):
+    for d in ("Decode-alpha", "Decode-group"):
         assert nodes[d] == {nixl_app["nodes"]["decode"]}, (d, nodes)
+    assert nodes["Decode-beta"] == {nixl_app["nodes"]["prefill"], nixl_app["nodes"]["decode"]}, nodes
+    for name in ("Router", "Orchestrator", "Metrics"):  # the engine nodes offer no CPU: the ingress is on the head
+        assert nodes[name] == {nixl_app["nodes"]["head"]}, nodes
 
 
 def test_completions_pull_the_bases_kv_and_match_the_shared_reference(nixl_app, nixl_reference):
@@ -151,6 +174,47 @@ def test_fan_out_takes_one_lease_per_decoder_and_matches_the_shared_reference(ni
         assert r["prefill"] is not None
     for m in ("alpha", "beta"):  # each decoder pulled its own lease
         assert wait_for_nixl_event(url, m, "pull", pulls[m] + 1) == pulls[m] + 1, m
+
+
+def test_the_prefill_engines_side_channel_answers_only_holders_of_the_kv_secret(nixl_app, nixl_reference):
+    """The base's engine listens where its leases say (``remote_host``, ``remote_port``): a plain
+    ZMQ peer asking as vLLM's handshake does gets no NIXL metadata; a CURVE peer holding the KV
+    secret gets the engine's handshake payload."""
+    import msgspec
+    import zmq
+    from ray import serve
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import GET_META_MSG
+
+    from app.engine import side_channel_auth
+    from deployments.messages import PrefillRequest
+
+    tok, _ = nixl_reference
+    ids = tuple(tok("a short prompt for the side channel")["input_ids"])
+    ticket = serve.get_deployment_handle("Prefill-base", APP).prefill.remote(
+        PrefillRequest(request_id="side-channel", prompts=(ids,), cache_salt="side-channel")).result()
+    params = ticket.leases[0].params
+    path = f"tcp://{params['remote_host']}:{params['remote_port']}"
+
+    def ask(sock) -> bytes | None:
+        sock.setsockopt(zmq.RCVTIMEO, 3000)
+        sock.send(msgspec.msgpack.encode((GET_META_MSG, 0, 0)))
+        try:
+            return sock.recv_multipart()[0]
+        except zmq.Again:
+            return None
+
+    ctx = zmq.Context()
+    try:
+        plain = ctx.socket(zmq.REQ)
+        plain.setsockopt(zmq.LINGER, 0)
+        plain.connect(path)
+        assert ask(plain) is None
+    finally:
+        ctx.destroy(linger=0)
+    keys = side_channel_auth.curve_keys(os.environ[KV_SECRET_ENV].encode())
+    with side_channel_auth.curve_zmq_ctx(keys)(zmq.REQ, path) as sock:
+        payload = ask(sock)
+    assert payload and len(payload) > 100  # vLLM's encoded NixlHandshakePayload (agent metadata)
 
 
 def test_a_lease_that_ran_out_is_answered_privately_and_counted(nixl_app, nixl_reference):
@@ -199,3 +263,191 @@ def test_a_lease_that_ran_out_is_answered_privately_and_counted(nixl_app, nixl_r
         time.sleep(2)
         expired = _metric(_metrics(url), EXPIRED, model_name="base")
     assert expired >= expired_before + 2, (expired_before, expired)
+
+
+# ---------------------------------------------------------------- node loss (destructive: these run last)
+
+def _lose_node(cluster, node) -> None:
+    """A node goes away as a machine does: every process on it at once. ``remove_node`` kills the
+    raylet, but a worker only exits once it notices (and keeps streaming tokens to the Router
+    meanwhile, actor to actor), so the node's replica processes are killed (SIGKILL, by pid) too;
+    their engine cores die with them (app/engine/core_lifetime.py)."""
+    import ray
+
+    pids = [a["Pid"] for a in ray._private.state.actors().values()
+            if a.get("State") == "ALIVE" and a["Address"]["NodeID"] == node.node_id and a.get("Pid")]
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    cluster.remove_node(node, allow_graceful=False)
+
+
+def _text(reference, model: str, prompt_ids: list[int], private: bool = False) -> str:
+    tok, _ = reference
+    return tok.decode(_expected(reference, model, prompt_ids, private=private), skip_special_tokens=True)
+
+
+def test_losing_the_prefill_node_falls_back_to_private_prefill_until_it_is_back(nixl_app, nixl_reference):
+    """The prefill node's raylet dies (the base's engine, whose blocks the leases name, and beta's
+    replica there with it). Requests keep being answered by the decode node's decoders, which
+    prefill privately (the decoder's own greedy tokens, nothing cached): the Orchestrator waits at
+    most ``prefill_wait_s`` for a prefill replica. Once a new node offers ``prefill_node`` the group
+    is placed there and prompts are shared again (every prompt token but the last pulled from the
+    new prefill engine, a new NIXL handshake)."""
+    from app.training.tasks import render_prompt
+
+    tok, _ = nixl_reference
+    cluster, url = nixl_app["cluster"], nixl_app["url"]
+    node = next(n for n in cluster.worker_nodes if n.node_id == nixl_app["nodes"]["prefill"])
+    _lose_node(cluster, node)
+    t0 = time.monotonic()
+    for _ in range(120):  # the raylet is gone at once, its workers a little later: wait for the GCS to see them dead
+        if not any(node.node_id in ns for ns in replica_nodes().values()):
+            break
+        time.sleep(1)
+    else:
+        pytest.fail(f"replicas of the stopped prefill node are still alive: {replica_nodes()}")
+    dead_s = time.monotonic() - t0
+    asks = [("alpha", render_prompt(CONTEXT.replace("maya", "gone0"), "what is the item?")),
+            ("beta", render_prompt(CONTEXT.replace("maya", "gone1"), "what is the color?"))]
+    with ThreadPoolExecutor(len(asks)) as ex:
+        outs = list(ex.map(lambda a: _post(url + "/v1/completions", {"model": a[0], "prompt": a[1],
+                                                                     "max_tokens": MAX_NEW, "temperature": 0}), asks))
+    down_s = time.monotonic() - t0
+    for (model, prompt), (status, out) in zip(asks, outs):
+        assert status == 200, out
+        assert out["usage"]["prompt_tokens_details"]["cached_tokens"] == 0, (model, out["usage"])
+        assert out["choices"][0]["text"] == _text(nixl_reference, model, tok(prompt)["input_ids"], private=True), model
+    fresh = cluster.add_node(**PREFILL_NODE)
+    wait_ready(url, {APP})
+    back_s = time.monotonic() - t0
+    nodes = replica_nodes()
+    assert nodes["Prefill-base"] == {fresh.node_id}, nodes
+    assert nodes["Decode-beta"] == {fresh.node_id, nixl_app["nodes"]["decode"]}, nodes
+    nixl_app["nodes"]["prefill"] = fresh.node_id
+    pulls = nixl_events(url, "alpha", "pull")
+    prompt = render_prompt(CONTEXT.replace("maya", "back"), "what is the day?")
+    ids = tok(prompt)["input_ids"]
+    status, out = _post(url + "/v1/completions", {"model": "alpha", "prompt": prompt, "max_tokens": MAX_NEW,
+                                                 "temperature": 0})
+    assert status == 200, out
+    assert out["usage"]["prompt_tokens_details"]["cached_tokens"] == len(ids) - 1, out["usage"]
+    assert out["choices"][0]["text"] == _text(nixl_reference, "alpha", ids)
+    assert wait_for_nixl_event(url, "alpha", "pull", pulls + 1) == pulls + 1
+    figures = {"replicas_seen_dead_after_s": round(dead_s, 1), "answered_privately_while_down_s": round(down_s, 1),
+               "shared_again_after_s": round(back_s, 1)}
+    OUT.mkdir(parents=True, exist_ok=True)
+    (OUT / "prefill_node_loss.json").write_text(json.dumps(figures, indent=1))
+    print(f"\nprefill node loss: {figures}")
+
+
+def _stream(url: str, body: dict, started: threading.Event, got: dict, timeout: float = 900) -> dict:
+    """One streamed completion read to its end into ``got`` (filled as the events come, so a
+    caller can read how far it is): the token chunks' count, the finish reason, the in-band
+    error, if any. ``started`` is set when the first token arrives."""
+    req = urllib.request.Request(url, json.dumps({**body, "stream": True}).encode(),
+                                 {"Content-Type": "application/json", "Authorization": f"Bearer {KEY_A}"})
+    got.update(tokens=0, finish_reason=None, error=None, done=False)
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        for raw in r:
+            line = raw.decode().strip()
+            if not line.startswith("data: "):
+                continue
+            if line == "data: [DONE]":
+                got["done"] = True
+                break
+            event = json.loads(line[6:])
+            if "error" in event:
+                got["error"] = event["error"]
+                continue
+            choice = event["choices"][0]
+            if choice.get("text"):
+                got["tokens"] += 1
+                started.set()
+            got["finish_reason"] = choice.get("finish_reason") or got["finish_reason"]
+    return got
+
+
+def test_losing_the_decode_node_fails_in_flight_requests_clearly_then_recovers(nixl_app, nixl_reference):
+    """Runs last: the decode node goes away during traffic, then a fresh decode node joins.
+
+    Alpha's streams are cut while their tokens flow (the node is lost once one of them has sent a
+    token; each asks for LONG_NEW tokens, ignoring EOS, so none can finish first): each ends
+    with an OpenAI-shaped error event, then [DONE]. Alpha's whole answers that had no output yet
+    when the node went are repeated once (``decoder_retry``) and are served once the new node is
+    up; any that had output fail with a 5xx. So every request sent is answered: completed + failed
+    = sent, none is lost. While no node offers ``decode_node`` alpha and the LoRA group cannot be
+    placed and /ready says so; once a new node offers it Serve places them there and new requests
+    succeed. Beta's requests may go to its replica on the prefill node and complete throughout.
+    """
+    from app.training.tasks import render_prompt
+
+    tok, _ = nixl_reference
+    cluster, url = nixl_app["cluster"], nixl_app["url"]
+    node2 = next(n for n in cluster.worker_nodes if n.node_id == nixl_app["nodes"]["decode"])
+    long = {"max_tokens": LONG_NEW, "ignore_eos": True}
+    streams = [{"model": "alpha", "prompt": render_prompt(CONTEXT.replace("maya", f"flow{i}"), "what is the item?"),
+                **long} for i in range(2)]
+    whole = [{"model": m, "prompt": render_prompt(CONTEXT.replace("maya", f"user{i}"), "what is the item?"), **long}
+             for i, m in enumerate(("alpha", "beta", "beta"))]
+    started = threading.Event()
+    with ThreadPoolExecutor(len(streams) + len(whole)) as ex:
+        progress = [{} for _ in streams]
+        cut = [ex.submit(_stream, url + "/v1/completions", b, started, p) for b, p in zip(streams, progress)]
+        futures = [ex.submit(_post, url + "/v1/completions", b, 900) for b in whole]
+        assert started.wait(600), [f.result() for f in cut if f.done()]
+        _lose_node(cluster, node2)
+        tokens_before_loss = [p.get("tokens", 0) for p in progress]
+        for _ in range(120):  # the controller notices the dead replicas; they cannot be placed again
+            status, body = _get(url + "/ready")
+            if status == 503:
+                break
+            time.sleep(1)
+        assert status == 503, body
+        answered_while_down = sum(f.done() for f in futures)
+        node3 = cluster.add_node(**DECODE_NODE)
+        for _ in range(600):  # waiting for the decoders' engines to start on the new node
+            status, _ = _get(url + "/ready")
+            if status == 200:
+                break
+            time.sleep(1)
+        assert status == 200, _get(url + "/ready")
+        outcomes = [f.result() for f in futures]
+        streamed = [f.result() for f in cut]
+    # a stream that had sent tokens is never repeated (the client has them): it ends in-band;
+    # one that had not is repeated once on the new node and ends whole
+    for before, s in zip(tokens_before_loss, streamed):
+        assert s["done"], s
+        if before:
+            # docs/reliability.md "Errors": a dead replica is code engine_error, its message says which
+            assert s["finish_reason"] != "length" and s["error"], (before, s)
+            assert s["error"]["code"] == "engine_error" and s["error"]["message"].startswith("decoder_unavailable"), s
+        else:
+            assert (s["error"] is None and s["finish_reason"] == "length") or s["error"]["message"], s
+    assert any(tokens_before_loss), (tokens_before_loss, streamed)
+    completed = [o for s, o in outcomes if s == 200]
+    failed = [(s, o) for s, o in outcomes if s != 200]
+    assert len(completed) + len(failed) == len(whole)  # accepted = completed + failed
+    for status, out in failed:
+        assert status in (500, 502, 503, 504) and out["error"]["message"], (status, out)
+    for out in completed:
+        assert out["usage"]["completion_tokens"] == LONG_NEW, out["usage"]
+    nodes = replica_nodes()
+    assert nodes["Decode-alpha"] == nodes["Decode-group"] == {node3.node_id}, nodes
+    assert nodes["Decode-beta"] == {nixl_app["nodes"]["prefill"], node3.node_id}, nodes
+    prompt = render_prompt(CONTEXT, "what is the day?")
+    ids = tok(prompt)["input_ids"]
+    status, out = _post(url + "/v1/completions", {"model": "alpha", "prompt": prompt, "max_tokens": MAX_NEW,
+                                                 "temperature": 0})
+    assert status == 200, out
+    assert out["usage"]["prompt_tokens_details"]["cached_tokens"] == len(ids) - 1, out["usage"]
+    assert out["choices"][0]["text"] == _text(nixl_reference, "alpha", ids)
+    counts = {"streams_cut": sum(bool(b) for b in tokens_before_loss),
+              "streams": len(streamed), "whole_sent": len(whole), "completed": len(completed),
+              "failed": len(failed), "failed_status": sorted(s for s, _ in failed),
+              "answered_while_node_down": answered_while_down}
+    OUT.mkdir(parents=True, exist_ok=True)
+    (OUT / "node_loss.json").write_text(json.dumps(counts, indent=1))
+    print(f"\nnode loss: {counts}")

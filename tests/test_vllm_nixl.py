@@ -41,7 +41,8 @@ def test_producer_and_consumer_configs():
         assert extra["enforce_handshake_compat"] is False and extra["kv_lease_duration"] == 40
         assert cfg["kv_load_failure_policy"] == "recompute"
     assert c["kv_connector_extra_config"]["num_threads"] == 0
-    assert "kv_connector_module_path" not in c  # vLLM's stock connector
+    # vLLM's connector class with the project's side-channel guard, whatever the settings
+    assert c["kv_connector_module_path"] == "app.engine.vllm_nixl_connector"
     polled = nixl_transfer_config("consumer", lease_s=40, settings=CPU_SETTINGS)
     assert polled["kv_connector_module_path"] == "app.engine.vllm_nixl_connector"
     assert polled["kv_connector_extra_config"]["progress_thread"] is False

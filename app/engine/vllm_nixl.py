@@ -56,7 +56,7 @@ class NixlSettings:
 # the progress thread off.
 CPU_SETTINGS = NixlSettings(progress_thread=False)
 # app.engine.vllm_nixl_connector (not imported here: configs are built where vLLM is not installed)
-POLLED_CONNECTOR_MODULE = "app.engine.vllm_nixl_connector"
+CONNECTOR_MODULE = "app.engine.vllm_nixl_connector"
 
 
 def lease_for_timeout(request_timeout_s: float, margin_s: float = 5.0) -> int:
@@ -95,8 +95,8 @@ def nixl_transfer_config(role: Role, *, lease_s: int, settings: NixlSettings = C
         # A failed pull recomputes the prompt (a private prefill), never a failed request.
         "kv_load_failure_policy": "recompute",
     }
-    if not settings.progress_thread:
-        out["kv_connector_module_path"] = POLLED_CONNECTOR_MODULE  # vLLM's connector, its agent polled
+    # vLLM's connector, its side channel behind the KV secret (and its agent polled: progress_thread)
+    out["kv_connector_module_path"] = CONNECTOR_MODULE
     return out
 
 

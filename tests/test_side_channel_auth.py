@@ -1,0 +1,140 @@
+"""vLLM's own NIXL handshake listener behind the KV secret (app.engine.side_channel_auth).
+
+The listener is vLLM's (``NixlBaseConnectorScheduler._nixl_handshake_listener``), run in a thread
+as the engine runs it, on loopback, with the project's CURVE ``zmq_ctx`` installed where vLLM looks
+it up. Peers: the project's CURVE client with the secret (vLLM's handshake request as vLLM's
+worker sends it), a plain ZMQ peer, and a CURVE peer with another secret.
+"""
+from __future__ import annotations
+
+import importlib
+import threading
+import time
+
+import msgspec
+import pytest
+import zmq
+
+from app.engine import side_channel_auth as sca
+from app.engine.kv_auth import KV_SECRET_ENV, KVAuthError
+
+SECRET = "k" * 32
+METADATA = b"agent metadata of rank 0"
+
+
+@pytest.fixture
+def restore_vllm(monkeypatch):
+    """install() patches vLLM's modules for the process; the test gets them back as they were."""
+    for name in sca.VLLM_HOLDERS:
+        module = importlib.import_module(name)
+        monkeypatch.setattr(module, "zmq_ctx", module.zmq_ctx)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def listener(monkeypatch, restore_vllm):
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_scheduler import NixlBaseConnectorScheduler
+
+    monkeypatch.setenv(KV_SECRET_ENV, SECRET)
+    assert sca.install("127.0.0.1") is True
+    port, ready, stop = _free_port(), threading.Event(), threading.Event()
+    t = threading.Thread(target=NixlBaseConnectorScheduler._nixl_handshake_listener,
+                         args=({(0, 0): METADATA}, ready, stop, "127.0.0.1", port), daemon=True)
+    t.start()
+    assert ready.wait(10)
+    yield port
+    stop.set()
+    t.join(10)
+    assert not t.is_alive()
+
+
+def _ask(sock) -> bytes | None:
+    """vLLM's handshake request (GET_META_MSG, pp rank, tp rank); the metadata, or None if no answer."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import GET_META_MSG
+
+    sock.setsockopt(zmq.RCVTIMEO, 1500)
+    sock.send(msgspec.msgpack.encode((GET_META_MSG, 0, 0)))
+    try:
+        return sock.recv_multipart()[0]
+    except zmq.Again:
+        return None
+
+
+def _refused_after(before: int, timeout: float = 5.0) -> int:
+    deadline = time.monotonic() + timeout
+    while sca.REFUSED.count == before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return sca.REFUSED.count - before
+
+
+def test_a_peer_with_the_secret_gets_the_metadata_over_curve(listener):
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_worker
+
+    before = sca.REFUSED.count
+    with base_worker.zmq_ctx(zmq.REQ, f"tcp://127.0.0.1:{listener}") as sock:  # what vLLM's handshake opens
+        assert sock.mechanism == zmq.CURVE
+        assert _ask(sock) == METADATA
+    assert sca.REFUSED.count == before
+
+
+def test_a_plain_zmq_peer_gets_nothing_and_is_counted_and_logged(listener, caplog):
+    before = sca.REFUSED.count
+    ctx = zmq.Context()
+    try:
+        sock = ctx.socket(zmq.REQ)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(f"tcp://127.0.0.1:{listener}")
+        with caplog.at_level("WARNING", logger=sca.__name__):
+            assert _ask(sock) is None
+            assert _refused_after(before) >= 1
+        assert "refused a peer" in caplog.text
+    finally:
+        ctx.destroy(linger=0)
+
+
+def test_a_curve_peer_with_another_secret_gets_nothing_and_is_counted(listener):
+    before = sca.REFUSED.count
+    with sca.curve_zmq_ctx(sca.curve_keys(b"o" * 32))(zmq.REQ, f"tcp://127.0.0.1:{listener}") as sock:
+        assert _ask(sock) is None
+    assert _refused_after(before) >= 1
+
+
+def test_a_curve_peer_that_knows_the_servers_public_key_but_not_its_secret_is_refused(listener):
+    """The ZAP handler admits the cluster's key only: a peer that learnt the public key (it is not
+    sent, but say a log showed it) and brings its own key pair is refused, and counted."""
+    public = sca.curve_keys(SECRET.encode()).public
+    own_public, own_secret = zmq.curve_keypair()
+    before = sca.REFUSED.count
+    ctx = zmq.Context()
+    try:
+        sock = ctx.socket(zmq.REQ)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.curve_serverkey, sock.curve_publickey, sock.curve_secretkey = public, own_public, own_secret
+        sock.connect(f"tcp://127.0.0.1:{listener}")
+        assert _ask(sock) is None
+    finally:
+        ctx.destroy(linger=0)
+    assert _refused_after(before) >= 1
+
+
+def test_without_a_secret_the_channel_stays_vllms_and_only_on_loopback(monkeypatch, restore_vllm):
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_worker, utils
+
+    monkeypatch.delenv(KV_SECRET_ENV, raising=False)
+    assert sca.install("127.0.0.1") is False
+    assert base_worker.zmq_ctx is utils.zmq_ctx
+    with pytest.raises(KVAuthError, match=KV_SECRET_ENV):
+        sca.install("10.1.2.3")
+
+
+def test_the_key_pair_follows_the_secret():
+    a, b, c = sca.curve_keys(b"s" * 32), sca.curve_keys(b"s" * 32), sca.curve_keys(b"t" * 32)
+    assert (a.public, a.secret) == (b.public, b.secret) and a.public != c.public
+    assert zmq.curve_public(a.secret) == a.public
