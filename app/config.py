@@ -225,44 +225,26 @@ class DecoderConfig(LoRAGroup):
 
 
 class PoolConfig(_Strict):
-    """The KV pool behind the connector (shared memory on one node, NIXL across nodes)."""
+    """The KV pool behind the connector: shared memory on one node (hand-over "pool"). Across nodes
+    the KV moves with vLLM's NixlConnector (hand-over "vllm-nixl"); the pool's own NIXL block
+    server was retired once vLLM's connector measured as fast across CPU nodes (docs/scaling.md)."""
 
-    renamed: ClassVar[dict[str, str]] = {"capacity_gib": "capacity_bytes (PoolSpec's name), e.g. '512MiB'",
-                                         "fan_out_ttl_s": "lease_timeout_s (PoolSpec's name)"}
+    renamed: ClassVar[dict[str, str]] = {
+        "capacity_gib": "capacity_bytes (PoolSpec's name), e.g. '512MiB'",
+        "fan_out_ttl_s": "lease_timeout_s (PoolSpec's name)",
+        **dict.fromkeys(("transport", "nixl_peers", "nixl_listen", "nixl_timeout_s", "server_resources",
+                         "decode_path"),
+                        "nothing: the pool is one node's; across nodes set handover: vllm-nixl (vLLM's "
+                        "NixlConnector, docs/scaling.md)")}
 
     path: str = Field("/dev/shm/prefillshare", description="pool directory (shared memory on this node)")
     capacity_bytes: Annotated[int, BeforeValidator(_bytes)] = Field(
         1 << 29, gt=0, description="size of the pool's slots: bytes, or a size such as '512MiB'")
-    transport: Literal["shm", "nixl"] = "shm"
     lease_timeout_s: float = Field(30.0, gt=0, description="blocks stay readable this long for late decoders")
-    nixl_peers: list[str] = Field(
-        default_factory=list, description="transport 'nixl': host:port of the KV block servers on prefill nodes "
-        "that decoders pull from (deployments/kv_server.py)")
-    nixl_listen: str = Field("0.0.0.0:7701", description="transport 'nixl': where the KV block server listens")
-    nixl_timeout_s: float = Field(30.0, gt=0, description="transport 'nixl': a block server silent this long "
-                                  "is a miss and the decoder prefills privately")
-    server_resources: dict[str, float] = Field(
-        default_factory=dict, description="transport 'nixl': Ray resources that put the KV block server on the "
-        "prefill node, e.g. {prefill_node: 0.01}")
-    decode_path: str | None = Field(
-        None, description="pool directory on decode nodes (default: path); set it only when prefill and "
-        "decode 'nodes' share one machine's /dev/shm, as in a local multi-raylet test cluster")
     check: Literal["off", "crc32"] = Field(
         "off", description="crc32: checksum every KV slot when saved and loaded (tests, debugging); off: "
         "slot generations alone detect reused or half-written slots")
     persist: bool = Field(False, description="keep the KV pool (slab, index) in /dev/shm when the app stops")
-
-    @model_validator(mode="after")
-    def _nixl(self) -> PoolConfig:
-        # An empty nixl_peers is refused when the app is built (app/engine_args.py:pool_specs), not
-        # here: manifests are validated offline before their cluster's addresses are known.
-        if self.transport == "nixl":
-            for i, a in enumerate([*self.nixl_peers, self.nixl_listen]):
-                host, sep, port = a.rpartition(":")
-                if not (sep and host and port.isdigit()):
-                    where = f"nixl_peers[{i}]" if i < len(self.nixl_peers) else "nixl_listen"
-                    raise ValueError(f"{where}: {a!r} is not host:port")
-        return self
 
 
 class LimitsConfig(_Strict):

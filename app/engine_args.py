@@ -2,7 +2,7 @@
 
 The one translation point: :func:`engine_config` turns a deployment's ``engine`` settings (and
 its LoRA group) into an :class:`app.engine.async_engine.EngineConfig`, :func:`engine_env` gives
-the env vars of its replica, :func:`pool_specs` turns ``pool`` into the connector's PoolSpecs.
+the env vars of its replica, :func:`pool_spec` turns ``pool`` into the connector's PoolSpec.
 docs/serving.md's settings table lists where each setting goes (tests/test_settings_table.py).
 """
 from __future__ import annotations
@@ -101,19 +101,10 @@ def engine_config(cfg: AppConfig, model: str, eng: EngineSettings, placement: Pl
     )
 
 
-def pool_specs(pool: PoolConfig):
-    """(producer pool, consumer pool) as the connector takes them (app.engine.kv_pool.PoolSpec):
-    producers write their node's shared-memory pool; with transport 'nixl' consumers fill their
-    own node's pool from the block servers."""
+def pool_spec(pool: PoolConfig):
+    """The node's pool as the connector takes it (app.engine.kv_pool.PoolSpec): producers write it,
+    consumers on the same node read it."""
     from app.engine.kv_pool import PoolSpec
 
-    common = dict(capacity_bytes=pool.capacity_bytes, lease_timeout_s=pool.lease_timeout_s, check=pool.check,
-                  persist=pool.persist)
-    producer = PoolSpec(path=pool.path, transport="shm", **common)
-    if pool.transport == "shm":
-        return producer, producer
-    if not pool.nixl_peers:
-        raise ConfigError("pool.nixl_peers: transport 'nixl' needs the host:port of at least one KV block "
-                          "server (deployments/kv_server.py) for the decoders to pull from")
-    return producer, PoolSpec(path=pool.decode_path or pool.path, transport="nixl",
-                              nixl_peers=tuple(pool.nixl_peers), nixl_timeout_s=pool.nixl_timeout_s, **common)
+    return PoolSpec(path=pool.path, capacity_bytes=pool.capacity_bytes, lease_timeout_s=pool.lease_timeout_s,
+                    check=pool.check, persist=pool.persist)

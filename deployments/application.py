@@ -12,7 +12,7 @@ from dataclasses import replace
 from typing import Any, Literal
 
 from app.config import AppConfig, EngineSettings, Placement, config_from_args
-from app.engine_args import engine_config, engine_env, pool_specs
+from app.engine_args import engine_config, engine_env, pool_spec
 from app.plan import AppPlan, plan_app
 
 
@@ -86,10 +86,10 @@ def _prefill_deployments(cfg: AppConfig, plan: AppPlan, pool, metrics) -> dict:
     return prefill
 
 
-def _decode_deployments(cfg: AppConfig, plan: AppPlan, pool, consumer_pool, metrics) -> dict:
+def _decode_deployments(cfg: AppConfig, plan: AppPlan, pool, metrics) -> dict:
     """{served name: its decode deployment}; a decode group serves each adapter's name through its one engine."""
     from app.engine.async_engine import connector_config
-    from deployments.decode import DecodeServer, PrefillNodeEngine
+    from deployments.decode import DecodeServer
     from deployments.node_router import NodeAffinityRouter
 
     decoders = {}
@@ -97,31 +97,23 @@ def _decode_deployments(cfg: AppConfig, plan: AppPlan, pool, consumer_pool, metr
         pl = d.placement
         served = [plan.decoder(n) for n in d.served_names]
         module = next((dp.prefill_module for dp in served if dp.prefill_module is not None), None)
-        kv = on_prefill_node = None
+        kv = None
         if module is not None and cfg.handover == "vllm-nixl":
             # the plan's compatibility check (app.models.compat) is the gate: vLLM's handshake no
             # longer compares models (enforce_handshake_compat off)
             kv = _vllm_nixl_config(cfg, "consumer", pl)
         elif module is not None:  # the plan checked compatibility: the connector is told nothing more
-            adapter_keys = bool(cfg.prefill_module(module).adapters)
-
-            def consumer(pool_spec, module=module, adapter_keys=adapter_keys, d=d):
-                return connector_config("consumer", plan.module(module).module_id, pool_spec, scope=d.name,
-                                        adapter_keys=adapter_keys)
-            kv = consumer(consumer_pool)
-            if consumer_pool.path != pool.path and cfg.pool.server_resources:
-                on_prefill_node = PrefillNodeEngine(
-                    dict(cfg.pool.server_resources),
-                    engine_config(cfg, d.model, d.engine, pl, consumer(replace(consumer_pool, path=pool.path)), d))
-        # a replica on the prefill's node reads the KV from that node's pool instead of pulling it
-        # across nodes; on one node every replica is on it, and the router ranks by load alone
+            kv = connector_config("consumer", plan.module(module).module_id, pool, scope=d.name,
+                                  adapter_keys=bool(cfg.prefill_module(module).adapters))
+        # a replica on the prefill's node is preferred (the KV does not cross nodes); on one node
+        # every replica is on it, and the router ranks by load alone
         extra = {"request_router_config": _router_config(NodeAffinityRouter, cfg)}
         # a consumer's local cache could hold KV it computed itself after a fallback: off
         ec = engine_config(cfg, d.model, d.engine, pl, kv, d)
         if kv is not None:
             ec = replace(ec, enable_prefix_caching=False)
         handle = DecodeServer.options(**engine_options(cfg, f"Decode-{d.name}", pl, d.engine, **extra)).bind(
-            d.name, ec, metrics, on_prefill_node)
+            d.name, ec, metrics)
         for dp in served:
             decoders[dp.name] = handle
     return decoders
@@ -134,13 +126,13 @@ def build(cfg: AppConfig):
     from deployments.router import Router
 
     plan = plan_app(cfg)
-    pool, consumer_pool = pool_specs(cfg.pool)
+    pool = pool_spec(cfg.pool)
     metrics = MetricsServer.options(
         num_replicas=1, ray_actor_options={"num_cpus": cfg.metrics.num_cpus},
         max_ongoing_requests=cfg.metrics.max_ongoing_requests,
-    ).bind(cfg.pool.path if cfg.pool.transport == "shm" else None)
+    ).bind(cfg.pool.path)
     prefill = _prefill_deployments(cfg, plan, pool, metrics)
-    decoders = _decode_deployments(cfg, plan, pool, consumer_pool, metrics)
+    decoders = _decode_deployments(cfg, plan, pool, metrics)
     # one set of decode handles for both callers: the Router streams completions from them, the
     # Orchestrator streams agent runs' decoders
     orch = Orchestrator.options(**_small(cfg, cfg.orchestrator)).bind(plan, prefill, decoders, metrics)

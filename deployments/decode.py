@@ -5,16 +5,13 @@ for a prompt whose base KV a prefill replica computed, the engine loads it and c
 the last prompt token itself. Hand-over "vllm-nixl": the request carries the prefill's lease,
 checked here right before the engine takes the request (after any queueing): too little lease
 left and the decoder prefills privately, counted by reason. Decoders without a compatible
-prefill module run without a connector and prefill privately. A replica that lands on a prefill node (one offering the
-KV block server's resources) reads the producers' pool there, not ``pool.decode_path``.
+prefill module run without a connector and prefill privately.
 """
 from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 
-import ray
 from ray import serve
 
 from app.engine import vllm_nixl_handover as nixl_handover
@@ -26,30 +23,10 @@ from deployments.errors import ErrorCode, Failure
 from deployments.messages import DecodeChunk, DecodeRequest
 
 
-@dataclass(frozen=True)
-class PrefillNodeEngine:
-    """The engine config for a replica on a node offering every one of ``resources``: its
-    connector reads the producers' pool (``pool.path``) there. Only needed where prefill and
-    decode "nodes" share one /dev/shm and decoders elsewhere use ``pool.decode_path``."""
-
-    resources: dict[str, float]
-    engine_config: EngineConfig
-
-
-def node_offers(resources: dict[str, float]) -> bool:
-    """Whether this process's Ray node advertises every resource named in ``resources``."""
-    me = ray.get_runtime_context().get_node_id()
-    node = next((n for n in ray.nodes() if n["NodeID"] == me), None)
-    return node is not None and all(k in node["Resources"] for k in resources)
-
-
 @serve.deployment(name="Decode")
 class DecodeServer(EngineHost):
-    async def __init__(self, model_name: str, engine_config: EngineConfig, metrics=None,
-                       on_prefill_node: PrefillNodeEngine | None = None):
+    async def __init__(self, model_name: str, engine_config: EngineConfig, metrics=None):
         self.model = model_name
-        if on_prefill_node is not None and node_offers(on_prefill_node.resources):
-            engine_config = on_prefill_node.engine_config
         lease_s = lease_duration(engine_config.kv_transfer_config)  # None: the pool's hand-over
         self.lease_margin_s = None if lease_s is None else nixl_handover.default_margin(lease_s)
         self.handover_counters = nixl_handover.HandoverCounters()

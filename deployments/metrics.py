@@ -148,8 +148,8 @@ class PushedFamilies:
 
 class PoolCollector(PushedFamilies):
     """Every KV pool of the app, labelled by its host (``node``) and its path (``pool``): the
-    engine replicas of each node send their pool's (pools are per node with transport nixl, and
-    on KubeRay this replica runs on the head, which has none); a pool on this replica's own host
+    engine replicas of each node send their pool's (pools are per node, and on KubeRay this
+    replica runs on the head, which has none); a pool on this replica's own host
     is read at scrape time instead. One pool seen by several nodes of one host (test clusters
     of several raylets on one machine) is one series, not one per raylet."""
 

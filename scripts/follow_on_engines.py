@@ -68,7 +68,7 @@ async def main(args) -> dict:
 
     from app.config import load_config
     from app.engine.async_engine import Engine, connector_config
-    from app.engine_args import engine_config, pool_specs
+    from app.engine_args import engine_config, pool_spec
     from app.plan import plan_app
 
     pool_dir = f"/dev/shm/ps-follow-on-engines-{os.getpid()}"
@@ -98,7 +98,7 @@ async def main(args) -> dict:
         finally:
             engine.shutdown()
         return {"stock_first_token_ms": statistics.median(ttft[warm:]) * 1e3, "requests": args.requests}
-    producer, consumer = pool_specs(cfg.pool)
+    producer = consumer = pool_spec(cfg.pool)
     module_id = plan.module(base.name).module_id
     pe = await Engine.start(replace(engine_config(
         cfg, base.model, base.engine, base.placement,

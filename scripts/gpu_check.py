@@ -1,7 +1,7 @@
-"""PrefillShare's GPU path in one run: KV transport speed, decoder speed-up, token equality, NIXL.
+"""PrefillShare's GPU path in one run: KV transport speed, decoder speed-up, token equality, vLLM NIXL.
 
-Run through scripts/gpu_check.sh on a CUDA box. Step 1 needs only torch; steps 2-4 need the
-vllm CUDA build and transformers (step 4 also nixl). ``--device cpu`` runs the same steps at toy
+Run through scripts/gpu_check.sh on a CUDA box. Step 1 needs only torch; steps 2, 3 and 5 need
+the vllm CUDA build and transformers (step 5 also nixl). ``--device cpu`` runs the same steps at toy
 sizes on the CPU (step 1 in seconds: CI runs it), to check this script before spending GPU
 time. Each step has its own time limit and its failure does not stop the others; a JSON of all
 figures goes to ``--out``. The whole default run is bounded to 8 minutes by the shell wrapper.
@@ -20,8 +20,8 @@ figures goes to ``--out``. The whole default run is bounded to 8 minutes by the 
    must get L-1 tokens and the fan-out pins must return to 0.
 3. Token equality (float32): random Llama A (base) and B (decoder); B's greedy tokens on A's KV
    must equal app.reference.shared_greedy(A, B).
-4. NIXL: a block server (separate process) serves its slab; a puller reads slots into its own
-   pool's slab; bytes checked, GB/s printed.
+4. (retired with the pool's NIXL block server: across nodes the KV moves with vLLM's connector,
+   step 5)
 5. The ``vllm-nixl`` hand-over (vLLM's own NixlConnector, the mode meant for GPUs), through
    ``python -m app.bench.nixl_probe --device cuda``: a producer engine (the base) and a consumer
    engine (a model with other weights) in two processes on the GPU, ``kv_buffer_device: cuda``,
@@ -236,7 +236,7 @@ def _transport_case(dev, name, shape, L, repeats, q_in, q_out) -> dict:
 
 
 class Engines:
-    """Steps 2-4: real vLLM engines (imports deferred so that step 1 needs only torch)."""
+    """Steps 2 and 3: real vLLM engines (imports deferred so that step 1 needs only torch)."""
 
     def __init__(self, args, results: dict, failures: list[str]):
         self.args = args
@@ -382,39 +382,6 @@ class Engines:
             for e in engines:
                 e.shutdown()
 
-    def nixl(self) -> None:
-        from app.engine.kv_keys import block_keys
-        from app.engine.kv_pool import KVPool, PoolSpec
-        from app.engine.nixl_transport import NixlPuller, serve_process
-
-        src, dst = self.pool_root + "-nx", self.pool_root + "-nx2"
-        pool = KVPool(PoolSpec(src, capacity_bytes=1 << 30))
-        keys = block_keys("A", "t", list(range(64 * 16)), 16)
-        data = [os.urandom(1 << 20) for _ in keys]
-        res = pool.reserve([k.key for k in keys], 1 << 20, [k.num_tokens for k in keys], "L")
-        for e, d in zip(res.entries, data):
-            pool.view(e)[:] = d
-        pool.publish(res)
-        srv, addr = serve_process(src)
-        try:
-            puller = NixlPuller()
-            rows = []
-            for i in range(3):
-                local = KVPool(PoolSpec(f"{dst}-{i}", capacity_bytes=1 << 30))
-                fig = puller.pull_into(addr, [k.key for k in keys], local)
-                same = all(bytes(local.view(local.entry(k.key))) == d for k, d in zip(keys, data))
-                gbs = fig["bytes"] / fig["seconds"] / 1e9 if fig["seconds"] else 0.0
-                rows.append({"mib": fig["bytes"] >> 20, "ms": fig["seconds"] * 1e3, "gb_s": gbs, "equal": same})
-                print(f"  pull {i}: {fig['bytes'] >> 20} MiB slab to slab in {fig['seconds'] * 1e3:.1f} ms "
-                      f"({gbs:.2f} GB/s incl. control round trips), bytes equal: {same}", flush=True)
-                shutil.rmtree(f"{dst}-{i}", ignore_errors=True)
-                if not same:
-                    self.failures.append("nixl bytes")
-            self.results["nixl"] = rows
-        finally:
-            srv.terminate()
-            srv.wait(30)
-
 
 def _probe(args, name: str, probe_args: list[str], limit: float) -> dict:
     """One run of app.bench.nixl_probe in its own process group (killed whole at ``limit``: its
@@ -501,12 +468,11 @@ def run(args) -> int:
     steps = {"1": ("KV transport: batched slot copies vs plain copies vs per-block (torch only)", 90),
              "2": (f"decoder TTFT shared vs private, L={args.lengths}", 200),
              "3": ("token equality (float32)", 120),
-             "4": ("NIXL slab-to-slab pull between two processes", 50),
              "5": ("the vllm-nixl hand-over: vLLM's NixlConnector between two engine processes", 240)}
     try:
         for key in args.steps.split(","):
             if key not in steps:
-                raise SystemExit(f"--steps: unknown step {key!r} (1-5)")
+                raise SystemExit(f"--steps: unknown step {key!r} (1, 2, 3 or 5)")
             title, limit = steps[key]
             print(f"== {key}. {title} (limit {limit} s)", flush=True)
             t0 = time.perf_counter()
@@ -517,11 +483,8 @@ def run(args) -> int:
                     vllm_nixl(args, results, failures, limit)
                 else:
                     eng = eng or Engines(args, results, failures)
-                    fn = {"2": eng.speed, "3": eng.equality, "4": eng.nixl}[key]
-                    if asyncio.iscoroutinefunction(fn):
-                        asyncio.run(asyncio.wait_for(fn(), limit))
-                    else:
-                        fn()
+                    fn = {"2": eng.speed, "3": eng.equality}[key]
+                    asyncio.run(asyncio.wait_for(fn(), limit))
             except Exception as e:  # noqa: BLE001 - report and go on to the next step
                 traceback.print_exc()
                 failures.append(f"step {key}: {type(e).__name__}: {e}"[:300])
@@ -540,7 +503,7 @@ def run(args) -> int:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
-    ap.add_argument("--steps", default="1,5,3,2,4",
+    ap.add_argument("--steps", default="1,5,3,2",
                     help="comma-separated steps to run, in that order (1 needs only torch; 5 is the vllm-nixl mode)")
     ap.add_argument("--lengths", default="2048,4096")
     ap.add_argument("--shapes", default="8B,100M", help="step 1: cache shapes to measure")

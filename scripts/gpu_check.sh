@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# PrefillShare on one CUDA GPU: KV transport speed, decoder speed-up, token equality, NIXL, and the
+# PrefillShare on one CUDA GPU: KV transport speed, decoder speed-up, token equality, and the
 # vllm-nixl hand-over (vLLM's NixlConnector between two engine processes: step 5).
-# Installs nothing. Step 1 needs only torch with CUDA; steps 2-5 need vllm (CUDA build) and
-# transformers, steps 4-5 also the nixl wheels. Without vllm only step 1 runs. Exits 2 without a GPU.
-#   bash scripts/gpu_check.sh                 # steps 1,5,3,2,4, bounded to 8 minutes (per-step limits inside)
+# Installs nothing. Step 1 needs only torch with CUDA; steps 2, 3 and 5 need vllm (CUDA build) and
+# transformers, step 5 also the nixl wheels. Without vllm only step 1 runs. Exits 2 without a GPU.
+#   bash scripts/gpu_check.sh                 # steps 1,5,3,2, bounded to 8 minutes (per-step limits inside)
 #   bash scripts/gpu_check.sh --steps 1       # the torch-only transport microbenchmark (~1 minute)
 #   bash scripts/gpu_check.sh --device cpu --steps 1   # the same step at toy sizes on the CPU (CI runs this)
 #   bash scripts/gpu_check.sh --device cpu --steps 5   # the vllm-nixl step on the CPU (CI runs this, ~100 s)

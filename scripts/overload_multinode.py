@@ -1,10 +1,11 @@
 """The overload run of docs/reliability.md across nodes: a local three-raylet Ray cluster (head,
 prefill node, decode node, as the KubeRay worker groups give their pods), the shipped models,
-the KV pool per node with transport `nixl`. The prefill module and the KV block server run on
-the prefill node, `lookup` and `tool_call` on the decode node (they pull the base's KV over
-NIXL), `reschedule` and `route` on the prefill node (they read its pool). `prefillshare
-overload` then holds 2x the searched saturation with a stalled NIXL peer (the block server
-SIGSTOPped, then resumed), a killed decode-node decoder and a killed prefill replica.
+hand-over `vllm-nixl` (vLLM's NixlConnector, the KV secret on). The prefill module runs on the
+prefill node, `lookup` and `tool_call` on the decode node, `reschedule` and `route` on the
+prefill node; every decoder pulls the base's KV over NIXL. `prefillshare overload` then holds
+2x the searched saturation with a stalled NIXL peer (the prefill replica's engine core
+SIGSTOPped for 20 s, then resumed: `stall:Prefill-base#engine`), a killed decode-node decoder
+and a killed prefill replica.
 
     bash scripts/overload_multinode.sh [OUT_DIR] [DURATION_S]
 
@@ -26,12 +27,13 @@ DECODE_NODE = {"num_cpus": 0, "resources": {"decode_node": 1}}
 APP = "prefillshare"
 
 
-def app_config(tag: str, kv_port: int) -> dict:
-    """serve_config.yaml's application, its engines placed on the two nodes, the pool over NIXL."""
+def app_config(tag: str) -> dict:
+    """serve_config.yaml's application, its engines placed on the two nodes, the KV over vLLM's
+    NixlConnector."""
     cfg = yaml.safe_load((ROOT / "serve_config.yaml").read_text())["applications"][0]["args"]["config"]
-    cfg["pool"].update({"path": f"/dev/shm/ps-ovmn-prefill-{tag}", "decode_path": f"/dev/shm/ps-ovmn-decode-{tag}",
-                        "transport": "nixl", "nixl_listen": f"127.0.0.1:{kv_port}",
-                        "nixl_peers": [f"127.0.0.1:{kv_port}"], "server_resources": {"prefill_node": 0.01}})
+    cfg["handover"] = "vllm-nixl"
+    cfg["pool"].update({"path": f"/dev/shm/ps-ovmn-{tag}"})
+    cfg.setdefault("engine_env", {})["VLLM_HOST_IP"] = "127.0.0.1"
     on = {"prefill": {"prefill_node": 0.1}, "decode": {"decode_node": 0.1}}
     for m in cfg["prefill_modules"]:
         m["placement"] = {"num_replicas": 1, "num_cpus": 0, "placement_group_bundles": [on["prefill"]]}
@@ -51,12 +53,13 @@ def main(out: Path, duration_s: float) -> int:
     from app.bench.overload_report import summarize, write
     from app.config import load_config
     from deployments.application import build
-    from deployments.kv_server import build_kv_server
 
     tag = str(os.getpid())
     os.environ["RAY_TMPDIR"] = tmp = f"/tmp/ps-ovmn-{tag}"
     out.mkdir(parents=True, exist_ok=True)
-    cfg_dict = app_config(tag, free_port())
+    cfg_dict = app_config(tag)
+    # the raylets, their workers and engines inherit it (KubeRay pods get it from a Secret)
+    os.environ.setdefault("PREFILLSHARE_KV_SECRET", f"overload-multinode-{tag}-" + "k" * 16)
     (out / "app_config.yaml").write_text(yaml.safe_dump(cfg_dict, sort_keys=False))
     cfg = load_config(cfg_dict)
     shm_before = set(os.listdir("/dev/shm"))
@@ -66,20 +69,20 @@ def main(out: Path, duration_s: float) -> int:
         cluster, _ = start_local_cluster(PREFILL_NODE, DECODE_NODE, log_to_driver=False)
         port = free_port()
         serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
-        serve.run(build_kv_server(cfg), name="kv", route_prefix=None)
         serve.run(build(cfg), name=APP, route_prefix="/", blocking=False)
         url = f"http://127.0.0.1:{port}"
         with Client(url, retries=5, backoff_s=0.5) as c:
             c.wait_ready(timeout_s=900, interval_s=2)
         print(f"app ready; load average {os.getloadavg()}", flush=True)
         t = duration_s / 4
-        faults = (f"{t:.0f}:stall:kv/KVBlockServer:20", f"{2 * t:.0f}:kill:Decode-lookup", f"{3 * t:.0f}:kill:Prefill-base")
+        faults = (f"{t:.0f}:stall:Prefill-base#engine:20", f"{2 * t:.0f}:kill:Decode-lookup",
+                  f"{3 * t:.0f}:kill:Prefill-base")
         spec = OverloadSpec(url=url, app=APP, duration_s=duration_s,
                             faults=tuple(FaultSpec.parse(f) for f in faults))
         raw = run(spec, log=lambda m: print(m, file=sys.stderr, flush=True))
         raw["setup"] = {"nodes": "head (2 CPUs: ingress, Serve) + prefill node + decode node, one machine",
-                        "decode_node": ["lookup", "tool_call"], "prefill_node": ["base", "KVBlockServer",
-                                                                                  "reschedule", "route"]}
+                        "handover": "vllm-nixl", "decode_node": ["lookup", "tool_call"],
+                        "prefill_node": ["base", "reschedule", "route"]}
         report = summarize(raw)
         print(write(raw, report, out))
         finished = True
@@ -89,9 +92,7 @@ def main(out: Path, duration_s: float) -> int:
         ray.shutdown()
         if cluster is not None:
             cluster.shutdown()
-        for p in (cfg.pool.path, cfg.pool.decode_path):
-            if p:
-                shutil.rmtree(p, ignore_errors=True)
+        shutil.rmtree(cfg.pool.path, ignore_errors=True)
         for logs in ([] if finished else Path(tmp).glob("**/session_latest/logs")):
             # a run that failed (e.g. an app that did not start): keep the cluster's logs
             shutil.copytree(logs, out / "ray_logs", dirs_exist_ok=True, ignore_dangling_symlinks=True)

@@ -42,8 +42,7 @@ def test_minimal_config_gets_defaults():
      "placement_group_bundles[0]"),
     (lambda c: c.update(decoders=[]), "decoders"),
     (lambda c: c.update(unknown_key=1), "unknown_key"),
-    (lambda c: c["pool"].update(transport="carrier-pigeon"), "pool.transport"),
-    (lambda c: c["pool"].update(nixl_timeout_s=0), "pool.nixl_timeout_s"),
+    (lambda c: c["pool"].update(lease_timeout_s=0), "pool.lease_timeout_s"),
 ])
 def test_bad_config_names_the_field(mutate, field):
     cfg = minimal(pool={})
@@ -53,15 +52,13 @@ def test_bad_config_names_the_field(mutate, field):
     assert field in str(e.value)
 
 
-def test_nixl_pool_settings_reach_the_decoders_pool_spec():
-    from app.engine_args import pool_specs
-
-    cfg = load_config(minimal(pool={"transport": "nixl", "nixl_peers": ["10.0.0.5:7701"], "nixl_timeout_s": 2.5,
-                                    "decode_path": "/dev/shm/decode", "capacity_bytes": "256MiB"}))
-    producer, consumer = pool_specs(cfg.pool)
-    assert (producer.transport, consumer.transport) == ("shm", "nixl")
-    assert consumer.nixl_peers == ("10.0.0.5:7701",) and consumer.nixl_timeout_s == 2.5
-    assert consumer.path == "/dev/shm/decode" and consumer.capacity_bytes == 1 << 28
+@pytest.mark.parametrize("field", ["transport", "nixl_peers", "nixl_listen", "nixl_timeout_s", "server_resources",
+                                   "decode_path"])
+def test_a_setting_of_the_retired_block_server_says_what_replaces_it(field):
+    with pytest.raises(ConfigError) as e:
+        load_config(minimal(pool={field: "nixl"}))
+    assert f"pool.{field}" in str(e.value) or field in str(e.value)
+    assert "handover: vllm-nixl" in str(e.value)
 
 
 def test_prefill_wait_reaches_the_plan_and_must_be_positive():

@@ -8,12 +8,9 @@ multiples of the block size (32), so chunked saves and partial-block hand-over a
 from __future__ import annotations
 
 import asyncio
-import os
 import random
 import shutil
-import signal
 import threading
-import time
 import uuid
 
 import pytest
@@ -23,16 +20,8 @@ from tests.engine_child import CPU_TEST_ENGINE_ENV
 
 pytestmark = pytest.mark.engine
 
-try:
-    import nixl._api  # noqa: F401
-
-    NIXL = True
-except ImportError:  # the NIXL wheels are optional (scripts/setup.sh installs them)
-    NIXL = False
-
 N_NEW = 8
 BS = 32
-NIXL_TIMEOUT_S = 3.0
 
 
 def make_model(path: str, seed: int) -> None:
@@ -86,27 +75,7 @@ def pool_dir():
 
 
 @pytest.fixture(scope="module")
-def nixl_server(pool_dir):
-    """The producer pool's NIXL block server process and its address (None without nixl)."""
-    if not NIXL:
-        yield None, None
-        return
-    from test_nixl import start_server
-
-    from app.engine.kv_pool import KVPool, PoolSpec
-
-    creator = KVPool(PoolSpec(pool_dir, capacity_bytes=256 << 20))  # noqa: F841 - the pool the server serves
-    server, addr = start_server(pool_dir)
-    try:
-        yield server, addr
-    finally:
-        os.kill(server.pid, signal.SIGCONT)  # a test may have stalled it
-        server.terminate()
-        server.wait(30)
-
-
-@pytest.fixture(scope="module")
-def stack(model_dirs, pool_dir, nixl_server):
+def stack(model_dirs, pool_dir):
     from app.engine.async_engine import Engine, EngineConfig, PoolSpec, connector_config
     from app.engine.kv_pool import KVPool
 
@@ -121,15 +90,6 @@ def stack(model_dirs, pool_dir, nixl_server):
     for name in "BCD":
         kv = connector_config("consumer", "base-A", checked if name == "D" else spec, scope=f"dec-{name}")
         cfgs[name] = EngineConfig(model=model_dirs[name], **common, kv_transfer_config=kv)
-    # "Another node": decoder B's weights on an engine whose pool is a different folder, filled
-    # from the producer's pool through a NIXL block server in its own process (loopback UCX).
-    _, addr = nixl_server
-    if addr is not None:
-        # a stalled peer costs NIXL_TIMEOUT_S, not the default 30 s
-        remote_spec = PoolSpec(path=pool_dir + "-node2", capacity_bytes=256 << 20, transport="nixl",
-                               nixl_peers=(addr,), nixl_timeout_s=NIXL_TIMEOUT_S)
-        kv = connector_config("consumer", "base-A", remote_spec, scope="dec-E")
-        cfgs["E"] = EngineConfig(model=model_dirs["B"], **common, kv_transfer_config=kv)
     loop = Loop()
     engines = {}
 
@@ -154,7 +114,6 @@ def stack(model_dirs, pool_dir, nixl_server):
             e.shutdown()
         loop.close()
         shutil.rmtree(pool_dir, ignore_errors=True)
-        shutil.rmtree(pool_dir + "-node2", ignore_errors=True)
 
 
 def prompt(seed: int, n: int) -> list[int]:
@@ -328,69 +287,6 @@ def test_engine_errors_surface(stack):
     with pytest.raises(EngineRequestError, match="empty"):
         loop.run(eng["B"].complete([], Sampling(max_tokens=2)))
     loop.run(eng["B"].check_health())
-
-
-@pytest.mark.skipif(not NIXL, reason="nixl is not installed")
-def test_decoder_on_another_node_pulls_kv_through_nixl(stack, hf):
-    from app.engine.kv_pool import KVPool
-
-    loop, eng, pool = stack
-    p = prompt(60, 181)
-    loop.run(eng["A"].prefill(p, cache_salt="tenant-1", kv_transfer_params={"fanout": 1}))
-    o = decode(loop, eng["E"], p)
-    assert o.num_cached_tokens == len(p) - 1
-    assert o.token_ids == shared_ref(hf, "A", "B", p)
-    node2 = KVPool.attach(pool.path + "-node2").stats()
-    assert node2.get("nixl_pulls") >= 1 and node2.get("nixl_bytes") > 0
-    print(f"\nNIXL pull for a {len(p)}-token prompt: {node2.get('nixl_bytes') / 2**20:.1f} MiB in "
-          f"{node2.get('nixl_seconds') * 1e3:.1f} ms")
-
-
-@pytest.mark.skipif(not NIXL, reason="nixl is not installed")
-def test_stalled_nixl_peer_costs_a_bounded_wait_then_private_prefill(stack, hf, nixl_server):
-    """The producer node's block server is stopped (SIGSTOP: it holds the connection and never
-    answers). The remote decoder's pull runs in a worker thread (an asynchronous load): another
-    request whose KV this node already holds is served meanwhile; the stalled one waits
-    nixl_timeout_s, prefills privately (correct tokens, counted), and pulls work again once the
-    server runs."""
-    from app.engine.async_engine import Sampling
-
-    loop, eng, pool = stack
-    server, _ = nixl_server
-    node2 = pool.path + "-node2"
-    from app.engine.kv_pool import KVPool
-
-    p, q, r = prompt(70, 133), prompt(71, 141), prompt(72, 95)
-    for x in (p, q, r):
-        loop.run(eng["A"].prefill(x, cache_salt="tenant-1", kv_transfer_params={"fanout": 1}))
-    assert decode(loop, eng["E"], r).num_cached_tokens == len(r) - 1  # r's KV is on node 2 now
-    before = KVPool.attach(node2).stats()
-    os.kill(server.pid, signal.SIGSTOP)
-
-    async def stalled_and_local():
-        s = Sampling(max_tokens=N_NEW, ignore_eos=True)
-        stalled = asyncio.ensure_future(eng["E"].complete(p, s, cache_salt="tenant-1"))
-        await asyncio.sleep(0.5)  # p's pull is under way
-        local = await eng["E"].complete(r, s, cache_salt="tenant-1")
-        return local, stalled.done(), await stalled
-
-    try:
-        t0 = time.monotonic()
-        local, stalled_done_first, o = loop.run(stalled_and_local())
-        stalled_s = time.monotonic() - t0
-    finally:
-        os.kill(server.pid, signal.SIGCONT)
-    assert not stalled_done_first  # the scheduler kept serving while the pull waited on the peer
-    assert local.num_cached_tokens == len(r) - 1 and local.token_ids == shared_ref(hf, "A", "B", r)
-    assert o.num_cached_tokens == 0 and o.kv_transfer_params["prefillshare"]["fallback"] == "missing"
-    assert o.token_ids == private_ref(hf, "B", p)
-    after = KVPool.attach(node2).stats()
-    assert after.get("nixl_errors") == before.get("nixl_errors") + 1
-    assert after.get("fallback:missing") == before.get("fallback:missing") + 1
-    o = decode(loop, eng["E"], q)  # the server answers again: shared KV, no confusion from the stale fetch
-    assert o.num_cached_tokens == len(q) - 1 and o.token_ids == shared_ref(hf, "A", "B", q)
-    assert KVPool.attach(node2).stats().get("nixl_pulls") == after.get("nixl_pulls") + 1
-    print(f"\nstalled NIXL peer: private prefill after {stalled_s:.1f} s (nixl_timeout_s {NIXL_TIMEOUT_S})")
 
 
 def _fan_out(loop, eng, p):

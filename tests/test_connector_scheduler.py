@@ -192,7 +192,8 @@ def test_a_load_the_worker_found_bad_is_reported_and_counted_by_the_worker_only(
 
 
 class RemoteStore:
-    """A node pool whose fetch may bring blocks from other nodes (as NixlStore's does)."""
+    """A node pool whose fetch may bring blocks from other nodes (the retired NIXL block server's
+    store did; the scheduler's asynchronous-load path is kept for such a store)."""
 
     remote = True
 

@@ -2,8 +2,10 @@
 
 ``rank_by_node`` is pure: it takes (replica id, node id) pairs and a queue-length lookup, as the
 Serve router gives it. The routers are then run in Serve's own RequestRouter loop, in-process
-(see below). The end-to-end check (requests land on the prefill node's replica and pull nothing
-over NIXL) is in tests/test_multinode.py.
+(see below). An end-to-end check (requests landing on the prefill node's replica, reading that
+node's pool) ran on the retired pool-over-NIXL bed (tests/test_multinode.py, git history up to
+4d0f005); the vllm-nixl bed (tests/test_serve_vllm_nixl.py) does not assert where beta's
+requests land.
 """
 from __future__ import annotations
 

@@ -29,8 +29,8 @@ def test_no_replica_of_an_unknown_deployment():
 
 
 def test_a_stall_of_another_applications_deployment_stops_then_resumes_its_replica():
-    """``APP/DEPLOYMENT`` names a replica of another Serve application (the NIXL block server runs in
-    its own, ``kv``); found by the process title Ray gives it, here worn by a sleeping child."""
+    """``APP/DEPLOYMENT`` names a replica of another Serve application (a sidecar app beside the
+    overloaded one); found by the process title Ray gives it, here worn by a sleeping child."""
     import subprocess
     import sys
     import time
@@ -39,11 +39,11 @@ def test_a_stall_of_another_applications_deployment_stops_then_resumes_its_repli
 
     from app.bench.faults import inject
 
-    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "ray::ServeReplica:kv:KVBlockServer"])
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "ray::ServeReplica:side:Sidecar"])
     try:
-        with pytest.raises(FaultError, match="prefillshare:KVBlockServer"):  # not in the overloaded app itself
-            inject(FaultSpec(0, "stall", "KVBlockServer", 0.5), "prefillshare")
-        assert inject(FaultSpec(0, "stall", "kv/KVBlockServer", 1.0), "prefillshare") == child.pid
+        with pytest.raises(FaultError, match="prefillshare:Sidecar"):  # not in the overloaded app itself
+            inject(FaultSpec(0, "stall", "Sidecar", 0.5), "prefillshare")
+        assert inject(FaultSpec(0, "stall", "side/Sidecar", 1.0), "prefillshare") == child.pid
         states = []
         for _ in range(30):  # the stop lands once the child is back from the kernel; the resume 1 s later
             states.append(psutil.Process(child.pid).status())
@@ -53,6 +53,53 @@ def test_a_stall_of_another_applications_deployment_stops_then_resumes_its_repli
     finally:
         child.kill()
         child.wait()
+
+
+def test_a_stall_of_a_replicas_engine_stops_its_engine_core_not_the_replica():
+    """``DEPLOYMENT#engine``: the replica's ``VLLM::EngineCore`` child (a NIXL peer in hand-over
+    vllm-nixl) is stopped and resumed; the replica process keeps running. Here a sleeping parent
+    wears the replica's title and its child the engine core's."""
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+
+    from app.bench.faults import inject
+
+    code = ("import subprocess, sys, time; "
+            "c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)', 'VLLM::EngineCore']); "
+            "time.sleep(60)")
+    parent = subprocess.Popen([sys.executable, "-c", code, "ray::ServeReplica:prefillshare:Prefill-base"])
+    try:
+        for _ in range(50):  # the child starts
+            kids = psutil.Process(parent.pid).children()
+            if kids:
+                break
+            time.sleep(0.1)
+        (core,) = kids
+        lone = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)",
+                                 "ray::ServeReplica:prefillshare:Router"])
+        try:
+            with pytest.raises(FaultError, match="no engine core"):  # a replica without an engine
+                inject(FaultSpec(0, "stall", "Router#engine", 0.5), "prefillshare")
+        finally:
+            lone.kill()
+            lone.wait()
+        assert inject(FaultSpec(0, "stall", "Prefill-base#engine", 1.0), "prefillshare") == core.pid
+        states = {"core": [], "replica": []}
+        for _ in range(30):
+            states["core"].append(core.status())
+            states["replica"].append(psutil.Process(parent.pid).status())
+            time.sleep(0.1)
+        assert psutil.STATUS_STOPPED in states["core"], states
+        assert states["core"][-1] != psutil.STATUS_STOPPED, states
+        assert psutil.STATUS_STOPPED not in states["replica"], states
+    finally:
+        for p in psutil.Process(parent.pid).children(recursive=True):
+            p.kill()
+        parent.kill()
+        parent.wait()
 
 
 def test_fill_pool_pins_every_free_slot_until_the_deadline(tmp_path):
@@ -144,7 +191,8 @@ def test_report_measures_recovery_drift_leaks_and_accounting():
 
 
 def test_the_multinode_runs_config_loads_and_places_engines_on_both_nodes():
-    """scripts/overload_multinode.py's app: serve_config.yaml's, its engines split over the nodes."""
+    """scripts/overload_multinode.py's app: serve_config.yaml's on hand-over vllm-nixl, its engines
+    split over the nodes."""
     import importlib.util
     from pathlib import Path
 
@@ -155,8 +203,8 @@ def test_the_multinode_runs_config_loads_and_places_engines_on_both_nodes():
     spec = importlib.util.spec_from_file_location("overload_multinode", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    cfg = load_config(mod.app_config("t", 5555))
-    assert cfg.pool.transport == "nixl" and cfg.pool.decode_path and cfg.pool.server_resources == {"prefill_node": 0.01}
+    cfg = load_config(mod.app_config("t"))
+    assert cfg.handover == "vllm-nixl" and cfg.pool.path == "/dev/shm/ps-ovmn-t"
     nodes = {d.name: next(iter(d.placement.placement_group_bundles[0])) for d in cfg.decoders}
     assert nodes == {"lookup": "decode_node", "tool_call": "decode_node", "reschedule": "prefill_node",
                      "route": "prefill_node"}

@@ -57,8 +57,8 @@ def test_pool_counters_are_exported_per_scope(tmp_path):
 
 
 def test_pools_of_other_nodes_arrive_from_their_engines_labelled_by_node(tmp_path, monkeypatch):
-    """With transport nixl every node has its own pool and the Metrics replica (the head's, on
-    KubeRay) has none: each node's engines send theirs, and a node silent too long drops out."""
+    """Every node has its own pool and the Metrics replica (the head's, on KubeRay) may have none:
+    each node's engines send theirs, and a node silent too long drops out."""
     from app.engine.kv_pool import KVPool, PoolMissing, PoolSpec
     from deployments import metrics
 

@@ -22,6 +22,7 @@ import os
 import signal
 import threading
 import time
+import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
@@ -346,11 +347,18 @@ def test_losing_the_prefill_node_falls_back_to_private_prefill_until_it_is_back(
 def _stream(url: str, body: dict, started: threading.Event, got: dict, timeout: float = 900) -> dict:
     """One streamed completion read to its end into ``got`` (filled as the events come, so a
     caller can read how far it is): the token chunks' count, the finish reason, the in-band
-    error, if any. ``started`` is set when the first token arrives."""
+    error, if any; a stream refused before its first event (an HTTP error status: a retry that
+    outlived the request timeout) is answered too, with its status and JSON error. ``started`` is
+    set when the first token arrives."""
     req = urllib.request.Request(url, json.dumps({**body, "stream": True}).encode(),
                                  {"Content-Type": "application/json", "Authorization": f"Bearer {KEY_A}"})
-    got.update(tokens=0, finish_reason=None, error=None, done=False)
-    with urllib.request.urlopen(req, timeout=timeout) as r:
+    got.update(tokens=0, finish_reason=None, error=None, done=False, status=200)
+    try:
+        r = urllib.request.urlopen(req, timeout=timeout)
+    except urllib.error.HTTPError as e:
+        got.update(status=e.code, error=json.loads(e.read())["error"], done=True)
+        return got
+    with r:
         for raw in r:
             line = raw.decode().strip()
             if not line.startswith("data: "):
@@ -424,8 +432,9 @@ def test_losing_the_decode_node_fails_in_flight_requests_clearly_then_recovers(n
             # docs/reliability.md "Errors": a dead replica is code engine_error, its message says which
             assert s["finish_reason"] != "length" and s["error"], (before, s)
             assert s["error"]["code"] == "engine_error" and s["error"]["message"].startswith("decoder_unavailable"), s
-        else:
+        else:  # repeated once: whole, or a typed error (a 504 once the retry outlived request_timeout_s)
             assert (s["error"] is None and s["finish_reason"] == "length") or s["error"]["message"], s
+            assert s["status"] in (200, 500, 502, 503, 504), s
     assert any(tokens_before_loss), (tokens_before_loss, streamed)
     completed = [o for s, o in outcomes if s == 200]
     failed = [(s, o) for s, o in outcomes if s != 200]

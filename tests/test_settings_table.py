@@ -1,10 +1,9 @@
 """docs/serving.md's settings table against the code: every engine, LoRA, placement and pool
 setting has a row, and each row names where the setting's value arrives (a vLLM engine argument,
-an env var, a Serve option, a PoolSpec field or the KV block server). A setting added without a
+an env var, a Serve option or a PoolSpec field). A setting added without a
 row, or a row that names the wrong target, fails here."""
 from __future__ import annotations
 
-import inspect
 import re
 from pathlib import Path
 from typing import Any
@@ -16,7 +15,6 @@ from app.config import EngineSettings, LoRAGroup, Placement, PoolConfig, load_co
 ROOT = Path(__file__).resolve().parent.parent
 BASE = {"prefill_modules": [{"name": "base", "model": "checkpoints/base"}],
         "decoders": [{"name": "lookup", "model": "checkpoints/decoders/lookup"}]}
-NIXL = {"transport": "nixl", "nixl_peers": ["10.0.0.5:7701"]}
 
 # setting -> (what the config says beside the defaults, the value its target must then hold)
 PROBES: dict[str, tuple[dict[str, Any], Any]] = {
@@ -45,15 +43,9 @@ PROBES: dict[str, tuple[dict[str, Any], Any]] = {
     "placement.env": ({"env": {"PROBE_VAR": "on"}}, {"PROBE_VAR": "on"}),
     "pool.path": ({"path": "/dev/shm/probe"}, "/dev/shm/probe"),
     "pool.capacity_bytes": ({"capacity_bytes": "96MiB"}, 96 << 20),
-    "pool.transport": (NIXL, "nixl"),
     "pool.lease_timeout_s": ({"lease_timeout_s": 4.5}, 4.5),
-    "pool.nixl_peers": ({**NIXL, "nixl_peers": ["10.0.0.9:7702"]}, ("10.0.0.9:7702",)),
-    "pool.nixl_timeout_s": ({**NIXL, "nixl_timeout_s": 2.5}, 2.5),
     "pool.persist": ({"persist": True}, True),
-    "pool.decode_path": ({**NIXL, "decode_path": "/dev/shm/probe-decode"}, "/dev/shm/probe-decode"),
     "pool.check": ({"check": "crc32"}, "crc32"),
-    "pool.nixl_listen": ({**NIXL, "nixl_listen": "0.0.0.0:7799"}, "0.0.0.0:7799"),
-    "pool.server_resources": ({**NIXL, "server_resources": {"prefill_node": 0.01}}, {"prefill_node": 0.01}),
 }
 
 
@@ -100,15 +92,14 @@ def _lookup(obj: Any, path: str) -> Any:
 
 def _arrived(setting: str, target: str, monkeypatch) -> list[Any]:
     """The values found at ``target`` once ``setting`` is probed (one per place that target names)."""
-    from app.engine_args import engine_config, engine_env, pool_specs
+    from app.engine_args import engine_config, engine_env, pool_spec
     from deployments.application import engine_options
 
     over, _ = PROBES[setting]
     if setting.startswith("pool."):
         cfg = load_config({**BASE, "pool": over})
-        if target.startswith("PoolSpec."):
-            return [getattr(spec, target.removeprefix("PoolSpec.")) for spec in pool_specs(cfg.pool)]
-        return [_kv_server(cfg, target.removeprefix("KVBlockServer"), monkeypatch)]
+        assert target.startswith("PoolSpec."), f"{setting}: a pool setting goes to PoolSpec, not {target!r}"
+        return [getattr(pool_spec(cfg.pool), target.removeprefix("PoolSpec."))]
     cfg = load_config({**BASE, "decoders": [_deployment(setting, over)]})
     d = cfg.decoders[0]
     if target.startswith("AsyncEngineArgs."):
@@ -124,30 +115,6 @@ def _arrived(setting: str, target: str, monkeypatch) -> list[Any]:
     if target.startswith("Serve "):
         return [_lookup(engine_options(cfg, "x", d.placement, d.engine), target.removeprefix("Serve "))]
     raise AssertionError(f"{setting}: the table names {target!r}, a target this test does not know")
-
-
-def _kv_server(cfg, where: str, monkeypatch) -> Any:
-    """What deployments/kv_server.py hands the KVBlockServer deployment (its options or a constructor argument)."""
-    from deployments import kv_server
-
-    seen: dict[str, Any] = {}
-
-    class Recorder:
-        def options(self, **kw):
-            seen["options"] = kw
-            return self
-
-        def bind(self, *args):
-            seen["args"] = args
-            return self
-
-    params = list(inspect.signature(kv_server.KVBlockServer.func_or_class.__init__).parameters)[1:]
-    monkeypatch.setattr(kv_server, "KVBlockServer", Recorder())
-    kv_server.build_kv_server(cfg)
-    m = re.fullmatch(r"\((\w+)\)", where.strip())
-    if m:
-        return seen["args"][params.index(m[1])]
-    return _lookup(seen["options"], where.strip())
 
 
 @pytest.mark.parametrize("setting", sorted(PROBES))

@@ -15,6 +15,7 @@ import msgspec
 import pytest
 import zmq
 
+from app.engine import kv_auth
 from app.engine import side_channel_auth as sca
 from app.engine.kv_auth import KV_SECRET_ENV, KVAuthError
 
@@ -138,3 +139,20 @@ def test_the_key_pair_follows_the_secret():
     a, b, c = sca.curve_keys(b"s" * 32), sca.curve_keys(b"s" * 32), sca.curve_keys(b"t" * 32)
     assert (a.public, a.secret) == (b.public, b.secret) and a.public != c.public
     assert zmq.curve_public(a.secret) == a.public
+
+
+def test_the_secret_comes_from_the_environment_or_a_file(monkeypatch, tmp_path):
+    monkeypatch.delenv(kv_auth.KV_SECRET_ENV, raising=False)
+    monkeypatch.delenv(kv_auth.KV_SECRET_FILE_ENV, raising=False)
+    assert kv_auth.load_secret() is None
+    f = tmp_path / "kv"
+    f.write_text("from-a-file-0123456789\n")
+    monkeypatch.setenv(kv_auth.KV_SECRET_FILE_ENV, str(f))
+    assert kv_auth.load_secret() == b"from-a-file-0123456789"
+    monkeypatch.setenv(kv_auth.KV_SECRET_ENV, "from-the-env-0123456789")
+    assert kv_auth.load_secret() == b"from-the-env-0123456789"
+    monkeypatch.setenv(kv_auth.KV_SECRET_ENV, "short")
+    with pytest.raises(kv_auth.KVAuthError, match="16 bytes"):
+        kv_auth.load_secret()
+    assert kv_auth.is_loopback("127.0.0.1") and kv_auth.is_loopback("::1") and kv_auth.is_loopback("localhost")
+    assert not kv_auth.is_loopback("0.0.0.0") and not kv_auth.is_loopback("10.0.0.5")

@@ -1,12 +1,16 @@
 """Faults for `prefillshare overload`: kill -9 or stall one replica of a running Serve app.
 
 A fault names a deployment (``Decode-lookup``, ``Prefill-base``, ``Orchestrator``; one of another
-Serve application as ``APP/DEPLOYMENT``, e.g. ``kv/KVBlockServer``, the NIXL block server). Its
+Serve application as ``APP/DEPLOYMENT``, e.g. ``side/Sidecar``). Its
 replica processes are found by the title Ray gives every actor process,
 ``ray::ServeReplica:<app>:<deployment>``, so this works on the machine the app runs on,
 without a Ray dashboard. ``kill`` sends SIGKILL to one replica (Serve restarts it; its
 engines die with it); ``stall`` stops one with SIGSTOP for a while and resumes it, which is
-what a hung peer looks like to its callers (a NIXL block server, an engine in a long GC).
+what a hung peer looks like to its callers (an engine in a long GC, a NIXL peer that holds
+its connections and never answers). ``DEPLOYMENT#engine`` names the replica's engine core
+process instead (``VLLM::EngineCore``, a child of the replica): stalling a prefill replica's
+engine stalls the NIXL peer that decoders pull from in hand-over "vllm-nixl", while the
+replica itself keeps taking requests.
 ``fill-pool`` names a KV pool directory instead of a deployment: it pins blocks until the pool
 has no free space for ``SECONDS`` (the pins' deadline), so producers cannot store a prompt's KV
 and decoders must fall back to private prefill until the pins expire.
@@ -74,6 +78,26 @@ def replica_pids(app: str, deployment: str) -> list[int]:
     return sorted(pids)
 
 
+ENGINE_SUFFIX = "#engine"
+
+
+def engine_core_pids(replica_pid: int) -> list[int]:
+    """The ``VLLM::EngineCore`` processes under one replica process (vLLM renames its core)."""
+    try:
+        children = psutil.Process(replica_pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+    out = []
+    for c in children:
+        try:
+            title = " ".join(c.cmdline() or ()) or c.name()
+        except psutil.Error:
+            continue
+        if "EngineCore" in title:
+            out.append(c.pid)
+    return sorted(out)
+
+
 def fill_pool(path: str, hold_s: float, block_bytes: int = 1 << 16) -> int:
     """Pin blocks of ``block_bytes`` in the pool at ``path`` until none fits; returns how many.
     The pins expire after ``hold_s`` (the pool's own deadline), so the pool recovers by itself."""
@@ -100,11 +124,17 @@ def inject(spec: FaultSpec, app: str) -> int:
     fill-pool: the number of blocks pinned)."""
     if spec.kind == "fill-pool":
         return fill_pool(spec.deployment, spec.hold_s)
-    app, deployment = spec.deployment.split("/", 1) if "/" in spec.deployment else (app, spec.deployment)
+    target = spec.deployment.removesuffix(ENGINE_SUFFIX)
+    app, deployment = target.split("/", 1) if "/" in target else (app, target)
     pids = replica_pids(app, deployment)
     if not pids:
         raise FaultError(f"fault {spec.label}: no replica process of {app}:{deployment} on this machine")
     pid = pids[0]
+    if spec.deployment.endswith(ENGINE_SUFFIX):
+        cores = engine_core_pids(pid)
+        if not cores:
+            raise FaultError(f"fault {spec.label}: replica {pid} of {app}:{deployment} has no engine core process")
+        pid = cores[0]
     if spec.kind == "kill":
         os.kill(pid, signal.SIGKILL)
     else:

@@ -1,6 +1,6 @@
 """A three-raylet Ray cluster on this machine: the head (Serve's controller, proxy and ingress
 deployments), a prefill node and a decode node with the custom resources the KubeRay worker
-groups give their pods. The multi-node tests and scripts/overload_multinode.py run on it; one
+groups give their pods. The multi-node tests (tests/test_serve_vllm_nixl.py) run on it; one
 machine's raylets share its cores, so it shows behaviour across nodes, not a cluster's capacity."""
 from __future__ import annotations
 

@@ -469,7 +469,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--search-start", type=float, default=0.25, help="first offered rate of the search, /s")
     parser.add_argument("--search-step", type=float, default=20.0, help="seconds per search step")
     parser.add_argument("--fault", action="append", default=[], metavar="AT:KIND:DEPLOYMENT[:SECONDS]",
-                        help="e.g. 120:kill:Decode-lookup, 300:stall:Prefill-base:20, 400:stall:kv/KVBlockServer:20 "
+                        help="e.g. 120:kill:Decode-lookup, 300:stall:Prefill-base:20, 400:stall:side/Sidecar:20 "
                         "(another application's deployment as APP/DEPLOYMENT; repeatable)")
     parser.add_argument("--window", type=float, default=10.0, help="seconds per report window")
     parser.add_argument("--drain", type=float, default=60.0, help="max seconds to wait for answers after the end")

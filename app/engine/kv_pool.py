@@ -112,10 +112,6 @@ class PoolSpec:
     capacity_bytes: int = DEFAULT_CAPACITY_BYTES
     lease_timeout_s: float = 60.0  # fan-out pins and readers' leases expire after this
     check: Literal["off", "crc32"] = "off"  # crc32: checksum every slot (tests, debugging)
-    transport: Literal["shm", "nixl"] = "shm"
-    nixl_listen: str | None = None  # producer: "host:port" its NIXL block server listens on
-    nixl_peers: tuple[str, ...] = ()  # consumer: producers' "host:port" to pull from
-    nixl_timeout_s: float = 30.0  # consumer: a peer silent this long is a miss (private prefill)
     persist: bool = False  # keep the pool when its last owner closes (app.engine.pool_owner)
 
     def __post_init__(self) -> None:
@@ -125,13 +121,8 @@ class PoolSpec:
             raise ValueError("PoolSpec.capacity_bytes must be > 0")
         if self.lease_timeout_s <= 0:
             raise ValueError("PoolSpec.lease_timeout_s must be > 0")
-        if self.nixl_timeout_s <= 0:
-            raise ValueError("PoolSpec.nixl_timeout_s must be > 0")
-        if self.transport not in ("shm", "nixl"):
-            raise ValueError(f"PoolSpec.transport: {self.transport!r} is not 'shm' or 'nixl'")
         if self.check not in ("off", "crc32"):
             raise ValueError(f"PoolSpec.check: {self.check!r} is not 'off' or 'crc32'")
-        object.__setattr__(self, "nixl_peers", tuple(self.nixl_peers))
 
 
 @dataclass(frozen=True)

@@ -1,14 +1,15 @@
 """The store protocol: what the PrefillShare connector needs from wherever KV blocks are kept.
 
-Two implementations: :class:`app.engine.kv_pool.KVPool` (this node's shared-memory pool) and
-:class:`app.engine.nixl_transport.NixlStore` (this node's pool, filled on demand from producer
-nodes through NIXL). The connector's scheduler half uses ``find`` / ``lease`` / ``release``
+One implementation ships: :class:`app.engine.kv_pool.KVPool` (this node's shared-memory pool;
+across nodes the KV moves with vLLM's NixlConnector instead, hand-over "vllm-nixl"). The connector's scheduler half uses ``find`` / ``lease`` / ``release``
 (index reads and one transaction per request), its worker half ``reserve`` / ``publish``
 (producer) and ``fetch`` / ``check_entries`` (consumer); both count through ``add``.
 ``remote`` says whether ``fetch`` may bring blocks this node lacks: the scheduler then loads
-them asynchronously instead of calling a partial match a miss.
+them asynchronously instead of calling a partial match a miss (KVPool's is False; the retired
+NIXL block server's store was the one that set it, tests/test_connector_scheduler.py drives the
+path with a stand-in).
 
-:func:`open_store` is the one place a :class:`PoolSpec`'s transport picks the implementation.
+:func:`open_store` is the one place a :class:`PoolSpec` becomes a store.
 """
 from __future__ import annotations
 
@@ -71,9 +72,5 @@ class KVStore(Protocol):
 
 
 def open_store(spec: PoolSpec) -> KVStore:
-    """The store a connector's pool spec names: the node's pool, or the pool filled through NIXL."""
-    if spec.transport == "nixl":
-        from app.engine.nixl_transport import NixlStore  # imports nixl only where it is used
-
-        return NixlStore(spec)
+    """The store a connector's pool spec names: the node's pool."""
     return KVPool(spec)

@@ -13,8 +13,8 @@ It is split as vLLM splits its own connectors:
 - :mod:`.worker`: the byte copies between the paged KV cache and the store's slab.
 - :mod:`.metadata`: the settings both read and the per-step message between them.
 
-The store behind both (:mod:`app.engine.kv_store`) is the node's shared-memory pool, or, with
-``transport="nixl"``, that pool filled on demand from producer nodes.
+The store behind both (:mod:`app.engine.kv_store`) is the node's shared-memory pool (across
+nodes the KV moves with vLLM's NixlConnector instead: :mod:`app.engine.vllm_nixl`).
 
 Producer (the base's engine): when a request's prefill completes, every block covering
 ``prompt[:-1]`` (hand-over convention, :mod:`app.handover`), including the trailing partial
