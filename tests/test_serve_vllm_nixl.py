@@ -285,9 +285,13 @@ def _lose_node(cluster, node) -> None:
     cluster.remove_node(node, allow_graceful=False)
 
 
-def _text(reference, model: str, prompt_ids: list[int], private: bool = False) -> str:
+def _same_text(out: dict, reference, model: str, prompt_ids: list[int], private: bool = False) -> bool:
+    """A completion's text equals the reference's greedy tokens. The server's detokenizer holds
+    back a trailing incomplete UTF-8 sequence (byte-level tokens), which the reference decodes as
+    U+FFFD, so trailing replacement characters are not compared."""
     tok, _ = reference
-    return tok.decode(_expected(reference, model, prompt_ids, private=private), skip_special_tokens=True)
+    want = tok.decode(_expected(reference, model, prompt_ids, private=private), skip_special_tokens=True)
+    return out["choices"][0]["text"].rstrip("\ufffd") == want.rstrip("\ufffd")
 
 
 def test_losing_the_prefill_node_falls_back_to_private_prefill_until_it_is_back(nixl_app, nixl_reference):
@@ -320,7 +324,7 @@ def test_losing_the_prefill_node_falls_back_to_private_prefill_until_it_is_back(
     for (model, prompt), (status, out) in zip(asks, outs):
         assert status == 200, out
         assert out["usage"]["prompt_tokens_details"]["cached_tokens"] == 0, (model, out["usage"])
-        assert out["choices"][0]["text"] == _text(nixl_reference, model, tok(prompt)["input_ids"], private=True), model
+        assert _same_text(out, nixl_reference, model, tok(prompt)["input_ids"], private=True), (model, out)
     fresh = cluster.add_node(**PREFILL_NODE)
     wait_ready(url, {APP})
     back_s = time.monotonic() - t0
@@ -335,7 +339,7 @@ def test_losing_the_prefill_node_falls_back_to_private_prefill_until_it_is_back(
                                                  "temperature": 0})
     assert status == 200, out
     assert out["usage"]["prompt_tokens_details"]["cached_tokens"] == len(ids) - 1, out["usage"]
-    assert out["choices"][0]["text"] == _text(nixl_reference, "alpha", ids)
+    assert _same_text(out, nixl_reference, "alpha", ids), out
     assert wait_for_nixl_event(url, "alpha", "pull", pulls + 1) == pulls + 1
     figures = {"replicas_seen_dead_after_s": round(dead_s, 1), "answered_privately_while_down_s": round(down_s, 1),
                "shared_again_after_s": round(back_s, 1)}
@@ -452,7 +456,7 @@ def test_losing_the_decode_node_fails_in_flight_requests_clearly_then_recovers(n
                                                  "temperature": 0})
     assert status == 200, out
     assert out["usage"]["prompt_tokens_details"]["cached_tokens"] == len(ids) - 1, out["usage"]
-    assert out["choices"][0]["text"] == _text(nixl_reference, "alpha", ids)
+    assert _same_text(out, nixl_reference, "alpha", ids), out
     counts = {"streams_cut": sum(bool(b) for b in tokens_before_loss),
               "streams": len(streamed), "whole_sent": len(whole), "completed": len(completed),
               "failed": len(failed), "failed_status": sorted(s for s, _ in failed),
