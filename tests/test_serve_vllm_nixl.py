@@ -294,6 +294,18 @@ def _same_text(out: dict, reference, model: str, prompt_ids: list[int], private:
     return out["choices"][0]["text"].rstrip("\ufffd") == want.rstrip("\ufffd")
 
 
+def _shared_completion(url: str, reference, model: str, prompt: str) -> None:
+    """A completion on the base's pulled KV: every prompt token but the last loaded, the shared
+    reference's text."""
+    tok, _ = reference
+    ids = tok(prompt)["input_ids"]
+    status, out = _post(url + "/v1/completions", {"model": model, "prompt": prompt, "max_tokens": MAX_NEW,
+                                                 "temperature": 0})
+    assert status == 200, out
+    assert out["usage"]["prompt_tokens_details"]["cached_tokens"] == len(ids) - 1, out["usage"]
+    assert _same_text(out, reference, model, ids), out
+
+
 def test_losing_the_prefill_node_falls_back_to_private_prefill_until_it_is_back(nixl_app, nixl_reference):
     """The prefill node's raylet dies (the base's engine, whose blocks the leases name, and beta's
     replica there with it). Requests keep being answered by the decode node's decoders, which
@@ -333,13 +345,7 @@ def test_losing_the_prefill_node_falls_back_to_private_prefill_until_it_is_back(
     assert nodes["Decode-beta"] == {fresh.node_id, nixl_app["nodes"]["decode"]}, nodes
     nixl_app["nodes"]["prefill"] = fresh.node_id
     pulls = nixl_events(url, "alpha", "pull")
-    prompt = render_prompt(CONTEXT.replace("maya", "back"), "what is the day?")
-    ids = tok(prompt)["input_ids"]
-    status, out = _post(url + "/v1/completions", {"model": "alpha", "prompt": prompt, "max_tokens": MAX_NEW,
-                                                 "temperature": 0})
-    assert status == 200, out
-    assert out["usage"]["prompt_tokens_details"]["cached_tokens"] == len(ids) - 1, out["usage"]
-    assert _same_text(out, nixl_reference, "alpha", ids), out
+    _shared_completion(url, nixl_reference, "alpha", render_prompt(CONTEXT.replace("maya", "back"), "what is the day?"))
     assert wait_for_nixl_event(url, "alpha", "pull", pulls + 1) == pulls + 1
     figures = {"replicas_seen_dead_after_s": round(dead_s, 1), "answered_privately_while_down_s": round(down_s, 1),
                "shared_again_after_s": round(back_s, 1)}
@@ -450,13 +456,7 @@ def test_losing_the_decode_node_fails_in_flight_requests_clearly_then_recovers(n
     nodes = replica_nodes()
     assert nodes["Decode-alpha"] == nodes["Decode-group"] == {node3.node_id}, nodes
     assert nodes["Decode-beta"] == {nixl_app["nodes"]["prefill"], node3.node_id}, nodes
-    prompt = render_prompt(CONTEXT, "what is the day?")
-    ids = tok(prompt)["input_ids"]
-    status, out = _post(url + "/v1/completions", {"model": "alpha", "prompt": prompt, "max_tokens": MAX_NEW,
-                                                 "temperature": 0})
-    assert status == 200, out
-    assert out["usage"]["prompt_tokens_details"]["cached_tokens"] == len(ids) - 1, out["usage"]
-    assert _same_text(out, nixl_reference, "alpha", ids), out
+    _shared_completion(url, nixl_reference, "alpha", render_prompt(CONTEXT, "what is the day?"))
     counts = {"streams_cut": sum(bool(b) for b in tokens_before_loss),
               "streams": len(streamed), "whole_sent": len(whole), "completed": len(completed),
               "failed": len(failed), "failed_status": sorted(s for s, _ in failed),
