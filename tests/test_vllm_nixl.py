@@ -82,6 +82,35 @@ def test_side_channel_env_carries_ucx_settings():
     assert int(a) > 0 and int(b) > 0
 
 
+def test_a_listener_port_is_never_one_an_outgoing_connection_can_take(monkeypatch):
+    """Ports come from below the kernel's ephemeral range (where outgoing connections take their
+    local ports, and where bind-to-0 picks from) and above Ray's worker ports; a taken one is skipped."""
+    import random
+    import socket
+
+    from app.engine import vllm_nixl
+
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+        low = int(f.read().split()[0])
+    ports = {vllm_nixl.listen_port("127.0.0.1") for _ in range(50)}
+    assert all(20000 <= p < low for p in ports), sorted(ports)
+    assert len(ports) > 40  # random picks, not one port for every replica
+    held = socket.socket()
+    for taken in range(20000, low - 1):  # hold one port of the range, as another replica would
+        try:
+            held.bind(("127.0.0.1", taken))
+            break
+        except OSError:
+            continue
+    held.listen()
+    try:
+        picks = iter([taken, taken, *range(taken + 1, taken + 40)])
+        monkeypatch.setattr(random, "randint", lambda a, b: next(picks))
+        assert vllm_nixl.listen_port("127.0.0.1") > taken  # the held one was tried twice and skipped
+    finally:
+        held.close()
+
+
 def test_decoder_gate_is_the_projects_compat_check():
     from app.models.identity import prefill_module_id
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 __all__ = ["NIXL_CONNECTOR", "NixlSettings", "CPU_SETTINGS", "nixl_transfer_config", "decoder_transfer_config",
-           "lease_for_timeout", "side_channel_env", "lease_duration", "with_side_channel"]
+           "lease_for_timeout", "side_channel_env", "listen_port", "lease_duration", "with_side_channel"]
 
 NIXL_CONNECTOR = "NixlConnector"
 
@@ -122,14 +122,49 @@ def side_channel_env(port: int | None = None, host: str = "127.0.0.1",
     None: a free one, for a replica that starts its engine on a shared node) and the transport's UCX
     variables. ``host``: the address decoders reach this engine at (the node's IP)."""
     if port is None:
-        import socket
-
-        with socket.socket() as sock:
-            sock.bind((host, 0))
-            port = sock.getsockname()[1]
+        port = listen_port(host)
     env = {"VLLM_NIXL_SIDE_CHANNEL_HOST": host, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(int(port))}
     env.update(settings.env)
     return env
+
+
+# Ray's own ports sit below 20000 (worker ports 10002-19999 by default); the kernel's ephemeral
+# range (outgoing connections' local ports) starts at ip_local_port_range's low end.
+_LISTEN_PORTS_FROM = 20000
+
+
+def _ephemeral_low() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def listen_port(host: str, tries: int = 64) -> int:
+    """A free port for an engine's handshake listener, chosen below the kernel's ephemeral range.
+
+    A port found free by binding port 0 comes from the ephemeral range, so between this check
+    and the engine's bind an outgoing connection (Ray opens many) can take it as its local port,
+    and vLLM's listener thread then dies on EADDRINUSE while its engine waits for it forever (seen
+    once in tests/test_serve_vllm_nixl.py). Outgoing connections never take a port below that
+    range; a random pick there, checked by binding, collides with another replica's only by chance.
+    """
+    import random
+    import socket
+
+    low = _ephemeral_low()
+    if low - 1 <= _LISTEN_PORTS_FROM:
+        raise RuntimeError(f"no port range for the NIXL side channel below the ephemeral range ({low})")
+    for _ in range(tries):
+        port = random.randint(_LISTEN_PORTS_FROM, low - 1)
+        with socket.socket() as sock:
+            try:
+                sock.bind((host, port))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError(f"no free port for the NIXL side channel on {host} in {_LISTEN_PORTS_FROM}-{low - 1}")
 
 
 def lease_duration(kv_transfer_config: dict[str, Any] | None) -> int | None:
