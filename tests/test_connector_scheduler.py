@@ -97,7 +97,7 @@ def test_a_full_match_takes_every_prompt_token_but_the_last_and_is_leased_once(p
     s.update_state_after_alloc(req, FakeBlocks([10, 11, 12, 13]), 69)
     assert pool._db().execute("SELECT COUNT(DISTINCT lease) FROM leases").fetchone()[0] == 1
     (load,) = s.build_connector_meta(FakeOutput()).loads
-    assert load.block_ids == [10, 11, 12] and load.ntokens_last == 5 and not load.remote
+    assert load.block_ids == [10, 11, 12] and load.ntokens_last == 5
     assert [e.ntokens for e in load.entries] == [32, 32, 5]
     assert s.request_finished(req) == {"prefillshare": {"loaded_tokens": 69, "fallback": None}}
     assert pool.stats("dec").get("hits") == 1 and pool.stats("dec").get("hit_tokens") == 69
@@ -189,34 +189,6 @@ def test_a_load_the_worker_found_bad_is_reported_and_counted_by_the_worker_only(
     s.update_connector_output(NS(invalid_block_ids={5}, finished_recving=None))
     assert s.request_finished(req)["prefillshare"] == {"loaded_tokens": 0, "fallback": "load_failed"}
     assert pool.stats("dec").get("misses") == 0  # the worker counted the failure (fallback:<kind>)
-
-
-class RemoteStore:
-    """A node pool whose fetch may bring blocks from other nodes (the retired NIXL block server's
-    store did; the scheduler's asynchronous-load path is kept for such a store)."""
-
-    remote = True
-
-    def __init__(self, pool):
-        self.pool = pool
-
-    def __getattr__(self, name):
-        return getattr(self.pool, name)
-
-
-def test_a_remote_store_turns_a_partial_match_into_an_async_load_and_a_failed_pull_into_a_miss(pool):
-    s, toks = scheduler(RemoteStore(pool)), prompt(70, seed=8)
-    store_prompt(pool, toks, upto=1)
-    req = FakeRequest("r", toks)
-    assert s.get_num_new_matched_tokens(req, 0) == (69, True)
-    s.update_state_after_alloc(req, FakeBlocks([7, 8, 9]), 69)
-    (load,) = s.build_connector_meta(FakeOutput()).loads
-    assert load.remote and load.lease is None and len(load.keys) == 3 and load.block_ids == [7, 8, 9]
-    s.update_connector_output(NS(invalid_block_ids=None, finished_recving=set(), failed_recving=set()))
-    s.update_connector_output(NS(invalid_block_ids=None, finished_recving={"r"}, failed_recving={"r"}))
-    assert s.get_num_new_matched_tokens(req, 0) == (0, False)  # asked again after the failure: no second pull
-    assert s.request_finished(req)["prefillshare"]["fallback"] == "missing"
-    assert pool.stats("dec").get("misses") == 0  # counted by the worker that pulled
 
 
 def test_a_producer_saves_prompt_minus_one_when_its_last_chunk_is_scheduled_with_fan_out_pins(pool):

@@ -178,7 +178,6 @@ class PoolStats:
 class KVPool:
     """A byte-capacity LRU store of KV blocks in shared slots, used by every process on the node."""
 
-    remote = False  # fetch finds only what this node holds (the store protocol, app.engine.kv_store)
 
     def __init__(self, spec: PoolSpec, *, create: bool = True):
         """Open the pool ``spec`` names; a new one (``create``) gets ``spec.capacity_bytes``."""

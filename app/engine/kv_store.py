@@ -3,11 +3,7 @@
 One implementation ships: :class:`app.engine.kv_pool.KVPool` (this node's shared-memory pool;
 across nodes the KV moves with vLLM's NixlConnector instead, hand-over "vllm-nixl"). The connector's scheduler half uses ``find`` / ``lease`` / ``release``
 (index reads and one transaction per request), its worker half ``reserve`` / ``publish``
-(producer) and ``fetch`` / ``check_entries`` (consumer); both count through ``add``.
-``remote`` says whether ``fetch`` may bring blocks this node lacks: the scheduler then loads
-them asynchronously instead of calling a partial match a miss (KVPool's is False; the retired
-NIXL block server's store was the one that set it, tests/test_connector_scheduler.py drives the
-path with a stand-in).
+(producer) and ``check_entries`` (consumer); both count through ``add``.
 
 :func:`open_store` is the one place a :class:`PoolSpec` becomes a store.
 """
@@ -25,8 +21,6 @@ __all__ = ["KVStore", "open_store"]
 class KVStore(Protocol):
     """Where a node's KV blocks are found, leased, written and fetched (see the module doc)."""
 
-    remote: bool
-
     def find(self, keys: Sequence[str]) -> list[BlockEntry]:
         """Longest leading run of ``keys`` readable on this node now; no side effects."""
 
@@ -42,9 +36,6 @@ class KVStore(Protocol):
 
     def publish(self, res: Reservation) -> None:
         """The reserved slots are written: make them readable."""
-
-    def fetch(self, keys: Sequence[str]) -> tuple[list[BlockEntry], str | None]:
-        """Longest leading run of ``keys`` on this node, after bringing what it may; leased."""
 
     def check_entries(self, entries: Sequence[BlockEntry]) -> None:
         """Raise SlotTorn / SlotReused unless every slot still holds its entry's bytes."""

@@ -24,7 +24,7 @@ of ``prompt[:-1]`` is loaded (the decoder was trained on base KV for every promp
 the last), and the decoder computes exactly the last prompt token itself.
 
 Anything else is a private prefill, counted per scope: ``fallback:missing`` (never saved,
-evicted, partly evicted, or a remote pull that failed), ``fallback:reused`` (a slot reused
+evicted or partly evicted), ``fallback:reused`` (a slot reused
 after eviction while it was being loaded), ``fallback:torn`` (a slot whose writer did not
 finish: producer died mid-save), ``fallback:damaged`` (crc32 mismatch, ``check="crc32"``
 only), ``fallback:incompatible`` (config says the decoder may not share), ``fallback:layout``.

@@ -99,19 +99,13 @@ class PrefillShareConnector(KVConnectorBase_V1):
         self.worker.start_load_kv(self._meta())
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # device-local loads complete in start_load_kv; remote ones report through get_finished
+        return  # loads complete in start_load_kv, before the forward pass
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
         return  # saved whole in wait_for_save, once every layer of the step is written
 
     def wait_for_save(self):
         self.worker.wait_for_save(self._meta())
-
-    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        return self.worker.get_finished()
-
-    def get_transfer_results(self, finished_req_ids: set[str]):
-        return self.worker.get_transfer_results()
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker.get_block_ids_with_load_errors()

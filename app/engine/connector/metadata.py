@@ -45,7 +45,7 @@ class ConnectorSettings:
 
 @dataclass
 class LoadSpec:
-    """Consumer: copy these pool blocks into these engine blocks (``remote``: fetch ``keys`` first)."""
+    """Consumer: copy these pool blocks into these engine blocks."""
 
     req_id: str
     entries: list[BlockEntry]
@@ -53,7 +53,6 @@ class LoadSpec:
     lease: str | None
     keys: list[str] = field(default_factory=list)
     ntokens_last: int = 0
-    remote: bool = False
 
 
 @dataclass

@@ -6,8 +6,7 @@ Consumer: :meth:`ShareScheduler.get_num_new_matched_tokens` looks up the keys of
 (hand-over convention, :mod:`app.handover`) for the configured prefill module id and the
 request's salt; it only reads (vLLM may ask several times). Only a complete match counts;
 :meth:`update_state_after_alloc` leases the run, and the next step's metadata tells the worker
-to copy it in. A store that can bring blocks from other nodes (``store.remote``) turns a
-partial match into an asynchronous load instead of a miss.
+to copy it in.
 
 Producer: :meth:`build_connector_meta` names, for each request whose prefill completes in this
 step (whatever the chunking), the blocks covering ``prompt[:-1]`` and their keys, with
@@ -47,7 +46,6 @@ class _Plan:
     entries: list[BlockEntry]
     keys: list[str]
     ntokens_last: int
-    remote: bool
 
 
 class ShareScheduler:
@@ -58,7 +56,6 @@ class ShareScheduler:
         self.store = store
         self.block_size = block_size
         self.layout = layout  # the engine's KV layout name, when known before the worker starts
-        self.remote = store.remote and settings.role == "consumer"
         self.block_manager = None  # vLLM's KVCacheManager, where vLLM binds one (>= 0.27)
         self._requests: dict[str, Request] = {}
         self._keys: dict[str, list[BlockKey]] = {}  # request -> its shared block keys (a memo)
@@ -66,8 +63,7 @@ class ShareScheduler:
         self._ready: dict[str, LoadSpec] = {}
         self._report: dict[str, dict[str, Any]] = {}
         self._blocks: dict[str, list[int]] = {}  # block ids per request, for vLLM without a bound manager
-        self._loading: dict[str, tuple[set[int], bool]] = {}  # loads sent to the worker: block ids, remote
-        self._pull_failed: set[str] = set()  # requests whose remote pull failed: prefill privately
+        self._loading: dict[str, set[int]] = {}  # loads sent to the worker: their block ids
 
     def keys_of(self, request: Request) -> list[BlockKey]:
         """The keys of the request's shared prompt part (salted by tenant, and adapter if per-adapter)."""
@@ -100,19 +96,12 @@ class ShareScheduler:
         names = [k.key for k in keys]
         entries = self.store.find(names)
         if len(entries) < len(keys):
-            if rid in self._pull_failed:  # vLLM asks again after a failed load: recompute, no second pull
-                self._report[rid] = {"loaded_tokens": 0, "fallback": "missing", "counted": True}
-                return 0, False
-            if self.remote:  # fetched by a worker thread, asynchronously
-                self._plan(rid, _Plan(num_computed_tokens, tokens, [], names[first:], keys[-1].num_tokens, True))
-                return tokens, True
             self._note_fallback(rid, "missing", f"{len(entries)}/{len(keys)} blocks in the pool")
             return 0, False
         if self.layout and any(e.layout != self.layout for e in entries):
             self._note_fallback(rid, "layout", f"{entries[0].layout} != {self.layout}")
             return 0, False
-        self._plan(rid, _Plan(num_computed_tokens, tokens, entries[first:], names[first:], keys[-1].num_tokens,
-                              False))
+        self._plan(rid, _Plan(num_computed_tokens, tokens, entries[first:], names[first:], keys[-1].num_tokens))
         return tokens, False
 
     def _plan(self, rid: str, plan: _Plan) -> None:
@@ -137,29 +126,19 @@ class ShareScheduler:
         first = plan.computed // self.block_size
         block_ids = list(blocks.get_block_ids()[0])  # every block of the request, as the scheduler holds them
         ids = block_ids[first : first + len(plan.keys)]
-        lease = None
-        if not plan.remote:  # a remote load counts its hit once it succeeded (worker)
-            self.store.add(self.settings.scope, {"hits": 1, "hit_tokens": num_external_tokens})
-            lease = self.store.lease(plan.entries)
-        self._ready[rid] = LoadSpec(rid, plan.entries, ids, lease, plan.keys, plan.ntokens_last, plan.remote)
+        self.store.add(self.settings.scope, {"hits": 1, "hit_tokens": num_external_tokens})
+        lease = self.store.lease(plan.entries)
+        self._ready[rid] = LoadSpec(rid, plan.entries, ids, lease, plan.keys, plan.ntokens_last)
 
     def update_connector_output(self, connector_output) -> None:
         """A load that failed in the worker: the request's report says so (the worker counted it)."""
         if not self._loading:
             return
         invalid = set(connector_output.invalid_block_ids or ())
-        failed = set(getattr(connector_output, "failed_recving", None) or ())
-        done = set(connector_output.finished_recving or ())
-        for rid, (ids, remote) in list(self._loading.items()):
-            if remote and rid not in done:
-                continue
+        for rid, ids in list(self._loading.items()):
             del self._loading[rid]
-            if ids & invalid or rid in failed:
-                if remote:
-                    self._pull_failed.add(rid)
-                if rid in self._report:
-                    self._report[rid] = {"loaded_tokens": 0, "fallback": "missing" if remote else "load_failed",
-                                         "counted": True}
+            if ids & invalid and rid in self._report:
+                self._report[rid] = {"loaded_tokens": 0, "fallback": "load_failed", "counted": True}
 
     # ------------------------------------------------------------------ both
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> PrefillShareMeta:
@@ -167,7 +146,7 @@ class ShareScheduler:
         meta = PrefillShareMeta(loads=list(self._ready.values()))
         self._ready.clear()
         for spec in meta.loads:
-            self._loading[spec.req_id] = (set(spec.block_ids), spec.remote)
+            self._loading[spec.req_id] = set(spec.block_ids)
         if self.block_manager is None:
             self.track_blocks(scheduler_output)
         if self.settings.role == "producer":
@@ -233,7 +212,6 @@ class ShareScheduler:
         rid = request.request_id
         for memo in (self._requests, self._blocks, self._keys, self._plans, self._loading):
             memo.pop(rid, None)
-        self._pull_failed.discard(rid)
         ready = self._ready.pop(rid, None)
         if ready is not None and ready.lease is not None:  # finished before its load was sent
             self.store.release(ready.lease)

@@ -5,10 +5,8 @@ Producer (:meth:`ShareWorker.wait_for_save`, once every layer of the step is wri
 (:mod:`app.engine.cpu_layout`), then ``publish`` makes them readable. Consumer
 (:meth:`ShareWorker.start_load_kv`): copies each leased run in with one batched scatter per
 layer (the trailing partial block up to its last token), checks the slots' generations around
-the copy, then releases the lease and consumes the fan-out pins in one transaction. A remote
-load (``LoadSpec.remote``) runs in a worker thread: ``store.fetch`` brings the run to this
-node, then the same copy; completion is reported through ``get_finished`` /
-``get_transfer_results``, so the scheduler never waits on the network.
+the copy, then releases the lease and consumes the fan-out pins in one transaction, all before
+the step's forward pass (the bytes are on this node: a local copy, no network).
 
 A load that fails (``fallback:reused`` / ``torn`` / ``damaged`` / ``layout`` / ``missing``)
 reports every block of the request invalid: vLLM recomputes the prompt from token 0
@@ -17,9 +15,7 @@ reports every block of the request invalid: vLLM recomputes the prompt from toke
 from __future__ import annotations
 
 import logging
-import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 import torch
@@ -63,9 +59,6 @@ class ShareWorker:
         self.planned_layout = layout
         self.layout: BlockLayout | None = None
         self._invalid: set[int] = set()
-        self._done_lock = threading.Lock()
-        self._done: list[tuple[str, set[int]]] = []  # async loads finished: (request, invalid block ids)
-        self._pulls: ThreadPoolExecutor | None = None
         self._pinned: set[tuple[int, int]] = set()  # slab mappings registered with CUDA
 
     @property
@@ -91,50 +84,7 @@ class ShareWorker:
             return
         assert self.layout is not None, "KV caches were never registered"
         for spec in meta.loads:
-            if spec.remote:
-                if self._pulls is None:
-                    self._pulls = ThreadPoolExecutor(max_workers=2, thread_name_prefix="prefillshare-pull")
-                self._pulls.submit(self._load_remote, spec)
-            else:
-                self._invalid.update(self._load_one(spec))
-
-    def _load_remote(self, spec: LoadSpec) -> None:
-        """Worker thread: bring the run to this node (``store.fetch``), then load it."""
-        try:
-            entries, lease = self.store.fetch(spec.keys)
-        except Exception as e:  # noqa: BLE001 - a failed pull is a private prefill, never a crash
-            log.warning("PrefillShare: pull for %s failed: %s", spec.req_id, e)
-            entries, lease = [], None
-        if len(entries) < len(spec.keys):
-            self.store.add(self.scope, {"fallback:missing": 1, "misses": 1, "load_failures": 1})
-            self.store.release(lease)
-            self.store.flush()
-            bad = set(spec.block_ids)
-        else:
-            self.store.add(self.scope, {"hits": 1, "hit_tokens": sum(e.ntokens for e in entries)})
-            bad = self._load_one(LoadSpec(spec.req_id, entries, spec.block_ids, lease, spec.keys, spec.ntokens_last))
-        with self._done_lock:
-            self._done.append((spec.req_id, bad))
-
-    def _take_done(self) -> list[tuple[str, set[int]]]:
-        with self._done_lock:
-            done, self._done = self._done, []
-        return done
-
-    def get_finished(self) -> tuple[set[str] | None, set[str] | None]:
-        """Async loads done (vLLM without ``get_transfer_results``: failures as invalid blocks)."""
-        done = self._take_done()
-        for _, bad in done:
-            self._invalid.update(bad)
-        return None, ({rid for rid, _ in done} or None)
-
-    def get_transfer_results(self):
-        """Async loads done; failed ones named as such (vLLM then recomputes them from token 0)."""
-        from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
-
-        done = self._take_done()
-        return KVConnectorTransferResults(finished_recving={rid for rid, _ in done},
-                                          failed_recving={rid for rid, bad in done if bad})
+            self._invalid.update(self._load_one(spec))
 
     def _load_one(self, spec: LoadSpec) -> set[int]:
         """Copy a leased run in (seqlock-checked); one transaction ends it. Returns invalid block ids."""
@@ -211,6 +161,4 @@ class ShareWorker:
         return t
 
     def shutdown(self) -> None:
-        if self._pulls is not None:
-            self._pulls.shutdown(wait=False, cancel_futures=True)
         self.store.close()
