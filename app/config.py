@@ -43,6 +43,8 @@ class _Strict(BaseModel):
     # settings renamed to the name of what they become (vLLM's or PoolSpec's): old name -> the new one
     # with an example; a config still using the old name fails naming the new one.
     renamed: ClassVar[dict[str, str]] = {}
+    # settings that are gone: name -> what to use instead
+    removed: ClassVar[dict[str, str]] = {}
 
     @model_validator(mode="before")
     @classmethod
@@ -51,6 +53,9 @@ class _Strict(BaseModel):
             for old, new in cls.renamed.items():
                 if old in data:
                     raise ValueError(f"{old}: renamed to {new}")
+            for old, instead in cls.removed.items():
+                if old in data:
+                    raise ValueError(f"{old}: removed; {instead}")
         return data
 
 
@@ -229,13 +234,11 @@ class PoolConfig(_Strict):
     the KV moves with vLLM's NixlConnector (hand-over "vllm-nixl"); the pool's own NIXL block
     server was retired once vLLM's connector measured as fast across CPU nodes (docs/scaling.md)."""
 
-    renamed: ClassVar[dict[str, str]] = {
-        "capacity_gib": "capacity_bytes (PoolSpec's name), e.g. '512MiB'",
-        "fan_out_ttl_s": "lease_timeout_s (PoolSpec's name)",
-        **dict.fromkeys(("transport", "nixl_peers", "nixl_listen", "nixl_timeout_s", "server_resources",
-                         "decode_path"),
-                        "nothing: the pool is one node's; across nodes set handover: vllm-nixl (vLLM's "
-                        "NixlConnector, docs/scaling.md)")}
+    renamed: ClassVar[dict[str, str]] = {"capacity_gib": "capacity_bytes (PoolSpec's name), e.g. '512MiB'",
+                                         "fan_out_ttl_s": "lease_timeout_s (PoolSpec's name)"}
+    removed: ClassVar[dict[str, str]] = dict.fromkeys(
+        ("transport", "nixl_peers", "nixl_listen", "nixl_timeout_s", "server_resources", "decode_path"),
+        "the pool is one node's; across nodes set handover: vllm-nixl (vLLM's NixlConnector, docs/scaling.md)")
 
     path: str = Field("/dev/shm/prefillshare", description="pool directory (shared memory on this node)")
     capacity_bytes: Annotated[int, BeforeValidator(_bytes)] = Field(

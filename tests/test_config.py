@@ -58,7 +58,7 @@ def test_a_setting_of_the_retired_block_server_says_what_replaces_it(field):
     with pytest.raises(ConfigError) as e:
         load_config(minimal(pool={field: "nixl"}))
     assert f"pool.{field}" in str(e.value) or field in str(e.value)
-    assert "handover: vllm-nixl" in str(e.value)
+    assert "removed" in str(e.value) and "handover: vllm-nixl" in str(e.value)
 
 
 def test_prefill_wait_reaches_the_plan_and_must_be_positive():
