@@ -98,14 +98,14 @@ async def main(args) -> dict:
         finally:
             engine.shutdown()
         return {"stock_first_token_ms": statistics.median(ttft[warm:]) * 1e3, "requests": args.requests}
-    producer = consumer = pool_spec(cfg.pool)
+    pool = pool_spec(cfg.pool)
     module_id = plan.module(base.name).module_id
     pe = await Engine.start(replace(engine_config(
         cfg, base.model, base.engine, base.placement,
-        connector_config("producer", module_id, producer, scope=base.name), base), enable_prefix_caching=True))
+        connector_config("producer", module_id, pool, scope=base.name), base), enable_prefix_caching=True))
     de = await Engine.start(replace(engine_config(
         cfg, group.model, group.engine, group.placement,
-        connector_config("consumer", module_id, consumer, scope=group.name), group), enable_prefix_caching=False))
+        connector_config("consumer", module_id, pool, scope=group.name), group), enable_prefix_caching=False))
     try:
         prefill, decode = [], []
         for i, ids in enumerate(prompts):

@@ -181,10 +181,9 @@ def test_the_prefill_engines_side_channel_answers_only_holders_of_the_kv_secret(
     """The base's engine listens where its leases say (``remote_host``, ``remote_port``): a plain
     ZMQ peer asking as vLLM's handshake does gets no NIXL metadata; a CURVE peer holding the KV
     secret gets the engine's handshake payload."""
-    import msgspec
     import zmq
     from ray import serve
-    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import GET_META_MSG
+    from side_channel_peer import ask, peer
 
     from app.engine import side_channel_auth
     from deployments.messages import PrefillRequest
@@ -196,25 +195,11 @@ def test_the_prefill_engines_side_channel_answers_only_holders_of_the_kv_secret(
     params = ticket.leases[0].params
     path = f"tcp://{params['remote_host']}:{params['remote_port']}"
 
-    def ask(sock) -> bytes | None:
-        sock.setsockopt(zmq.RCVTIMEO, 3000)
-        sock.send(msgspec.msgpack.encode((GET_META_MSG, 0, 0)))
-        try:
-            return sock.recv_multipart()[0]
-        except zmq.Again:
-            return None
-
-    ctx = zmq.Context()
-    try:
-        plain = ctx.socket(zmq.REQ)
-        plain.setsockopt(zmq.LINGER, 0)
-        plain.connect(path)
-        assert ask(plain) is None
-    finally:
-        ctx.destroy(linger=0)
+    with peer(path) as plain:
+        assert ask(plain, 3000) is None
     keys = side_channel_auth.curve_keys(os.environ[KV_SECRET_ENV].encode())
     with side_channel_auth.curve_zmq_ctx(keys)(zmq.REQ, path) as sock:
-        payload = ask(sock)
+        payload = ask(sock, 3000)
     assert payload and len(payload) > 100  # vLLM's encoded NixlHandshakePayload (agent metadata)
 
 

@@ -11,9 +11,9 @@ import importlib
 import threading
 import time
 
-import msgspec
 import pytest
 import zmq
+from side_channel_peer import ask, peer
 
 from app.engine import kv_auth
 from app.engine import side_channel_auth as sca
@@ -56,18 +56,6 @@ def listener(monkeypatch, restore_vllm):
     assert not t.is_alive()
 
 
-def _ask(sock) -> bytes | None:
-    """vLLM's handshake request (GET_META_MSG, pp rank, tp rank); the metadata, or None if no answer."""
-    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import GET_META_MSG
-
-    sock.setsockopt(zmq.RCVTIMEO, 1500)
-    sock.send(msgspec.msgpack.encode((GET_META_MSG, 0, 0)))
-    try:
-        return sock.recv_multipart()[0]
-    except zmq.Again:
-        return None
-
-
 def _refused_after(before: int, timeout: float = 5.0) -> int:
     deadline = time.monotonic() + timeout
     while sca.REFUSED.count == before and time.monotonic() < deadline:
@@ -81,29 +69,22 @@ def test_a_peer_with_the_secret_gets_the_metadata_over_curve(listener):
     before = sca.REFUSED.count
     with base_worker.zmq_ctx(zmq.REQ, f"tcp://127.0.0.1:{listener}") as sock:  # what vLLM's handshake opens
         assert sock.mechanism == zmq.CURVE
-        assert _ask(sock) == METADATA
+        assert ask(sock, 1500) == METADATA
     assert sca.REFUSED.count == before
 
 
 def test_a_plain_zmq_peer_gets_nothing_and_is_counted_and_logged(listener, caplog):
     before = sca.REFUSED.count
-    ctx = zmq.Context()
-    try:
-        sock = ctx.socket(zmq.REQ)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(f"tcp://127.0.0.1:{listener}")
-        with caplog.at_level("WARNING", logger=sca.__name__):
-            assert _ask(sock) is None
-            assert _refused_after(before) >= 1
-        assert "refused a peer" in caplog.text
-    finally:
-        ctx.destroy(linger=0)
+    with peer(f"tcp://127.0.0.1:{listener}") as sock, caplog.at_level("WARNING", logger=sca.__name__):
+        assert ask(sock, 1500) is None
+        assert _refused_after(before) >= 1
+    assert "refused a peer" in caplog.text
 
 
 def test_a_curve_peer_with_another_secret_gets_nothing_and_is_counted(listener):
     before = sca.REFUSED.count
     with sca.curve_zmq_ctx(sca.curve_keys(b"o" * 32))(zmq.REQ, f"tcp://127.0.0.1:{listener}") as sock:
-        assert _ask(sock) is None
+        assert ask(sock, 1500) is None
     assert _refused_after(before) >= 1
 
 
@@ -113,15 +94,8 @@ def test_a_curve_peer_that_knows_the_servers_public_key_but_not_its_secret_is_re
     public = sca.curve_keys(SECRET.encode()).public
     own_public, own_secret = zmq.curve_keypair()
     before = sca.REFUSED.count
-    ctx = zmq.Context()
-    try:
-        sock = ctx.socket(zmq.REQ)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.curve_serverkey, sock.curve_publickey, sock.curve_secretkey = public, own_public, own_secret
-        sock.connect(f"tcp://127.0.0.1:{listener}")
-        assert _ask(sock) is None
-    finally:
-        ctx.destroy(linger=0)
+    with peer(f"tcp://127.0.0.1:{listener}", curve=(public, own_public, own_secret)) as sock:
+        assert ask(sock, 1500) is None
     assert _refused_after(before) >= 1
 
 

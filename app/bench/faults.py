@@ -64,18 +64,18 @@ class FaultSpec:
         return f"{self.kind} {self.deployment}" + (f" {self.hold_s:g}s" if self.kind in HELD else "")
 
 
+def _title(p: psutil.Process) -> str | None:
+    """A process's title as Ray and vLLM set it (its command line, else its name); None if gone."""
+    try:
+        return " ".join(p.cmdline() or ()) or p.name()
+    except psutil.Error:
+        return None
+
+
 def replica_pids(app: str, deployment: str) -> list[int]:
     """PIDs of the replica processes of ``deployment`` in Serve app ``app`` on this machine."""
     pattern = re.compile(rf"ServeReplica:{re.escape(app)}:{re.escape(deployment)}(?![\w-])")
-    pids = []
-    for p in psutil.process_iter(["cmdline", "name"]):
-        try:
-            title = " ".join(p.info["cmdline"] or ()) or (p.info["name"] or "")
-        except psutil.Error:
-            continue
-        if pattern.search(title):
-            pids.append(p.pid)
-    return sorted(pids)
+    return sorted(p.pid for p in psutil.process_iter() if pattern.search(_title(p) or ""))
 
 
 ENGINE_SUFFIX = "#engine"
@@ -87,15 +87,7 @@ def engine_core_pids(replica_pid: int) -> list[int]:
         children = psutil.Process(replica_pid).children(recursive=True)
     except psutil.NoSuchProcess:
         return []
-    out = []
-    for c in children:
-        try:
-            title = " ".join(c.cmdline() or ()) or c.name()
-        except psutil.Error:
-            continue
-        if "EngineCore" in title:
-            out.append(c.pid)
-    return sorted(out)
+    return sorted(c.pid for c in children if "EngineCore" in (_title(c) or ""))
 
 
 def fill_pool(path: str, hold_s: float, block_bytes: int = 1 << 16) -> int:

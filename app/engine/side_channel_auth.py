@@ -46,17 +46,16 @@ VLLM_HOLDERS = ("vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_schedule
 
 
 class _Refusals:
-    """Handshakes this process's listeners refused (a count and the last reason), thread-safe."""
+    """Handshakes this process's listeners refused, counted thread-safe (each is also logged)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self.count = 0
-        self.last = ""
 
-    def add(self, reason: str) -> None:
+    def add(self) -> int:
         with self._lock:
             self.count += 1
-            self.last = reason
+            return self.count
 
 
 REFUSED = _Refusals()
@@ -92,8 +91,7 @@ class _OnlyOurKey:
 
 
 def _refused(reason: str) -> None:
-    REFUSED.add(reason)
-    log.warning("NIXL side channel: refused a peer (%s); %d refused in this process", reason, REFUSED.count)
+    log.warning("NIXL side channel: refused a peer (%s); %d refused in this process", reason, REFUSED.add())
 
 
 def _watch_handshakes(sock) -> threading.Thread:
