@@ -96,6 +96,10 @@ class EngineSettings(_Strict):
         "'0' / '1' pins to a core; 'auto' reserves every core per engine (slow with several engines)",
     )
     seed: int = 0
+    serving_niceness: int = Field(
+        0, ge=0, le=19,
+        description="niceness of the engine core's processes once the engine answers: a replica starting "
+        "on the same cores (a restart after a crash) then gets the larger CPU share. 0: unchanged")
     engine_kwargs: dict[str, Any] = Field(
         default_factory=dict, description="any other vLLM engine argument (AsyncEngineArgs field), passed "
         "through as given; checked against vLLM's fields when the app is built")

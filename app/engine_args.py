@@ -50,7 +50,7 @@ def check_engine_kwargs(cfg: AppConfig) -> None:
     from vllm.engine.arg_utils import AsyncEngineArgs
 
     known = {f.name for f in dataclasses.fields(AsyncEngineArgs)}
-    own = set(EngineSettings.model_fields) - {"engine_kwargs", "threads_bind"}
+    own = set(EngineSettings.model_fields) - {"engine_kwargs", "threads_bind", "serving_niceness"}
     for where, dep in deployments:
         for key in dep.engine.engine_kwargs:
             field = f"{where}.engine.engine_kwargs.{key}"
@@ -95,6 +95,7 @@ def engine_config(cfg: AppConfig, model: str, eng: EngineSettings, placement: Pl
         model=str(cfg.path(model)), tokenizer=engine_tokenizer(cfg, model), dtype=eng.dtype,
         kv_cache_memory_bytes=eng.kv_cache_memory_bytes, max_model_len=eng.max_model_len, block_size=eng.block_size,
         max_num_seqs=eng.max_num_seqs, enforce_eager=eng.enforce_eager, seed=eng.seed,
+        serving_niceness=eng.serving_niceness,
         gpu_memory_utilization=eng.gpu_memory_utilization, engine_kwargs=dict(eng.engine_kwargs),
         kv_transfer_config=kv_transfer_config, request_timeout_s=cfg.limits.request_timeout_s,
         extra_env=engine_env(cfg, placement, eng), lora_adapters=adapters, **lora_args(lora),

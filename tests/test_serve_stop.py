@@ -30,6 +30,8 @@ import yaml
 from process_tracking import ProcessTracker, is_running, kill_all, title
 from random_models import free_port, make_models
 
+from app.engine.niceness import niceness_of
+
 pytestmark = [pytest.mark.serve, pytest.mark.engine]
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -51,9 +53,11 @@ def _serve_config(paths: dict[str, Path], pool: str, port: int) -> dict:
                               "prefill_modules": [{"name": "base", "model": str(paths["base"]), "engine": engine,
                                                    "placement": {"num_replicas": 1, "num_cpus": 0.25}}],
                               # threads_bind "0": vLLM runs the decoder's model in a VLLM::Worker process
-                              # of its core (as on GPUs), which must not outlive the replica either
+                              # of its core (as on GPUs), which must not outlive the replica either;
+                              # serving_niceness: its core and worker yield to starting engines once up
                               "decoders": [{"name": "alpha", "model": str(paths["alpha"]),
-                                            "engine": {**engine, "threads_bind": "0"}, "placement": {"num_cpus": 0.25}}],
+                                            "engine": {**engine, "threads_bind": "0", "serving_niceness": 19},
+                                            "placement": {"num_cpus": 0.25}}],
                           }}}],
     }
 
@@ -108,6 +112,10 @@ def _run_and_stop(tmp: Path, models: dict[str, Path], pool: str, kill_a_decoder:
             cores = [c for c in replica.children(recursive=True) if "EngineCore" in title(c) or "Worker" in title(c)]
             assert {t for c in cores for t in ("EngineCore", "Worker") if t in title(c)} == {"EngineCore", "Worker"}, \
                 [title(c) for c in replica.children(recursive=True)]
+            out["niceness"] = {"decoder_replica": set(niceness_of(replica.pid)),
+                               "decoder_cores": {n for c in cores for n in niceness_of(c.pid)},
+                               "prefill_core": {n for p in tracked.running() if "EngineCore" in title(p)
+                                                and p.pid not in {c.pid for c in cores} for n in niceness_of(p.pid)}}
             replica.kill()
             _, alive = psutil.wait_procs(cores, timeout=60)
             out["killed_cores_left"] = [c for c in alive if is_running(c)]  # waiting for the parent watch
@@ -138,6 +146,11 @@ def test_serve_run_stopped_without_shutdown_leaves_no_process_and_only_a_reclaim
         assert run["cores"] >= 2, run  # the tracking saw the prefill's and the decoder's engine cores
         assert run["left"] == [], run
         assert run["killed_cores_left"] == [], "a SIGKILLed replica's engine core or its worker outlived it"
+        # engine.serving_niceness: every thread of the decoder's core and worker, not its replica, nor
+        # the prefill engine, which does not set it (those keep what Ray spawned them with: its
+        # worker_niceness, 15 by default, on most threads)
+        nice = run["niceness"]
+        assert nice["decoder_cores"] == {19} and 19 not in nice["decoder_replica"] | nice["prefill_core"], nice
         new_shm = _shm() - shm_before
         # nothing but the pool: no multiprocessing semaphore (sem.mp-*: a SIGKILLed engine core's
         # tqdm lock left one, see app/engine/core_lifetime.py) and no shared-memory segment (psm_*)

@@ -1,6 +1,6 @@
 """docs/serving.md's settings table against the code: every engine, LoRA, placement and pool
 setting has a row, and each row names where the setting's value arrives (a vLLM engine argument,
-an env var, a Serve option or a PoolSpec field). A setting added without a
+an EngineConfig field the project applies itself, an env var, a Serve option or a PoolSpec field). A setting added without a
 row, or a row that names the wrong target, fails here."""
 from __future__ import annotations
 
@@ -27,6 +27,7 @@ PROBES: dict[str, tuple[dict[str, Any], Any]] = {
     "engine.enforce_eager": ({"enforce_eager": False}, False),
     "engine.seed": ({"seed": 7}, 7),
     "engine.threads_bind": ({"threads_bind": "0-1"}, "0-1"),
+    "engine.serving_niceness": ({"serving_niceness": 7}, 7),
     "engine.engine_kwargs": ({"engine_kwargs": {"max_num_batched_tokens": 96, "max_logprobs": 5}},
                              {"max_num_batched_tokens": 96, "max_logprobs": 5}),
     "max_lora_rank": ({"max_lora_rank": 32}, 32),
@@ -108,6 +109,8 @@ def _arrived(setting: str, target: str, monkeypatch) -> list[Any]:
         if name == "*":
             return [{k: getattr(args, k) for k in over["engine_kwargs"]}]
         return [getattr(args, name)]
+    if target.startswith("EngineConfig."):  # the project's own engine settings, applied by app.engine
+        return [getattr(engine_config(cfg, d.model, d.engine, d.placement, None, d), target.removeprefix("EngineConfig."))]
     if target.startswith("env"):
         env = engine_env(cfg, d.placement, d.engine)
         var = target.removeprefix("env").strip()

@@ -35,7 +35,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
-from app.engine import compute_dtype, core_lifetime, kv_pool
+from app.engine import compute_dtype, core_lifetime, kv_pool, niceness
 from app.engine.handover_mode import PREFILLSHARE
 from app.sampling import Sampling, TokenLogprob, prompt_logprobs, token_logprobs
 
@@ -108,6 +108,9 @@ class EngineConfig:
     max_loras: int | None = None  # None: as many as lora_adapters; also vLLM's max_cpu_loras (all stay loaded)
     # any other AsyncEngineArgs field, passed through as given (serve_config.yaml's engine.engine_kwargs)
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
+    # niceness of the engine core's processes once the engine answers (0: left as spawned), so that an
+    # engine starting on the same cores comes first (app/engine/niceness.py)
+    serving_niceness: int = 0
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -128,6 +131,8 @@ class EngineConfig:
             raise ValueError("EngineConfig.max_num_batched_tokens must be >= block_size")
         if self.request_timeout_s <= 0:
             raise ValueError("EngineConfig.request_timeout_s must be > 0")
+        if not 0 <= self.serving_niceness <= 19:
+            raise ValueError("EngineConfig.serving_niceness must be in [0, 19]")
         if self.kv_transfer_config is not None and not isinstance(self.kv_transfer_config, dict):
             raise ValueError("EngineConfig.kv_transfer_config must be a dict")
         if self.max_loras is None:
@@ -378,6 +383,9 @@ class Engine:
             except Exception as e:  # noqa: BLE001 - any load failure names the adapter
                 engine.shutdown()
                 raise EngineError(f"LoRA adapter {name!r} ({req.lora_path}) failed to load: {e}") from e
+        if cfg.serving_niceness:
+            for proc in _core_processes(engine._llm):
+                niceness.renice_tree(proc.pid, cfg.serving_niceness)
         return engine
 
     def lora_request(self, name: str | None):
