@@ -23,6 +23,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disa
 from prometheus_client.core import Metric
 from ray import serve
 
+from app.engine.side_channel_auth import REFUSED_METRIC
+
 log = logging.getLogger("ray.serve")
 disable_created_metrics()  # no *_created series: they double every counter's lines for no use here
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
@@ -108,12 +110,13 @@ EngineFamily = tuple[str, str, str, list[tuple[str, dict[str, str], float]]]
 
 def engine_samples(model_name: str, registry=None) -> list[EngineFamily]:
     """The ``vllm:*`` families of this process (vLLM's stat logger registers them in the default
-    registry), with vLLM's ``model_name`` label set to the served name."""
+    registry) and the NIXL side channel's refusals (registered beside vLLM's NIXL metrics), with
+    vLLM's ``model_name`` label set to the served name."""
     from prometheus_client import REGISTRY
 
     out = []
     for fam in (registry or REGISTRY).collect():
-        if not fam.name.startswith("vllm:"):
+        if not fam.name.startswith("vllm:") and fam.name != REFUSED_METRIC:
             continue
         samples = [(x.name, {**x.labels, "model_name": model_name} if "model_name" in x.labels else dict(x.labels),
                     x.value) for x in fam.samples]

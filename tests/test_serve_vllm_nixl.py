@@ -56,6 +56,7 @@ LONG_NEW = 600  # node loss: decoding outlasts the removal of a node
 ENGINE = {**TEST_ENGINE, "max_model_len": 768}
 OUT = Path(__file__).resolve().parent.parent / "runs" / "multinode"
 EXPIRED = "vllm:nixl_num_kv_expired_reqs_total"  # vLLM's counter (nixl/stats.py), as its replica pushes it
+REFUSED = "prefillshare_nixl_refused_handshakes_total"  # the side channel's refusals (app.engine.vllm_nixl_connector)
 
 
 def _on(node: str, entry: dict, replicas: int = 1) -> dict:
@@ -179,8 +180,9 @@ def test_fan_out_takes_one_lease_per_decoder_and_matches_the_shared_reference(ni
 
 def test_the_prefill_engines_side_channel_answers_only_holders_of_the_kv_secret(nixl_app, nixl_reference):
     """The base's engine listens where its leases say (``remote_host``, ``remote_port``): a plain
-    ZMQ peer asking as vLLM's handshake does gets no NIXL metadata; a CURVE peer holding the KV
-    secret gets the engine's handshake payload."""
+    ZMQ peer asking as vLLM's handshake does gets no NIXL metadata, and /metrics counts it
+    (``prefillshare_nixl_refused_handshakes_total``, reported with the engine's next step); a CURVE
+    peer holding the KV secret gets the engine's handshake payload."""
     import zmq
     from ray import serve
     from side_channel_peer import ask, peer
@@ -189,14 +191,23 @@ def test_the_prefill_engines_side_channel_answers_only_holders_of_the_kv_secret(
     from deployments.messages import PrefillRequest
 
     tok, _ = nixl_reference
+    url = nixl_app["url"]
     ids = tuple(tok("a short prompt for the side channel")["input_ids"])
-    ticket = serve.get_deployment_handle("Prefill-base", APP).prefill.remote(
+    prefill = serve.get_deployment_handle("Prefill-base", APP).prefill
+    ticket = prefill.remote(
         PrefillRequest(request_id="side-channel", prompts=(ids,), cache_salt="side-channel")).result()
     params = ticket.leases[0].params
     path = f"tcp://{params['remote_host']}:{params['remote_port']}"
+    refused_before = _metric(_metrics(url), REFUSED, model_name="base")
 
     with peer(path) as plain:
         assert ask(plain, 3000) is None
+    refused, deadline = refused_before, time.time() + 60
+    while refused < refused_before + 1 and time.time() < deadline:  # a step of the engine reports it
+        prefill.remote(PrefillRequest(request_id=f"tick-{time.time()}", prompts=(ids[:8],), cache_salt="tick")).result()
+        time.sleep(2)
+        refused = _metric(_metrics(url), REFUSED, model_name="base")
+    assert refused >= refused_before + 1, (refused_before, refused)
     keys = side_channel_auth.curve_keys(os.environ[KV_SECRET_ENV].encode())
     with side_channel_auth.curve_zmq_ctx(keys)(zmq.REQ, path) as sock:
         payload = ask(sock, 3000)

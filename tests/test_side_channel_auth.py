@@ -130,3 +130,63 @@ def test_the_secret_comes_from_the_environment_or_a_file(monkeypatch, tmp_path):
         kv_auth.load_secret()
     assert kv_auth.is_loopback("127.0.0.1") and kv_auth.is_loopback("::1") and kv_auth.is_loopback("localhost")
     assert not kv_auth.is_loopback("0.0.0.0") and not kv_auth.is_loopback("10.0.0.5")
+
+
+def _prom_metrics():
+    """The connector's Prometheus metrics on a private registry, as vLLM's frontend builds them."""
+    import functools
+    from types import SimpleNamespace
+
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+    from app.engine.vllm_nixl_connector import NixlConnector
+
+    reg = CollectorRegistry()
+    types = {cls: functools.partial(cls, registry=reg) for cls in (Counter, Gauge, Histogram)}
+    prom = NixlConnector.build_prom_metrics(SimpleNamespace(kv_transfer_config=None), types,
+                                            ["model_name", "engine"], {0: ["base", "0"]})
+    return prom, reg
+
+
+def test_refusals_reach_the_engines_prometheus_counter_through_vllms_stats_merge(monkeypatch):
+    """The scheduler half reports the refusals since its last report; vLLM merges that into the
+    worker half's stats (Scheduler.update_from_output) and hands the dict to the frontend's metrics."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.stats import NixlKVConnectorStats
+
+    from app.engine.vllm_nixl_connector import GuardedNixlStats, NixlConnector
+
+    monkeypatch.setattr(sca, "REFUSED", sca._Refusals())
+    scheduler_half = object.__new__(NixlConnector)  # its worker half lives elsewhere (None here)
+    scheduler_half.connector_worker = None
+    assert scheduler_half.get_kv_connector_stats() is None  # nothing refused: nothing to report
+    sca._refused("a test peer")
+    sca._refused("a test peer")
+    report = scheduler_half.get_kv_connector_stats()
+    assert report is not None and not report.is_empty()
+    assert scheduler_half.get_kv_connector_stats() is None  # reported once
+
+    worker_stats = GuardedNixlStats()
+    worker_stats.record_failed_transfer()
+    merged = worker_stats.aggregate(report)
+    assert merged.reduce()["Num refused handshakes"] == 2
+    with pytest.raises(KeyError):  # why the worker half's stats are replaced by the project's class
+        NixlKVConnectorStats().aggregate(report)
+
+    prom, reg = _prom_metrics()
+    prom.observe(merged.to_dict(), engine_idx=0)  # the payload vLLM sends to its frontend
+    labels = {"model_name": "base", "engine": "0"}
+    assert reg.get_sample_value(f"{sca.REFUSED_METRIC}_total", labels) == 2
+    assert reg.get_sample_value("vllm:nixl_num_failed_transfers_total", labels) == 1
+
+
+def test_a_report_without_refusals_leaves_the_counter_alone():
+    """vLLM's own stats (a worker half's transfer, no refusal key) observe as before."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.stats import NixlKVConnectorStats
+
+    prom, reg = _prom_metrics()
+    stats = NixlKVConnectorStats()
+    stats.record_kv_expired_req()
+    prom.observe(stats.data, engine_idx=0)
+    labels = {"model_name": "base", "engine": "0"}
+    assert reg.get_sample_value(f"{sca.REFUSED_METRIC}_total", labels) == 0
+    assert reg.get_sample_value("vllm:nixl_num_kv_expired_reqs_total", labels) == 1

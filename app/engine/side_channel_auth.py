@@ -14,8 +14,10 @@ hand-over speaks CURVE on that channel instead:
 - the metadata travels encrypted.
 
 A refused attempt (a plain ZMQ peer, a CURVE peer with other keys) fails its handshake before
-any message is read; it is counted (:data:`REFUSED`) and logged. Without a secret the listener
-may bind only a loopback address (one machine: tests, a laptop), the same rule as before.
+any message is read; it is counted (:data:`REFUSED`, on /metrics as
+``prefillshare_nixl_refused_handshakes_total`` through the connector's stats) and logged. Without a
+secret the listener may bind only a loopback address (one machine: tests, a laptop), the same rule
+as before.
 
 vLLM opens both ends of the channel through one helper, ``zmq_ctx(socket_type, path)``, looked up
 as a module global of its scheduler half (the listener) and its worker half (the handshake):
@@ -35,7 +37,7 @@ from typing import Any
 
 from app.engine.kv_auth import KV_SECRET_ENV, KV_SECRET_FILE_ENV, KVAuthError, is_loopback, load_secret
 
-__all__ = ["CurveKeys", "curve_keys", "curve_zmq_ctx", "install", "REFUSED", "VLLM_HOLDERS"]
+__all__ = ["CurveKeys", "curve_keys", "curve_zmq_ctx", "install", "REFUSED", "REFUSED_METRIC", "VLLM_HOLDERS"]
 
 log = logging.getLogger(__name__)
 
@@ -51,14 +53,23 @@ class _Refusals:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self.count = 0
+        self._reported = 0
 
     def add(self) -> int:
         with self._lock:
             self.count += 1
             return self.count
 
+    def take(self) -> int:
+        """Refusals since the last call: what the engine's next stats report carries to /metrics."""
+        with self._lock:
+            new, self._reported = self.count - self._reported, self.count
+            return new
+
 
 REFUSED = _Refusals()
+# the counter of REFUSED on /metrics (app.engine.vllm_nixl_connector), pushed with the engine's vllm:* families
+REFUSED_METRIC = "prefillshare_nixl_refused_handshakes"
 
 
 class CurveKeys:

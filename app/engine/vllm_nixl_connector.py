@@ -13,6 +13,14 @@ not need it: the connector already drives UCX from its own calls every engine st
 transfer states and notifications in ``get_finished``), and a prefill engine keeps stepping while
 it holds blocks for a decoder (vLLM counts those requests as unfinished work).
 
+Refusals on /metrics: the side channel's listener runs in the scheduler half, whose stats vLLM
+merges into the worker half's each engine step (``Scheduler.update_from_output``).
+:class:`GuardedNixlStats` is vLLM's NIXL stats plus ``num_refused_handshakes``, used by both halves
+(so that the merge knows the key), and :class:`GuardedNixlPromMetrics` adds the counter
+``prefillshare_nixl_refused_handshakes`` beside vLLM's NIXL metrics in the engine's frontend (the
+replica, which pushes it to the Metrics deployment with its ``vllm:*`` families). A refusal is
+counted on the engine's next step.
+
 This class is vLLM's ``NixlConnector`` itself; only its side channel differs, and the agent it
 creates when ``kv_connector_extra_config.progress_thread`` is false. It keeps vLLM's class name so that vLLM's
 own checks for "NixlConnector" still apply to it; vLLM loads it from this module
@@ -24,13 +32,56 @@ import functools
 
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_worker
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import NixlConnector as _VllmNixlConnector
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.stats import NixlKVConnectorStats, NixlPromMetrics
 
 from app.engine import side_channel_auth
 from app.engine.cpu_layout import request_amx_tiles
 
-__all__ = ["NixlConnector", "MODULE"]
+__all__ = ["NixlConnector", "MODULE", "GuardedNixlStats", "GuardedNixlPromMetrics", "REFUSED_KEY"]
 
 MODULE = __name__
+REFUSED_KEY = "num_refused_handshakes"
+
+
+class GuardedNixlStats(NixlKVConnectorStats):
+    """vLLM's NIXL transfer stats and the side channel's refused handshakes (a count per report)."""
+
+    def reset(self):
+        super().reset()
+        self.data[REFUSED_KEY] = []
+
+    def record_refused_handshakes(self, n: int) -> None:
+        self.data.setdefault(REFUSED_KEY, []).append(n)
+
+    def is_empty(self) -> bool:
+        return super().is_empty() and not self.data.get(REFUSED_KEY)
+
+    def aggregate(self, other):
+        if not other.is_empty():
+            for k, v in other.data.items():
+                self.data.setdefault(k, []).extend(v)
+        return self
+
+    def reduce(self) -> dict:
+        return {**super().reduce(), "Num refused handshakes": sum(self.data.get(REFUSED_KEY, ()))}
+
+
+class GuardedNixlPromMetrics(NixlPromMetrics):
+    """vLLM's NIXL metrics and ``prefillshare_nixl_refused_handshakes`` (per engine, as vLLM labels)."""
+
+    def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        from vllm.v1.metrics.utils import create_metric_per_engine
+
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        counter = self._counter_cls(
+            name=side_channel_auth.REFUSED_METRIC, labelnames=labelnames,
+            documentation="Peers the NIXL side channel refused: no CURVE handshake with the KV secret's key")
+        self.counter_refused_handshakes = create_metric_per_engine(counter, self.per_engine_labelvalues)
+
+    def observe(self, transfer_stats_data: dict, engine_idx: int = 0):
+        super().observe(transfer_stats_data, engine_idx)
+        for n in transfer_stats_data.get(REFUSED_KEY, ()):
+            self.counter_refused_handshakes[engine_idx].inc(n)
 
 
 class NixlConnector(_VllmNixlConnector):
@@ -49,10 +100,33 @@ class NixlConnector(_VllmNixlConnector):
         make_config = base_worker.nixl_agent_config
         if progress_thread or make_config is None:
             super().__init__(vllm_config, role, kv_cache_config)
-            return
-        # the worker half builds its agent config from this module global while it is constructed
-        base_worker.nixl_agent_config = functools.partial(make_config, enable_prog_thread=False)
-        try:
-            super().__init__(vllm_config, role, kv_cache_config)
-        finally:
-            base_worker.nixl_agent_config = make_config
+        else:
+            # the worker half builds its agent config from this module global while it is constructed
+            base_worker.nixl_agent_config = functools.partial(make_config, enable_prog_thread=False)
+            try:
+                super().__init__(vllm_config, role, kv_cache_config)
+            finally:
+                base_worker.nixl_agent_config = make_config
+        worker = self.connector_worker
+        if worker is not None:  # its stats take the scheduler half's refusals when vLLM merges them
+            if not isinstance(getattr(worker, "xfer_stats", None), NixlKVConnectorStats):
+                raise RuntimeError("vLLM's NIXL worker has no xfer_stats (a vLLM upgrade?): cannot report "
+                                   "the side channel's refusals")
+            worker.xfer_stats = GuardedNixlStats()
+
+    def get_kv_connector_stats(self):
+        stats = super().get_kv_connector_stats()
+        if self.connector_worker is None:  # the scheduler half, where the listener runs
+            refused = side_channel_auth.REFUSED.take()
+            if refused:
+                stats = GuardedNixlStats()
+                stats.record_refused_handshakes(refused)
+        return stats
+
+    @classmethod
+    def build_kv_connector_stats(cls, data=None):
+        return GuardedNixlStats(data=data) if data is not None else GuardedNixlStats()
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        return GuardedNixlPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
