@@ -6,7 +6,5 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false RAY_AUTH_MODE="${RAY_AUTH_MODE:-disabled}" VLLM_HOST_IP=127.0.0.1
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-if [ -z "${PREFILLSHARE_NETNS:-}" ] && [ "$(id -u)" = 0 ] && unshare -n true 2>/dev/null; then
-  PREFILLSHARE_NETNS=1 exec unshare -n bash -c 'ip link set lo up && exec "$0" "$@"' "$0" "$@"
-fi
+source scripts/netns.sh
 exec .venv/bin/python scripts/bench_follow_on_ttft.py "$@"

@@ -5,9 +5,7 @@
 #   bash scripts/overload_multinode.sh [OUT_DIR] [DURATION_S]
 set -uo pipefail
 cd "$(dirname "$0")/.."
-if [ -z "${PREFILLSHARE_NETNS:-}" ] && [ "$(id -u)" = 0 ] && unshare -n true 2>/dev/null; then
-  PREFILLSHARE_NETNS=1 exec unshare -n bash -c 'ip link set lo up && exec "$0" "$@"' "$0" "$@"
-fi
+source scripts/netns.sh
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false RAY_AUTH_MODE=disabled VLLM_HOST_IP=127.0.0.1
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 exec .venv/bin/python scripts/overload_multinode.py "${1:-runs/overload_multinode}" "${2:-600}"

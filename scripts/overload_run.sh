@@ -10,9 +10,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${1:-runs/overload}"
 DURATION="${2:-600}"
-if [ -z "${PREFILLSHARE_NETNS:-}" ] && [ "$(id -u)" = 0 ] && unshare -n true 2>/dev/null; then
-  PREFILLSHARE_NETNS=1 exec unshare -n bash -c 'ip link set lo up && exec "$0" "$@"' "$0" "$@"
-fi
+source scripts/netns.sh
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false RAY_AUTH_MODE=disabled VLLM_HOST_IP=127.0.0.1
 export RAY_TMPDIR="/tmp/ps-overload-$$"
 PY=.venv/bin/python

@@ -211,3 +211,24 @@ def test_the_multinode_runs_config_loads_and_places_engines_on_both_nodes():
     assert [next(iter(m.placement.placement_group_bundles[0])) for m in cfg.prefill_modules] == ["prefill_node"]
     plan = plan_app(cfg)
     assert {d.name: d.prefill_module for d in plan.decoders} == dict.fromkeys(nodes, "base")
+
+
+def test_the_restart_runs_arms_differ_only_in_every_engines_serving_niceness(monkeypatch):
+    """scripts/restart_under_load.py: each arm is the multi-node run's app with ``serving_niceness``
+    set on every engine, down to the EngineConfig the engines start from."""
+    from pathlib import Path
+
+    from app.config import load_config
+    from app.engine_args import engine_config
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent.parent / "scripts"))
+    import restart_under_load
+
+    arms = {n: load_config(restart_under_load.arm_config("t", n)) for n in (19, 0)}
+    for n, cfg in arms.items():
+        deps = [*cfg.prefill_modules, *cfg.decoders]
+        assert {engine_config(cfg, d.model, d.engine, d.placement, None).serving_niceness for d in deps} == {n}
+    strip = [{**d, "engine": {k: v for k, v in d["engine"].items() if k != "serving_niceness"}}
+             for d in restart_under_load.arm_config("t", 19)["decoders"]]
+    assert strip == [{**d, "engine": {k: v for k, v in d["engine"].items() if k != "serving_niceness"}}
+                     for d in restart_under_load.arm_config("t", 0)["decoders"]]
