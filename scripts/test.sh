@@ -11,9 +11,7 @@ run_pytest() { .venv/bin/python -m pytest "$@"; }
 if [ -z "${PREFILLSHARE_NETNS:-}" ]; then
   .venv/bin/ruff check . || { echo "ruff found problems (fix them or run: .venv/bin/ruff check --fix .)" >&2; exit 1; }
 fi
-if [ -z "${PREFILLSHARE_NETNS:-}" ] && [ "$(id -u)" = 0 ] && unshare -n true 2>/dev/null; then
-  PREFILLSHARE_NETNS=1 exec unshare -n bash -c 'ip link set lo up && exec "$0" "$@"' "$0" "$@"
-fi
+source scripts/netns.sh
 run_pytest "$@"
 rc=$?
 if [ $rc -eq 5 ]; then echo "no tests were collected: failing" >&2; exit 1; fi
