@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import shutil
@@ -24,20 +25,11 @@ import statistics
 import sys
 import threading
 import time
-import urllib.request
 from pathlib import Path
 
 from overload_multinode import APP, DECODE_NODE, PREFILL_NODE, app_config
 
 VICTIM = "Decode-lookup"
-
-
-def ready(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(url + "/ready", timeout=5) as r:
-            return r.status == 200
-    except Exception:  # noqa: BLE001 - 503 while an engine is down, or a slow answer under load
-        return False
 
 
 def arm_config(tag: str, niceness: int) -> dict:
@@ -49,6 +41,7 @@ def arm_config(tag: str, niceness: int) -> dict:
 
 def measure(url: str, rate: float, warmup_s: float, load_s: float, seed: int) -> dict:
     """Load for ``load_s``; the victim killed at ``warmup_s``; the seconds until /ready again."""
+    from agents import APITimeoutError, Client
     from app.bench.faults import FaultSpec, inject
     from app.bench.overload import OverloadSpec, Traffic, models_of, open_loop
     from app.bench.report import percentile
@@ -61,11 +54,10 @@ def measure(url: str, rate: float, warmup_s: float, load_s: float, seed: int) ->
         while "killed_at" not in state:
             time.sleep(0.2)
         time.sleep(2)  # the Router sees the dead replica first
-        while time.perf_counter() - state["killed_at"] < 900:
-            if ready(url):
+        with Client(url, timeout=5, retries=0) as c:  # one probe a second, no retry hiding a 503
+            with contextlib.suppress(APITimeoutError):  # not back within 900 s: restart_s stays None
+                c.wait_ready(timeout_s=900, interval_s=1)
                 state["ready_s"] = time.perf_counter() - state["killed_at"]
-                return
-            time.sleep(1)
 
     def tick(elapsed_s: float) -> None:
         if elapsed_s >= warmup_s and "killed_at" not in state:
