@@ -18,11 +18,13 @@ from pathlib import Path
 
 import yaml
 
+from app.errors import PrefillShareLibraryError
+
 _TENANT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,62}$")
 MIN_KEY_CHARS = 16
 
 
-class AuthError(ValueError):
+class AuthError(PrefillShareLibraryError, ValueError):
     """A key source that cannot be used; the message names the source, never a key."""
 
 

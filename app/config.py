@@ -23,6 +23,8 @@ from pydantic import (
     model_validator,
 )
 
+from app.errors import PrefillShareLibraryError
+
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 # letters of any script (agent names such as "prüf-ágent"), digits, "_", ".", "-"
 _NAME = re.compile(r"^[^\W_][\w.\-]{0,62}$")
@@ -404,7 +406,7 @@ class AppConfig(_Strict):
         raise KeyError(name)
 
 
-class ConfigError(ValueError):
+class ConfigError(PrefillShareLibraryError, ValueError):
     """A config that cannot run; the message names the field."""
 
 

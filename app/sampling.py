@@ -13,11 +13,13 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from app.errors import PrefillShareLibraryError
+
 INT64_MIN, INT64_MAX = -(2 ** 63), 2 ** 63 - 1
 _GREEDY = 1e-5  # vLLM treats a temperature below this as greedy
 
 
-class SamplingError(ValueError):
+class SamplingError(PrefillShareLibraryError, ValueError):
     """A sampling value out of range; ``param`` is the OpenAI field it came from."""
 
     def __init__(self, param: str, message: str):

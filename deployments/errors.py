@@ -15,6 +15,8 @@ import enum
 from dataclasses import dataclass
 from typing import Any
 
+from app.errors import PrefillShareLibraryError
+
 
 class ErrorCode(enum.Enum):
     INVALID_REQUEST = "invalid_request"  # the engine refused the request (bad sampling, bad prompt)
@@ -36,11 +38,11 @@ class Failure:
         return f"{self.code.value}: {self.message}"
 
 
-class Shed(Exception):
+class Shed(PrefillShareLibraryError):
     """A deployment refused a call because its queue is full (Serve's back-pressure)."""
 
 
-class Unreachable(Exception):
+class Unreachable(PrefillShareLibraryError):
     """No replica of a deployment took a call in time (its node is gone, or none is up)."""
 
 
@@ -77,7 +79,7 @@ def error_body(message: str, type_: str, param: str | None, code: str) -> dict[s
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
-class ApiError(Exception):
+class ApiError(PrefillShareLibraryError):
     """A client error: HTTP status and OpenAI's error object (plus headers such as Retry-After)."""
 
     def __init__(self, status: int, message: str, param: str | None, code: str,

@@ -19,7 +19,7 @@ from app.kube.render import (
     API_KEYS_ENV,
     API_KEYS_SECRET_KEY,
     SERVE_PORT,
-    RenderError,
+    RayServiceRenderError,
     merge_patch,
     parse_ray_resources_param,
     render_all,
@@ -319,7 +319,7 @@ def test_patch_that_matches_nothing_is_an_error():
     patched = variant.model_copy(
         update={"serve": variant.serve.model_copy(update={"decoders": {"no-such-decoder": {"placement": {}}}})}
     )
-    with pytest.raises(RenderError, match="no-such-decoder"):
+    with pytest.raises(RayServiceRenderError, match="no-such-decoder"):
         render_rayservice(serve, patched)
 
 

@@ -26,12 +26,14 @@ from typing import Literal
 
 import psutil
 
+from app.errors import PrefillShareLibraryError
+
 FaultKind = Literal["kill", "stall", "fill-pool"]
 FAULT_KINDS: tuple[FaultKind, ...] = ("kill", "stall", "fill-pool")
 HELD = ("stall", "fill-pool")  # kinds that last SECONDS
 
 
-class FaultError(ValueError):
+class FaultError(PrefillShareLibraryError, ValueError):
     """A fault spec that cannot be read, or a target with no replica process."""
 
 

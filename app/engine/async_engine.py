@@ -37,6 +37,7 @@ from typing import Any, Literal
 
 from app.engine import compute_dtype, core_lifetime, kv_pool, niceness
 from app.engine.handover_mode import PREFILLSHARE
+from app.errors import PrefillShareLibraryError
 from app.sampling import Sampling, TokenLogprob, prompt_logprobs, token_logprobs
 
 __all__ = [
@@ -60,7 +61,7 @@ CONNECTOR_MODULE = PREFILLSHARE.module_path
 _ENV_LOCK = threading.Lock()
 
 
-class EngineError(RuntimeError):
+class EngineError(PrefillShareLibraryError, RuntimeError):
     """The engine failed (dead core, internal error, timeout)."""
 
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 import ipaddress
 import os
 
+from app.errors import PrefillShareLibraryError
+
 __all__ = ["KV_SECRET_ENV", "KV_SECRET_FILE_ENV", "KVAuthError", "load_secret", "is_loopback"]
 
 KV_SECRET_ENV = "PREFILLSHARE_KV_SECRET"
@@ -18,7 +20,7 @@ KV_SECRET_FILE_ENV = "PREFILLSHARE_KV_SECRET_FILE"
 _MIN_BYTES = 16
 
 
-class KVAuthError(PermissionError):
+class KVAuthError(PrefillShareLibraryError, PermissionError):
     """A peer without the KV secret, or a secret that is missing where one is required."""
 
 

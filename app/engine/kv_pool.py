@@ -48,6 +48,7 @@ from typing import Literal
 
 from app.engine.pool_owner import PoolHold
 from app.engine.slab import Slab, SlotOutOfRange
+from app.errors import PrefillShareLibraryError
 
 __all__ = ["KVPool", "PoolSpec", "BlockEntry", "PoolStats", "BlockDamaged", "BlockMissing", "PoolMissing",
            "SlotReused", "SlotTorn", "Reservation", "DEFAULT_CAPACITY_BYTES", "MISSING"]
@@ -75,7 +76,7 @@ CREATE TABLE IF NOT EXISTS meta (name TEXT PRIMARY KEY, value TEXT NOT NULL);
 """
 
 
-class BlockMissing(KeyError):
+class BlockMissing(PrefillShareLibraryError, KeyError):
     """The block is not (or no longer) in the pool."""
 
 
@@ -86,7 +87,7 @@ class SlotReused(BlockMissing):
     """The block's slot was evicted and reused (its generation changed) before or during a copy."""
 
 
-class BlockDamaged(ValueError):
+class BlockDamaged(PrefillShareLibraryError, ValueError):
     """The block's bytes are not what was written (crc32 mismatch in check mode)."""
 
 
@@ -94,7 +95,7 @@ class SlotTorn(BlockDamaged):
     """The slot's writer has not finished (or died mid-write): its generation is odd."""
 
 
-class PoolMissing(FileNotFoundError):
+class PoolMissing(PrefillShareLibraryError, FileNotFoundError):
     """:meth:`KVPool.attach` found no pool at the path (no engine has created it yet)."""
 
 

@@ -18,13 +18,15 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from app.errors import PrefillShareLibraryError
+
 __all__ = ["Slab", "SlotOutOfRange", "HEADER_BYTES", "HEADER_FORMAT"]
 
 HEADER_BYTES = 16
 HEADER_FORMAT = "<QI4x"  # generation, crc32, padding (for transports written in other languages)
 
 
-class SlotOutOfRange(LookupError):
+class SlotOutOfRange(PrefillShareLibraryError, LookupError):
     """A slot number beyond the slab (or a slab that does not exist yet)."""
 
 

@@ -22,6 +22,8 @@ from typing import Any
 import jsonschema
 import yaml
 
+from app.errors import PrefillShareLibraryError
+
 _INT_BOUNDS = {"int32": (-(2**31), 2**31 - 1), "int64": (-(2**63), 2**63 - 1)}
 
 # ObjectMeta as the API server checks it on create: a DNS-1123 subdomain name, string maps.
@@ -43,7 +45,7 @@ _OBJECT_META = {
 }
 
 
-class ManifestInvalid(ValueError):
+class ManifestInvalid(PrefillShareLibraryError, ValueError):
     """A manifest the API server would refuse; `errors` holds one line per problem."""
 
     def __init__(self, source: str, errors: list[str]):

@@ -18,6 +18,7 @@ from typing import Any
 
 import yaml
 
+from app.errors import PrefillShareLibraryError
 from app.kube.variant import PodShape, Variant, WorkerGroup, load_variant
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
@@ -48,7 +49,7 @@ def merge_patch(target: Any, patch: Any) -> Any:
     return out
 
 
-class RenderError(ValueError):
+class RayServiceRenderError(PrefillShareLibraryError, ValueError):
     """The variant does not fit the Serve config (e.g. a patch names no deployment)."""
 
 
@@ -69,7 +70,7 @@ def render_serve_config(serve_config: dict, variant: Variant) -> dict:
     cfg = merge_patch(serve_config, p.config)
     apps = cfg.get("applications") or []
     if not apps:
-        raise RenderError("serve config has no applications")
+        raise RayServiceRenderError("serve config has no applications")
     unmatched = {
         "prefill_modules": set(p.prefill_modules),
         "decoders": set(p.decoders),
@@ -96,7 +97,7 @@ def render_serve_config(serve_config: dict, variant: Variant) -> dict:
         if pats
     ]
     if problems:
-        raise RenderError(f"variant {variant.name}: " + "; ".join(problems))
+        raise RayServiceRenderError(f"variant {variant.name}: " + "; ".join(problems))
     if variant.api_keys_secret:  # keys come from the Secret (pod env); refuse to start without them
         for app in new_apps:
             app_cfg = (app.get("args") or {}).get("config")

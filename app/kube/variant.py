@@ -13,6 +13,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from app.errors import PrefillShareLibraryError
+
 # Same grammar as the CRD's resource-quantity pattern, checked early with the variant's name.
 _QUANTITY = r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$"
 _DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
@@ -143,7 +145,7 @@ class Variant(_Strict):
         return groups
 
 
-class VariantError(ValueError):
+class VariantError(PrefillShareLibraryError, ValueError):
     """A variant file that cannot be used; the message names the file and field."""
 
 

@@ -12,13 +12,15 @@ import mmap
 import struct
 from pathlib import Path
 
+from app.errors import PrefillShareLibraryError
+
 # config fields that do not change what the model computes
 _VOLATILE_CONFIG_KEYS = {"transformers_version", "_name_or_path", "architectures", "torch_dtype_str", "use_cache"}
 # tokenizer.json sections that decide token ids
 _TOKENIZER_SECTIONS = ("model", "added_tokens", "normalizer", "pre_tokenizer", "post_processor")
 
 
-class CheckpointError(ValueError):
+class CheckpointError(PrefillShareLibraryError, ValueError):
     """A checkpoint directory is missing a file or holds something unreadable; names the path."""
 
 

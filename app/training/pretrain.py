@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 from transformers import LlamaForCausalLM
 
+from app.errors import PrefillShareLibraryError
 from app.models import checkpoint
 from app.models.shapes import llama_config
 from app.reference import pad_right
@@ -23,7 +24,7 @@ from app.training import tasks
 from app.training.tokenizer import load_tokenizer
 
 
-class GateError(RuntimeError):
+class GateError(PrefillShareLibraryError, RuntimeError):
     """The base did not reach the retrieval gate; decoders would be trained on a weak base."""
 
 

@@ -18,6 +18,8 @@ from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from app.errors import PrefillShareLibraryError
+
 FIELDS: dict[str, tuple[str, ...]] = {
     "name": ("maya", "omar", "lena", "ivan", "sara", "noah", "mila", "theo", "zara", "hugo",
              "nina", "igor", "rosa", "finn", "ada", "leo", "yuki", "ravi", "elsa", "karl"),
@@ -176,7 +178,7 @@ def pretrain_text(rng: random.Random) -> tuple[str, list[tuple[str, str]]]:
 
 
 # --- JSONL I/O with errors that name the file and line ---
-class DataError(ValueError):
+class DataError(PrefillShareLibraryError, ValueError):
     """A data file is malformed: the message names the file, the line and the problem."""
 
 

@@ -8,11 +8,12 @@ from typing import Any, Literal
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
 from app.engine.kv_pool import BlockEntry, PoolSpec
+from app.errors import PrefillShareLibraryError
 
 __all__ = ["ConnectorConfigError", "ConnectorSettings", "LoadSpec", "SaveSpec", "PrefillShareMeta"]
 
 
-class ConnectorConfigError(ValueError):
+class ConnectorConfigError(PrefillShareLibraryError, ValueError):
     """``kv_connector_extra_config`` is missing a field or holds a bad value."""
 
 

@@ -24,6 +24,7 @@ from app.engine.connector.metadata import ConnectorSettings, LoadSpec, PrefillSh
 from app.engine.cpu_layout import BlockLayout
 from app.engine.kv_pool import MISSING, BlockDamaged, SlotReused, SlotTorn
 from app.engine.kv_store import KVStore
+from app.errors import PrefillShareLibraryError
 
 if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
@@ -33,7 +34,7 @@ log = logging.getLogger(__name__)
 __all__ = ["ShareWorker"]
 
 
-class LayoutMismatch(ValueError):
+class LayoutMismatch(PrefillShareLibraryError, ValueError):
     """A stored block was written by an engine with another KV layout."""
 
 
