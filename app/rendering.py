@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from app.errors import PrefillShareLibraryError
 from app.models.manifest import MANIFEST_NAME, DecodeManifest, PromptFormat, read_manifest
 
 Messages = Sequence[tuple[str, str]]  # (role, content) text pairs
@@ -21,7 +22,7 @@ TEMPLATE_FILE = "chat_template.jinja"
 PROBE = (("system", "probe system"), ("user", "probe user"), ("assistant", "probe answer"), ("user", "probe again"))
 
 
-class RenderError(ValueError):
+class RenderError(PrefillShareLibraryError, ValueError):
     """A prompt cannot be rendered the recorded way; the message names the file or decoder."""
 
 

@@ -13,6 +13,8 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from app.errors import PrefillShareLibraryError
+
 MANIFEST_NAME = "prefillshare.json"
 METHODS = ("cache_conditioned", "full_ft", "layer_split")
 PROMPT_FORMATS = ("suite", "text", "chat_template")
@@ -22,7 +24,7 @@ ADAPTER_FORMATS = ("peft",)
 TOOL_CALL_FORMATS = ("json",)
 
 
-class ManifestError(ValueError):
+class ManifestError(PrefillShareLibraryError, ValueError):
     """Missing or malformed manifest; the message names the file."""
 
 
