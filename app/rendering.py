@@ -5,6 +5,12 @@ and records that format in the manifest; serving (deployments/prompts.py) rebuil
 Renderer from the manifest, so the token ids of a request are the ids the decoder was trained
 on. Three formats (``PromptFormat``): the suite's ``context\\ninstruction``, plain
 prompt/completion text, and a Jinja chat template applied with ``add_generation_prompt``.
+
+Two layouts (``PromptFormat.layout``, :meth:`Renderer.arrange`): agent frameworks send each
+agent's system prompt and tools first, so N agents over one conversation share no prefix.
+A ``shared_first`` decoder was trained with the agent's own text after the shared
+conversation (appended to the last user turn, which every chat template renders), so the
+shared part is one prefill for all of them. ``system_first`` renders the messages as sent.
 """
 from __future__ import annotations
 
@@ -20,6 +26,7 @@ Messages = Sequence[tuple[str, str]]  # (role, content) text pairs
 TEMPLATE_FILE = "chat_template.jinja"
 # a conversation every usable template must render (deploy-time and train-time check)
 PROBE = (("system", "probe system"), ("user", "probe user"), ("assistant", "probe answer"), ("user", "probe again"))
+OWN_ROLES = ("system", "developer")  # turns that are one agent's own text, not the shared conversation
 
 
 class RenderError(PrefillShareLibraryError, ValueError):
@@ -51,8 +58,8 @@ class Renderer:
                                   f"{self.fmt.template_sha256}")
 
     @classmethod
-    def chat(cls, template: str, system: str | None = None) -> Renderer:
-        return cls(PromptFormat("chat_template", template_sha256(template), TEMPLATE_FILE, system), template)
+    def chat(cls, template: str, system: str | None = None, layout: str = "shared_first") -> Renderer:
+        return cls(PromptFormat("chat_template", template_sha256(template), TEMPLATE_FILE, system, layout), template)
 
     @classmethod
     def for_decoder(cls, decoder_dir: str | Path, manifest: DecodeManifest | None = None) -> Renderer:
@@ -76,6 +83,32 @@ class Renderer:
     @property
     def format(self) -> str:
         return self.fmt.format
+
+    @property
+    def shared_first(self) -> bool:
+        return self.fmt.layout == "shared_first"
+
+    def arrange(self, messages: Messages, tools_line: str | None = None) -> list[tuple[str, str]]:
+        """``messages`` (and the request's tools, as one line) in the layout the decoder was trained on.
+
+        system_first: as sent, the tools line first as a system turn. shared_first: every system
+        or developer turn and the tools line leave their place and are appended, in that order,
+        to the last user turn, after the shared conversation; later turns (the agent's own tool
+        calls and results) follow unchanged. Nothing is dropped, only moved.
+        """
+        if not self.shared_first:
+            return [("system", tools_line), *messages] if tools_line else list(messages)
+        own = [c for r, c in messages if r in OWN_ROLES and c]
+        own += [tools_line] if tools_line else []
+        rest = [(r, c) for r, c in messages if r not in OWN_ROLES]
+        users = [i for i, (r, _) in enumerate(rest) if r == "user"]
+        if not own:
+            return rest
+        if not users:  # no shared conversation to follow: the agent's text is the whole user turn
+            return [("user", "\n".join(own)), *rest]
+        i = users[-1]
+        rest[i] = (rest[i][0], "\n".join([rest[i][1], *own]))
+        return rest
 
     def extra_files(self) -> dict[str, str]:
         """Files an exported decoder carries so the rendering can be rebuilt from its directory."""
@@ -103,8 +136,8 @@ class Renderer:
         if self.format != "chat_template":
             return
         try:
-            prompt = self._render(tok, PROBE, True)
-            self._split(tok, [*PROBE, ("assistant", "probe reply")])
+            prompt = self._render(tok, self.arrange(PROBE), True)
+            self._split(tok, self.arrange([*PROBE, ("assistant", "probe reply")]))
         except RenderError as e:
             raise RenderError(f"{where}: {e}") from None
         if not self._ids(tok, prompt):
@@ -120,24 +153,40 @@ class Renderer:
 
     # --- the three entry points ---
     def chat_ids(self, tok, messages: Messages, add_generation_prompt: bool = True,
-                 continue_final_message: bool = False, template_kwargs: dict | None = None) -> list[int]:
+                 continue_final_message: bool = False, template_kwargs: dict | None = None,
+                 tools_line: str | None = None) -> list[int]:
         """A conversation ending in a user turn -> prompt ids (generation prompt included unless
-        ``add_generation_prompt`` is off). ``continue_final_message``: the conversation ends in a
-        partial assistant turn, which the prompt leaves open. ``template_kwargs`` reach a chat
-        template (the suite and text formats have none to read them)."""
+        ``add_generation_prompt`` is off), in the decoder's layout (:meth:`arrange`).
+        ``continue_final_message``: the conversation ends in a partial assistant turn, which the
+        prompt leaves open. ``template_kwargs`` reach a chat template (the suite and text formats
+        have none to read them)."""
+        return self._arranged_ids(tok, self.arrange(messages, tools_line), add_generation_prompt,
+                                  continue_final_message, template_kwargs)
+
+    def _arranged_ids(self, tok, messages: Messages, add_generation_prompt: bool = True,
+                      continue_final_message: bool = False, template_kwargs: dict | None = None) -> list[int]:
         if self.format == "chat_template":
             return self._ids(tok, self._render(tok, messages, add_generation_prompt, continue_final_message,
                                                template_kwargs))
         if continue_final_message:  # the answer so far, as training puts an answer after its prompt
             *head, (_, partial) = messages
             sep = " " if self.format == "suite" else ""
-            return self.chat_ids(tok, head) + list(tok(sep + partial, add_special_tokens=False)["input_ids"])
+            return self._arranged_ids(tok, head) + list(tok(sep + partial, add_special_tokens=False)["input_ids"])
         *earlier, (_, last) = messages  # suite/text: earlier turns are the context, one line each
         text = join_suite("\n".join(c for _, c in earlier), last) if earlier else last
         return list(tok(text)["input_ids"])
 
     def agent_messages(self, context: str, instruction: str) -> list[tuple[str, str]]:
-        """An agent request as a conversation: the shared context first, then the agent's instruction."""
+        """An agent request as a conversation, as an agent framework would send it.
+
+        shared_first: the agent's system prompt and instruction are its own text (one system
+        turn) and the context the shared user turn, so the prompt is ``context``, then the
+        system prompt, then the instruction (``context\\ninstruction`` without a system prompt).
+        system_first: ``[system] + user(context\\ninstruction)``.
+        """
+        if self.shared_first:
+            own = "\n".join(t for t in (self.fmt.system, instruction) if t)
+            return [("system", own), ("user", context)] if own else [("user", context)]
         system = [("system", self.fmt.system)] if self.fmt.system else []
         return [*system, ("user", join_suite(context, instruction))]
 
@@ -154,12 +203,13 @@ class Renderer:
         eos = tok.eos_token_id
         if eos is None:
             raise RenderError("the tokenizer has no eos token: a decoder could never end its answer")
+        messages = self.arrange(messages)
         *prompt_msgs, (_, answer) = messages
         if self.format == "chat_template":
             prompt, rest = self._split(tok, messages)
             p_ids, r_ids = self._ids(tok, prompt), self._ids(tok, rest)
         else:
-            p_ids = self.chat_ids(tok, prompt_msgs)
+            p_ids = self._arranged_ids(tok, prompt_msgs)
             r_ids = list(tok((" " if self.format == "suite" else "") + answer, add_special_tokens=False)["input_ids"])
         return p_ids, _end_with_eos(r_ids, eos)
 

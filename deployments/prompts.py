@@ -7,7 +7,8 @@ decoder whose rendering it cannot reproduce (template file missing or with anoth
 template that does not render). ``agent_prompt``/``chat_prompt`` with ``model=`` then produce
 exactly the token ids training produced for the same request. The shared part of a fan-out is
 the longest common token prefix (computed, never assumed from the text): agent requests put
-the shared context first, so agents with the same format share it.
+the shared context first; shared-first decoders put every agent's own text (system prompt,
+tools) after it too, so agents with different system prompts still share it.
 """
 from __future__ import annotations
 
@@ -51,13 +52,16 @@ class Prompter:
         """One agent's prompt: the shared context first, then its instruction, in ``model``'s format."""
         return self.renderer(model).agent_ids(self.tok, context, instruction)
 
-    def chat_prompt(self, messages: Sequence[tuple[str, str]], model: str | None = None, **switches) -> list[int]:
-        """(role, content) text turns ending in a user turn -> prompt ids in ``model``'s format: its
-        chat template with the generation prompt, or (suite) earlier turns as context lines and the
-        last turn as the instruction. ``switches``: vLLM's chat-template switches (Renderer.chat_ids)."""
+    def chat_prompt(self, messages: Sequence[tuple[str, str]], model: str | None = None,
+                    tools_line: str | None = None, **switches) -> list[int]:
+        """(role, content) text turns ending in a user turn -> prompt ids in ``model``'s format and
+        layout: its chat template with the generation prompt, or (suite) earlier turns as context
+        lines and the last turn as the instruction; a shared-first decoder gets its system turns and
+        ``tools_line`` after the shared conversation. ``switches``: vLLM's chat-template switches
+        (Renderer.chat_ids)."""
         if not messages:
             raise RenderError("messages: at least one message is needed")
-        return self.renderer(model).chat_ids(self.tok, messages, **switches)
+        return self.renderer(model).chat_ids(self.tok, messages, tools_line=tools_line, **switches)
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.tok.decode(list(ids), skip_special_tokens=True)

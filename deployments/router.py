@@ -407,10 +407,10 @@ class Router:
     def _chat_ids(self, body, dp, tools: ToolPlan | None) -> tuple[list[int], list[tuple[str, str]]]:
         """A chat body's prompt ids in its decoder's rendering (the chat route and /tokenize)."""
         conversation = chat_turns(body)
-        if tools is not None:
-            conversation = [("system", tools.prompt_line), *conversation]
+        line = tools.prompt_line if tools is not None else None
         try:
-            return self.prompter.chat_prompt(conversation, model=dp.name, **chat_switches(body)), conversation
+            return (self.prompter.chat_prompt(conversation, model=dp.name, tools_line=line, **chat_switches(body)),
+                    conversation)
         except RenderError as e:
             raise ApiError.invalid("messages", f"messages: {e}") from None
 

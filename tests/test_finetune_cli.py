@@ -87,10 +87,12 @@ def test_chat_data_any_agent_name_lora_exports_merged_and_adapter_with_rendering
                                                 for m in prompt_msgs]}
         body = parse(json.dumps(request).encode(), ChatBody)
         assert served.chat_prompt(turns(body.messages), model=body.model) == list(enc.prompt)
+    # an agent run is rendered as a framework sends it, in the layout trained (shared-first by default):
+    # the agent's system prompt and question are its own text after the shared context
+    assert merged.prompt.layout == "shared_first"
     context, question = tasks.make_examples(1, seed=3)[0].context, "Q: what is the\ncity"
     assert served.agent_prompt(context, question, model=AGENT) == renderer.training_ids(
-        tok, [("system", "Answer from the record."), ("user", tasks.render_prompt(context, question)),
-              ("assistant", "x")])[0]
+        tok, [("system", f"Answer from the record.\n{question}"), ("user", context), ("assistant", "x")])[0]
 
 
 def test_agent_field_splits_one_file_into_decoders(base, tmp_path):

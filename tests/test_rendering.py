@@ -1,13 +1,21 @@
 """Prompt rendering: training and serving build the same token ids; unreproducible renderings are refused."""
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
 import pytest
 
 from app.config import load_config
-from app.models.manifest import DecodeManifest, write_manifest
+from app.models.manifest import (
+    MANIFEST_NAME,
+    DecodeManifest,
+    ManifestError,
+    PromptFormat,
+    read_manifest,
+    write_manifest,
+)
 from app.rendering import Renderer, RenderError, template_sha256
 from app.training.tasks import render_prompt
 from deployments.prompts import Prompter, common_prefix
@@ -37,7 +45,13 @@ def _config(tmp: Path, decoders: dict[str, Path]):
 
 @pytest.fixture(scope="module")
 def chatml() -> Renderer:
-    return Renderer.chat(CHATML.read_text(), system=SYSTEM)
+    """A decoder trained system-first (as every decoder before the shared-first layout was)."""
+    return Renderer.chat(CHATML.read_text(), system=SYSTEM, layout="system_first")
+
+
+@pytest.fixture(scope="module")
+def shared_first() -> Renderer:
+    return Renderer.chat(CHATML.read_text(), system=SYSTEM, layout="shared_first")
 
 
 def test_prompter_without_renderers_keeps_the_suite_rendering():
@@ -104,3 +118,79 @@ def test_template_hash_is_over_the_exact_text(chatml):
     assert chatml.fmt.template_sha256 == template_sha256(CHATML.read_text())
     with pytest.raises(RenderError, match="does not match the recorded"):
         Renderer(chatml.fmt, chatml.template + " ")
+
+
+CONTEXT = "order\ncity: rome\nitem: lamp\nqty: 2\nday: tue\nnote: leave at the side door please"
+AGENTS = {"city-agent": "You find the city of an order.", "count-agent": "You count the items of an order."}
+
+
+def _framework_prompts(p: Prompter, model: str, tools_line: str | None = None) -> list[list[int]]:
+    """What an agent framework sends for each agent: its own system prompt first, then the shared turn."""
+    return [p.chat_prompt([("system", system), ("user", CONTEXT)], model, tools_line=tools_line)
+            for system in AGENTS.values()]
+
+
+def test_shared_first_moves_each_agents_own_text_after_the_shared_conversation(shared_first):
+    messages = [("system", "S1"), ("user", "u1"), ("assistant", "a1"), ("developer", "D"), ("user", "u2"),
+                ("assistant", "call"), ("tool", "result")]
+    arranged = shared_first.arrange(messages, tools_line="tools: ship(item)")
+    # every text still reaches the decoder; only the agent's own turns moved, after the last user turn
+    assert arranged == [("user", "u1"), ("assistant", "a1"), ("user", "u2\nS1\nD\ntools: ship(item)"),
+                        ("assistant", "call"), ("tool", "result")]
+    assert shared_first.arrange([("user", "u")]) == [("user", "u")]
+    assert shared_first.arrange([("system", "S"), ("tool", "r")]) == [("user", "S"), ("tool", "r")]
+    # system-first keeps the messages as sent; tools come first as a system turn (as before the layout)
+    system_first = Renderer.chat(shared_first.template, layout="system_first")
+    assert system_first.arrange(messages, tools_line="T") == [("system", "T"), *messages]
+
+
+@pytest.mark.parametrize("tools_line", [None, "tools: ship(item, qty): ships an order"])
+def test_agents_with_their_own_system_prompts_share_the_context_only_when_shared_first(shared_first, chatml,
+                                                                                       tools_line):
+    p = Prompter(str(TOKENIZER), {"new": shared_first, "old": chatml})
+    context_ids = p.encode(CONTEXT, add_special_tokens=False)
+    new = _framework_prompts(p, "new", tools_line)
+    assert len(common_prefix(new)) >= len(context_ids)  # the whole shared turn, template header included
+    text = p.tok.decode(new[0])
+    assert text.index(CONTEXT) < text.index(AGENTS["city-agent"])  # the agent's text comes after the context
+    assert tools_line is None or text.index(AGENTS["city-agent"]) < text.index(tools_line)
+    old = _framework_prompts(p, "old", tools_line)
+    assert "city: rome" not in p.tok.decode(common_prefix(old))  # system-first: they part before the context
+
+
+def test_shared_first_training_ids_are_the_serving_ids_for_chat_and_agent_requests(shared_first):
+    p = Prompter(str(TOKENIZER), {"d": shared_first})
+    question = "Q: what is the\ncity"
+    convo = [("system", SYSTEM), ("user", f"{CONTEXT}\n{question}"), ("assistant", "rome")]
+    prompt, response = shared_first.training_ids(p.tok, convo)
+    assert prompt == p.chat_prompt(convo[:-1], "d")
+    assert p.tok.decode(response) == "rome</s>"
+    # an agent run's request is the framework's shape: the agent's system prompt and its question are its
+    # own text, the context the shared turn; the question's last token stays the prompt's last token
+    agent = p.agent_prompt(CONTEXT, question, "d")
+    assert agent == shared_first.training_ids(p.tok, [("system", f"{SYSTEM}\n{question}"), ("user", CONTEXT),
+                                                      ("assistant", "rome")])[0]
+    assert p.tok.decode(agent).rstrip().endswith(f"{CONTEXT}\n{SYSTEM}\n{question}<|im_end|>\n<|im_start|>assistant")
+    other = p.agent_prompt(CONTEXT, "Q: what is the\nitem", "d")
+    assert len(common_prefix([agent, other])) >= len(p.encode(CONTEXT, add_special_tokens=False))
+
+
+def test_a_suite_decoder_shared_first_without_system_prompt_renders_as_before():
+    p = Prompter(str(TOKENIZER), {"s": Renderer(PromptFormat(layout="shared_first"))})
+    question = "Q: which hub ships to the\ncity"
+    assert p.agent_prompt(CONTEXT, question, "s") == p.encode(render_prompt(CONTEXT, question))
+    with_system = Prompter(str(TOKENIZER), {"s": Renderer(PromptFormat(system="Route it.", layout="shared_first"))})
+    assert with_system.agent_prompt(CONTEXT, question, "s") == p.encode(f"{CONTEXT}\nRoute it.\n{question}")
+
+
+def test_a_manifest_records_the_layout_and_one_without_it_was_trained_system_first(tmp_path, shared_first):
+    d = _decoder(tmp_path, "new", shared_first)
+    assert read_manifest(d).prompt.layout == "shared_first"
+    data = json.loads((d / MANIFEST_NAME).read_text())
+    del data["prompt"]["layout"]
+    (d / MANIFEST_NAME).write_text(json.dumps(data))
+    assert read_manifest(d).prompt.layout == "system_first"
+    data["prompt"]["layout"] = "own_first"
+    (d / MANIFEST_NAME).write_text(json.dumps(data))
+    with pytest.raises(ManifestError, match="prompt.layout must be one of shared_first, system_first"):
+        read_manifest(d)

@@ -18,6 +18,10 @@ from app.errors import PrefillShareLibraryError
 MANIFEST_NAME = "prefillshare.json"
 METHODS = ("cache_conditioned", "full_ft", "layer_split")
 PROMPT_FORMATS = ("suite", "text", "chat_template")
+# Where an agent's own text (system prompt, tools, its question) goes (app/rendering.py
+# ``Renderer.arrange``): after the shared conversation, so agents share its prefill, or first,
+# as chat templates put it. Manifests without the field were trained system-first.
+LAYOUTS = ("shared_first", "system_first")
 ADAPTER_FORMATS = ("peft",)
 # How a decoder calls tools (deployments/tools.py): "json" = a JSON-schema-constrained
 # {"name", "arguments"} object the app renders and reads back as OpenAI tool_calls.
@@ -37,18 +41,23 @@ class PromptFormat:
     - ``text``: prompt/completion data, the prompt text as given (agents: ``context\\ninstruction``).
     - ``chat_template``: the Jinja chat template whose sha256 is ``template_sha256`` (stored in the
       decoder directory as ``template_file``), applied with ``add_generation_prompt``; an agent
-      request is ``[system?] + user(context + "\\n" + instruction)``, so the context comes first
-      and every agent with the same system prompt shares the rendered prefix.
+      request is ``[system?] + user(context + "\\n" + instruction)``.
+
+    ``layout`` says where the agent's own text goes: ``shared_first`` renders the shared
+    conversation first and the agent's system prompt, tools and question after it (so agents with
+    different system prompts share one prefill); ``system_first`` keeps the messages in their order.
     """
 
     format: str = "suite"
     template_sha256: str | None = None
     template_file: str | None = None
-    system: str | None = None  # the system turn agent requests get (chat_template only)
+    system: str | None = None  # the system turn agent requests get
+    layout: str = "system_first"  # one of LAYOUTS
 
     def to_dict(self) -> dict:
         return {k: v for k, v in (("format", self.format), ("template_sha256", self.template_sha256),
-                                  ("template_file", self.template_file), ("system", self.system)) if v is not None}
+                                  ("template_file", self.template_file), ("system", self.system),
+                                  ("layout", self.layout)) if v is not None}
 
 
 @dataclass(frozen=True)
@@ -132,6 +141,9 @@ def _prompt(path: Path, data) -> PromptFormat:
     fmt = data.get("format", "suite")
     if fmt not in PROMPT_FORMATS:
         raise ManifestError(f"{path}: prompt.format must be one of {', '.join(PROMPT_FORMATS)}, got {fmt!r}")
+    layout = data.get("layout", "system_first")
+    if layout not in LAYOUTS:
+        raise ManifestError(f"{path}: prompt.layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
     for key in ("template_sha256", "template_file", "system"):
         if data.get(key) is not None and not isinstance(data[key], str):
             raise ManifestError(f"{path}: field 'prompt.{key}' must be a string")
@@ -140,7 +152,7 @@ def _prompt(path: Path, data) -> PromptFormat:
         _str_field(path, data, "template_file", "prompt.")
         if "/" in data["template_file"] or data["template_file"].startswith("."):
             raise ManifestError(f"{path}: prompt.template_file must name a file inside the decoder directory")
-    return PromptFormat(fmt, data.get("template_sha256"), data.get("template_file"), data.get("system"))
+    return PromptFormat(fmt, data.get("template_sha256"), data.get("template_file"), data.get("system"), layout)
 
 
 def _adapter(path: Path, data) -> AdapterSpec | None:

@@ -82,6 +82,11 @@ def configure_train(p: argparse.ArgumentParser) -> None:
                    "base tokenizer has one (the suite format)")
     p.add_argument("--system", help="system prompt agent requests get under a chat template (default: the one "
                    "every conversation of --data starts with, if shared)")
+    p.add_argument("--layout", choices=["shared-first", "system-first"], default="shared-first",
+                   help="where an agent's own text (system prompt, tools, its question) goes in the prompt: "
+                   "shared-first (default): after the shared conversation, so agents with different system prompts "
+                   "share one prefill of it; system-first: first, as chat templates put it (shares nothing across "
+                   "agents whose system prompts differ)")
     p.add_argument("--max-length", type=int, default=None, help="prompt + answer tokens (default: the base's "
                    "max_position_embeddings); longer prompts lose context from the left (the last prompt token "
                    "and the answer always stay)")
@@ -144,7 +149,8 @@ def _train_own(args) -> int:
     max_length = args.max_length or positions
     tok = load_tokenizer(base)
     records = read_records(args.data, args.agent, args.agent_field)
-    renderer = choose_renderer(records, tok, args.chat_template, args.no_chat_template, args.system, args.data)
+    renderer = choose_renderer(records, tok, args.chat_template, args.no_chat_template, args.system, args.data,
+                               layout=args.layout.replace("-", "_"))
     train = render_records(records, tok, renderer, max_length)
     evals = []
     if args.eval_data:

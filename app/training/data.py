@@ -150,11 +150,12 @@ def render_records(records: Sequence[Record], tok, renderer: Renderer, max_lengt
 
 
 def choose_renderer(records: Sequence[Record], tok, chat_template: str | None, no_template: bool,
-                    system: str | None, data_path) -> Renderer:
+                    system: str | None, data_path, layout: str = "shared_first") -> Renderer:
     """The rendering a decoder trains (and is later served) with.
 
     prompt/completion data: the texts as written. Messages and suite data: the chat template
-    file given, else the base tokenizer's own template, else the suite rendering.
+    file given, else the base tokenizer's own template, else the suite rendering; in ``layout``
+    (shared_first: each agent's own text after the shared conversation, app/rendering.py).
     """
     from app.models.manifest import PromptFormat
 
@@ -175,8 +176,9 @@ def choose_renderer(records: Sequence[Record], tok, chat_template: str | None, n
         if isinstance(template, dict):  # several named templates: the default one
             template = template.get("default") or next(iter(template.values()))
         where = "the base tokenizer's chat_template"
+    system = system if system is not None else common_system(records)
     if template is None:
-        return Renderer()
-    renderer = Renderer.chat(template, system if system is not None else common_system(records))
+        return Renderer(PromptFormat(system=system, layout=layout))
+    renderer = Renderer.chat(template, system, layout)
     renderer.check(tok, f"{where}: the tokenizer cannot render it")
     return renderer

@@ -246,6 +246,12 @@ def to_markdown(result: dict) -> str:
     for m in methods:
         vals = [row[m]["prefill_saved"] for row in result["agents"].values()]
         lines.append(f"| {m} | {100 * sum(vals) / len(vals):.1f}% |")
+    if result.get("fanout"):  # the chat recipe: what the base computes for one fan-out, per layout
+        lines += ["", "| layout | agents | base prompt tokens per fan-out | one agent's prompt | ratio |",
+                  "|---|---|---|---|---|"]
+        for layout, f in result["fanout"].items():
+            lines.append(f"| {layout} | {f['agents']} | {f['base_tokens_per_fanout']:.0f} | "
+                         f"{f['tokens_per_prompt']:.0f} | {f['ratio_to_one_prompt']:.2f}x |")
     return "\n".join(lines) + "\n"
 
 

@@ -123,9 +123,16 @@ def run_recipe(which: str, models: Path, work: Path, quick: bool = False, resume
 
 
 # --- the chat-format suite: the same records as conversations, LoRA decoders through the CLI ---
-CHAT_SYSTEM = "You are an order desk assistant. Answer from the order record."
-# Role headers before each turn and no generation prompt: the last prompt token stays the
-# instruction's last word (the field name), the token the decoder runs itself; answers are
+# Each agent has its own system prompt, as agents are defined in agent frameworks; the record is
+# the shared user turn and the agent's question closes its own text (chat_record).
+CHAT_SYSTEMS = {
+    "lookup": "You are the lookup agent of the order desk. Answer with the value the question asks for.",
+    "tool_call": "You are the shipping agent of the order desk. Answer with the shipping tool call.",
+    "reschedule": "You are the scheduling agent of the order desk. Answer with the new delivery day.",
+    "route": "You are the routing agent of the order desk. Answer with the hub for the order's city.",
+}
+# Role headers before each turn and no generation prompt: shared-first, the last prompt token
+# is the question's last word (the field name), the token the decoder runs itself; answers are
 # " value" then eos, the way values are written everywhere in the suite.
 CHAT_TEMPLATE = (
     "{{- bos_token -}}"
@@ -135,6 +142,10 @@ CHAT_TEMPLATE = (
     "{%- endif -%}"
     "{%- endfor -%}"
 )
+# (method, layout, where the adapters go under models/chat): the shipped decoders, their Full-FT
+# baseline, and the same decoders trained system-first (what the layout costs or gains)
+CHAT_RUNS = (("cache_conditioned", "shared-first", "adapters"), ("full_ft", "shared-first", "baselines/fullft"),
+             ("cache_conditioned", "system-first", "baselines/system_first"))
 
 
 @dataclass(frozen=True)
@@ -146,9 +157,10 @@ class ChatRecipe(SuiteSplit):
 
 
 def chat_record(e: tasks.Example) -> dict:
-    """A suite example as a conversation: system prompt, the record and question in the user turn."""
-    return {"agent": e.agent, "messages": [{"role": "system", "content": CHAT_SYSTEM},
-                                           {"role": "user", "content": tasks.render_prompt(e.context, e.instruction)},
+    """A suite example as an agent framework sends it: the agent's system prompt and its question
+    (its own text), the record as the user turn (what every agent shares), the answer."""
+    return {"agent": e.agent, "messages": [{"role": "system", "content": f"{CHAT_SYSTEMS[e.agent]}\n{e.instruction}"},
+                                           {"role": "user", "content": e.context},
                                            {"role": "assistant", "content": e.answer}]}
 
 
@@ -198,25 +210,67 @@ def run_chat_recipe(models: Path, work: Path, quick: bool = False, resume: bool 
     template.write_text(CHAT_TEMPLATE, encoding="utf-8")
     log(f"data: {len(train)} train / {len(test)} test conversations -> {data}")
     argvs = []
-    for method, sub in (("cache_conditioned", "adapters"), ("full_ft", "baselines/fullft")):
+    for method, layout, sub in CHAT_RUNS:
         for agent in r.agents:
             adapter = root / sub / agent
             if resume and _done(adapter):
-                log(f"{method}:{agent} exists, skipped")
+                log(f"{method}:{agent} ({layout}) exists, skipped")
                 continue
             argvs.append(["train", "--base", str(base_dir), "--data", str(data / "train.jsonl"), "--agent", agent,
-                          "--chat-template", str(template), "--lora", "--lora-rank", str(r.lora_rank),
+                          "--chat-template", str(template), "--system", CHAT_SYSTEMS[agent], "--layout", layout,
+                          "--lora", "--lora-rank", str(r.lora_rank),
                           "--method", method, "--steps", str(r.steps), "--batch-size", str(r.batch_size),
                           "--lr", str(r.lr), "--warmup", str(max(1, r.steps // 10)), "--threads", str(threads),
-                          "--no-progress", "--out", str(data / "merged" / method / agent),
+                          "--no-progress", "--out", str(data / "merged" / sub / agent),
                           "--adapter-out", str(adapter)])
     ctx = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(max_workers=max(1, jobs), mp_context=ctx) as pool:
         for fut in as_completed([pool.submit(_cli, a) for a in argvs]):
             log(fut.result())
-    results = [evaluate_paths(root / "data" / "test.jsonl", base_dir, decoder=root / "adapters" / agent,
+    test_path = root / "data" / "test.jsonl"
+    results = [evaluate_paths(test_path, base_dir, decoder=root / "adapters" / agent,
                               full_ft=root / "baselines" / "fullft" / agent) for agent in r.agents]
     result = merge_results(results)
+    for agent in r.agents:  # the same decoders trained system-first, as one more column
+        row = evaluate_paths(test_path, base_dir, decoder=root / "baselines" / "system_first" / agent)
+        result["agents"][agent]["system_first"] = row["agents"][agent]["prefillshare"]
+    result["methods"] = [*result["methods"], "system_first"]
+    result["fanout"] = {layout: fanout_prefill_tokens(test_path, base_dir, root / sub, r.agents)
+                        for method, layout, sub in CHAT_RUNS if method == "cache_conditioned"}
     json_path, md_path = write_results(result, root / "eval" / "results")
     print(to_markdown(result))
     log(f"eval -> {json_path}, {md_path}")
+
+
+def fanout_prefill_tokens(data_path: Path, base_dir: Path, decoders: Path, agents) -> dict:
+    """Prompt tokens the base computes for one fan-out of every agent over one record (the shared
+    prefix once, each prompt's own rest), against one agent's prompt, in the decoders' layout."""
+    from app.handover import split_prompt
+    from app.rendering import Renderer
+    from app.training.data import read_records
+    from app.training.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(base_dir)
+    renderers = {a: Renderer.for_decoder(decoders / a) for a in agents}
+    by_record: dict[str, list[list[int]]] = {}
+    for a in agents:
+        for rec in read_records(data_path, a):
+            *prompt, _ = rec.messages
+            ids = renderers[a].chat_ids(tok, prompt)
+            by_record.setdefault(prompt[-1][1], []).append(split_prompt(ids)[0])
+    fanouts = [p for p in by_record.values() if len(p) == len(agents)]
+    computed = sum(prefix_tree_tokens(p) for p in fanouts) / len(fanouts)
+    one = sum(sum(len(x) for x in p) / len(p) for p in fanouts) / len(fanouts)
+    return {"fanouts": len(fanouts), "agents": len(agents), "base_tokens_per_fanout": round(computed, 1),
+            "tokens_per_prompt": round(one, 1), "ratio_to_one_prompt": round(computed / one, 2)}
+
+
+def prefix_tree_tokens(prompts) -> int:
+    """Tokens a prefix cache computes for ``prompts``: each shared prefix once (the trie's nodes)."""
+    ordered = sorted(tuple(p) for p in prompts)
+    shared = 0
+    for a, b in zip(ordered, ordered[1:]):
+        n = min(len(a), len(b))
+        i = next((i for i in range(n) if a[i] != b[i]), n)
+        shared += i
+    return sum(len(p) for p in ordered) - shared
