@@ -410,6 +410,13 @@ class ConfigError(PrefillShareLibraryError, ValueError):
     """A config that cannot run; the message names the field."""
 
 
+def default(model: type[BaseModel], name: str) -> Any:
+    """The default of setting ``name`` of ``model``, for the layers below the config that take the
+    same setting without a config (EngineConfig, PoolSpec, the request routers): each default is
+    written once, in this module."""
+    return model.model_fields[name].get_default(call_default_factory=True)
+
+
 # a field path at the start of a validator's message: "adapters[0].rank: 32 is above ..."
 _MSG_FIELD = re.compile(r"^([A-Za-z_]\w*(?:\[\d+\])*(?:\.[A-Za-z_]\w*(?:\[\d+\])*)*): (.*)$", re.S)
 

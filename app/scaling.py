@@ -85,7 +85,7 @@ CPU_MEASURED = Profile(
     unit="core", replicas_per_node=2, kv_bytes_per_token=_CPU_KV_BYTES,
     prefill_s_per_token=_CPU_PREFILL_A, prefill_s_per_token2=_CPU_PREFILL_B,
     decode_step_s=_CPU_DEC_STEP, decode_s_per_ctx_token=_CPU_DEC_CTX, max_batch=16,
-    kv_memory_bytes=2 * (1 << 30),  # VLLM_CPU_KVCACHE_SPACE=2 GiB per engine (assumption)
+    kv_memory_bytes=2 * (1 << 30),  # kv_cache_memory_bytes = 2 GiB per engine (assumption)
     kv_load_bytes_per_s=_CPU_KV_LOAD_BPS, link_bytes_per_s=_CPU_LINK_BPS,
 )
 

@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 
 from ray.serve.request_router import PendingRequest, RunningReplica
 
+from app.config import RoutingConfig, default
 from deployments.safe_router import SafeRouter
 
 
@@ -48,7 +49,7 @@ def preferred_node(pending: PendingRequest | None) -> str | None:
 class NodeAffinityRouter(SafeRouter):
     """Serve request router: same node as the prefill first, load fallback."""
 
-    def initialize_state(self, imbalance_threshold: int = 4, **kwargs):
+    def initialize_state(self, imbalance_threshold: int = default(RoutingConfig, "imbalance_threshold"), **kwargs):
         super().initialize_state(**kwargs)
         self.imbalance_threshold = int(imbalance_threshold)
 

@@ -19,6 +19,7 @@ from collections.abc import Callable, Sequence
 
 from ray.serve.request_router import PendingRequest, RunningReplica
 
+from app.config import RoutingConfig, default
 from deployments.safe_router import SafeRouter
 
 log = logging.getLogger("ray.serve")
@@ -32,7 +33,7 @@ def rendezvous_rank(key: str, replica_ids: Sequence[str]) -> list[str]:
 class LocalityTable:
     """Which replica last served a block key; bounded LRU. Pure, testable without Ray."""
 
-    def __init__(self, capacity: int = 10_000):
+    def __init__(self, capacity: int = default(RoutingConfig, "max_tracked_prefixes")):
         self.capacity = capacity
         self._owner: OrderedDict[str, str] = OrderedDict()
 
@@ -94,7 +95,8 @@ def request_keys(pending: PendingRequest | None) -> tuple[str, ...]:
 class PrefixLocalityRouter(SafeRouter):
     """Serve request router: prefix locality on prefill module block keys, load fallback."""
 
-    def initialize_state(self, imbalance_threshold: int = 4, max_tracked_prefixes: int = 10_000, **kwargs):
+    def initialize_state(self, imbalance_threshold: int = default(RoutingConfig, "imbalance_threshold"),
+                         max_tracked_prefixes: int = default(RoutingConfig, "max_tracked_prefixes"), **kwargs):
         super().initialize_state(**kwargs)
         self.imbalance_threshold = int(imbalance_threshold)
         self.table = LocalityTable(int(max_tracked_prefixes))

@@ -4,7 +4,7 @@
 # pytest exit 5 (no tests collected) is a failure here, never a pass.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false VLLM_CPU_KVCACHE_SPACE="${VLLM_CPU_KVCACHE_SPACE:-1}"
+export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 export RAY_AUTH_MODE="${RAY_AUTH_MODE:-disabled}" VLLM_HOST_IP=127.0.0.1
 run_pytest() { .venv/bin/python -m pytest "$@"; }
 # Lint first (ruff: pyproject's [tool.ruff]); a lint error fails the run before any engine starts.

@@ -35,8 +35,9 @@ def test_engine_args_and_kv_sizes_use_the_resolved_dtype(tmp_path, monkeypatch):
     assert kv_bytes_per_token(tmp_path, "bfloat16") == 2 * 2 * 2 * 16 * 2
 
 
-def test_gpu_memory_utilization_reaches_vllm_only_when_set(tmp_path):
-    """Several engines share one GPU only if each asks vLLM for a small free fraction at start."""
+def test_gpu_memory_utilization_reaches_vllm(tmp_path):
+    """Several engines share one GPU only if each asks vLLM for a small free fraction at start; without
+    one, an engine asks for the config's default (tests/test_settings_table.py)."""
     (tmp_path / "config.json").write_text('{"num_hidden_layers": 2, "hidden_size": 64}')
     default = EngineConfig(model=str(tmp_path)).engine_args().gpu_memory_utilization
     assert EngineConfig(model=str(tmp_path), gpu_memory_utilization=0.05).engine_args().gpu_memory_utilization == 0.05

@@ -1,7 +1,9 @@
 """docs/serving.md's settings table against the code: every engine, LoRA, placement and pool
-setting has a row, and each row names where the setting's value arrives (a vLLM engine argument,
-an EngineConfig field the project applies itself, an env var, a Serve option or a PoolSpec field). A setting added without a
-row, or a row that names the wrong target, fails here."""
+setting (and limits.request_timeout_s, which engines take too) has a row; each row names where the
+setting's value arrives (a vLLM engine argument, an EngineConfig field the project applies itself, an
+env var, a Serve option or a PoolSpec field) and its default. A setting added without a row, a row
+that names the wrong target or default, or a lower layer (EngineConfig, PoolSpec, the request
+routers) with a default of its own, fails here."""
 from __future__ import annotations
 
 import re
@@ -9,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from app.config import EngineSettings, LoRAGroup, Placement, PoolConfig, load_config
 
@@ -47,23 +50,37 @@ PROBES: dict[str, tuple[dict[str, Any], Any]] = {
     "pool.lease_timeout_s": ({"lease_timeout_s": 4.5}, 4.5),
     "pool.persist": ({"persist": True}, True),
     "pool.check": ({"check": "crc32"}, "crc32"),
+    "limits.request_timeout_s": ({"request_timeout_s": 45.0}, 45.0),
 }
+# settings outside a deployment and the pool that engines take too
+LIMITS = {"limits.request_timeout_s"}
+
+
+def _rows() -> list[list[str]]:
+    text = (ROOT / "docs" / "serving.md").read_text()
+    body = text.split("<!-- settings-table -->", 1)[1].split("<!-- /settings-table -->", 1)[0]
+    return [[c.strip() for c in line.strip().strip("|").split("|")] for line in body.strip().splitlines()[2:]]
 
 
 def table() -> dict[str, list[str]]:
     """{setting: the targets its row names (the backticked names of the 'becomes' cell)}."""
-    text = (ROOT / "docs" / "serving.md").read_text()
-    body = text.split("<!-- settings-table -->", 1)[1].split("<!-- /settings-table -->", 1)[0]
-    rows = {}
-    for line in body.strip().splitlines()[2:]:
-        setting, becomes = [c.strip() for c in line.strip().strip("|").split("|")]
-        rows[setting.strip("`")] = re.findall(r"`([^`]+)`", becomes)
-    return rows
+    return {setting.strip("`"): re.findall(r"`([^`]+)`", becomes) for setting, becomes, _ in _rows()}
+
+
+def documented_defaults() -> dict[str, Any]:
+    """{setting: the default its row states (the first backticked value of the 'default' cell, as YAML)}."""
+    return {setting.strip("`"): yaml.safe_load(re.findall(r"`([^`]+)`", default)[0]) for setting, _, default in _rows()}
 
 
 def settings_in_code() -> set[str]:
     return ({f"engine.{f}" for f in EngineSettings.model_fields} | {f"placement.{f}" for f in Placement.model_fields}
-            | set(LoRAGroup.model_fields) | {f"pool.{f}" for f in PoolConfig.model_fields})
+            | set(LoRAGroup.model_fields) | {f"pool.{f}" for f in PoolConfig.model_fields} | LIMITS)
+
+
+def configured_default(setting: str) -> Any:
+    """What a config that leaves ``setting`` out runs with (a decoder's, for deployment settings)."""
+    cfg = load_config(BASE)
+    return _lookup(cfg if setting.startswith(("pool.", "limits.")) else cfg.decoders[0], setting)
 
 
 def test_every_setting_has_one_row_and_a_probe():
@@ -97,6 +114,11 @@ def _arrived(setting: str, target: str, monkeypatch) -> list[Any]:
     from deployments.application import engine_options
 
     over, _ = PROBES[setting]
+    if setting in LIMITS:
+        cfg = load_config({**BASE, "limits": over})
+        assert target.startswith("EngineConfig."), f"{setting}: the table names {target!r}"
+        return [getattr(engine_config(cfg, cfg.decoders[0].model, cfg.decoders[0].engine, cfg.decoders[0].placement,
+                                      None), target.removeprefix("EngineConfig."))]
     if setting.startswith("pool."):
         cfg = load_config({**BASE, "pool": over})
         assert target.startswith("PoolSpec."), f"{setting}: a pool setting goes to PoolSpec, not {target!r}"
@@ -185,3 +207,70 @@ def test_an_engine_loads_the_models_own_tokenizer_only_when_it_is_the_apps(tmp_p
     assert engine_tokenizer(cfg, str(model)) == str(tok)  # one byte differs: the app's own
     (model / "tokenizer_config.json").unlink()
     assert engine_tokenizer(cfg, str(model)) == str(tok)
+
+
+def _size(v: Any) -> Any:
+    from app.config import _bytes
+
+    return _bytes(v) if isinstance(v, str) and v[-1:] == "B" and v[:1].isdigit() else v
+
+
+@pytest.mark.parametrize("setting", sorted(PROBES))
+def test_each_row_states_the_settings_default(setting):
+    assert _size(documented_defaults()[setting]) == configured_default(setting), setting
+
+
+def _library_fields() -> dict[str, Any]:
+    """Defaults of the lower layers' fields, by the table's target name."""
+    import dataclasses
+    import inspect
+
+    from app.engine.async_engine import EngineConfig
+    from app.engine.kv_pool import PoolSpec
+    from deployments.node_router import NodeAffinityRouter
+    from deployments.prefix_router import LocalityTable, PrefixLocalityRouter
+
+    out = {f"EngineConfig.{f.name}": f.default for f in dataclasses.fields(EngineConfig)
+           if f.default is not dataclasses.MISSING}
+    out |= {f"PoolSpec.{f.name}": f.default for f in dataclasses.fields(PoolSpec) if f.default is not dataclasses.MISSING}
+    for name, fn in [("PrefixLocalityRouter", PrefixLocalityRouter.initialize_state),
+                     ("NodeAffinityRouter", NodeAffinityRouter.initialize_state),
+                     ("LocalityTable", LocalityTable.__init__)]:
+        out |= {f"{name}.{p.name}": p.default for p in inspect.signature(fn).parameters.values()
+                if p.default is not inspect.Parameter.empty}
+    return out
+
+
+@pytest.mark.parametrize("setting", sorted(PROBES))
+def test_engines_and_pools_built_without_a_config_take_the_configs_default(setting):
+    """EngineConfig and PoolSpec read their defaults from app/config.py: one value, written once."""
+    lib = _library_fields()
+    field = setting.rsplit(".", 1)[-1]
+    own = [t for t in table()[setting] if t.split(".")[0] in ("AsyncEngineArgs", "EngineConfig", "PoolSpec")]
+    places = {f"EngineConfig.{t.split('.', 1)[1]}" if t.startswith("AsyncEngineArgs.") else t for t in own}
+    for place in sorted(p for p in places if p in lib and p.rsplit(".", 1)[-1] == field):
+        assert lib[place] == configured_default(setting), f"{place} defaults to {lib[place]!r}, {setting} to " \
+                                                          f"{configured_default(setting)!r}"
+
+
+def test_the_request_routers_take_the_routing_defaults():
+    from app.config import RoutingConfig, default
+
+    lib = _library_fields()
+    assert lib["PrefixLocalityRouter.imbalance_threshold"] == lib["NodeAffinityRouter.imbalance_threshold"] \
+        == default(RoutingConfig, "imbalance_threshold")
+    assert lib["PrefixLocalityRouter.max_tracked_prefixes"] == lib["LocalityTable.capacity"] \
+        == default(RoutingConfig, "max_tracked_prefixes")
+
+
+def test_vllms_legacy_kv_space_env_is_neither_set_by_the_suite_nor_seen_by_an_engine(tmp_path, monkeypatch):
+    """VLLM_CPU_KVCACHE_SPACE would override kv_cache_memory_bytes; engines drop it from their env."""
+    import os
+
+    from app.engine.async_engine import EngineConfig, _engine_env
+
+    assert "VLLM_CPU_KVCACHE_SPACE" not in (ROOT / "scripts" / "test.sh").read_text()
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "4")
+    with _engine_env(EngineConfig(model=str(tmp_path))):
+        assert "VLLM_CPU_KVCACHE_SPACE" not in os.environ
+    assert os.environ["VLLM_CPU_KVCACHE_SPACE"] == "4"

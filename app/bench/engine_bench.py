@@ -173,7 +173,7 @@ def _start_engines(cfg: BenchConfig, model: str, spec) -> list:
     common = dict(model=model, dtype=cfg.dtype, kv_cache_memory_bytes=int(cfg.kv_space_gib * (1 << 30)),
                   max_model_len=cfg.max_model_len, block_size=cfg.block_size,
                   max_num_batched_tokens=cfg.max_num_batched_tokens, load_format="dummy", skip_tokenizer_init=True,
-                  enforce_eager=True, max_num_seqs=8)
+                  enforce_eager=True, max_num_seqs=8, request_timeout_s=600.0)  # long runs of queued requests
 
     def bind(i: int) -> dict:
         return {"VLLM_CPU_OMP_THREADS_BIND": cfg.binds[i]}

@@ -35,6 +35,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
+from app.config import EngineSettings, LimitsConfig, LoRAGroup, default
 from app.engine import compute_dtype, core_lifetime, kv_pool, niceness
 from app.engine.handover_mode import PREFILLSHARE
 from app.errors import PrefillShareLibraryError
@@ -75,19 +76,20 @@ class EngineConfig:
 
     Fields named as vLLM's ``AsyncEngineArgs`` are passed to it under that name (:meth:`engine_args`);
     ``engine_kwargs`` carries any other engine argument through verbatim. The app fills this from
-    serve_config.yaml in one place (app/engine_args.py)."""
+    serve_config.yaml in one place (app/engine_args.py); a field that is also a setting there takes
+    that setting's default (app/config.py), so an engine built without a config runs as the app's."""
 
     model: str
-    dtype: str = "auto"  # app.engine.compute_dtype: bfloat16 where computed natively, else float32
-    kv_cache_memory_bytes: int = 1 << 30
+    dtype: str = default(EngineSettings, "dtype")  # app.engine.compute_dtype: bf16 where native, else float32
+    kv_cache_memory_bytes: int = default(EngineSettings, "kv_cache_memory_bytes")
     # GPUs only: vLLM refuses to start unless this fraction of the device is free; the KV size is
     # kv_cache_memory_bytes regardless. Lower it to put several engines on one GPU. None: vLLM's default.
-    gpu_memory_utilization: float | None = None
-    max_model_len: int = 1024
-    block_size: int = 32
+    gpu_memory_utilization: float | None = default(EngineSettings, "gpu_memory_utilization")
+    max_model_len: int = default(EngineSettings, "max_model_len")
+    block_size: int = default(EngineSettings, "block_size")
     max_num_batched_tokens: int | None = None
-    max_num_seqs: int = 32
-    enforce_eager: bool = True
+    max_num_seqs: int = default(EngineSettings, "max_num_seqs")
+    enforce_eager: bool = default(EngineSettings, "enforce_eager")
     # None: on, except for PrefillShare consumers (their local cache could hold KV they computed
     # themselves after a fallback, breaking the hand-over convention on a later request).
     enable_prefix_caching: bool | None = None
@@ -95,8 +97,8 @@ class EngineConfig:
     load_format: str = "auto"
     skip_tokenizer_init: bool = False
     tokenizer: str | None = None
-    seed: int = 0
-    request_timeout_s: float = 600.0
+    seed: int = default(EngineSettings, "seed")
+    request_timeout_s: float = default(LimitsConfig, "request_timeout_s")
     # env of the engine core, e.g. VLLM_CPU_OMP_THREADS_BIND ("0", "0-1", "nobind", "auto")
     extra_env: dict[str, str] = field(default_factory=dict)
     # Structured outputs run on xgrammar (the backend the Router validates schemas with); compact:
@@ -105,13 +107,13 @@ class EngineConfig:
     # LoRA: (name, adapter directory) pairs the engine serves over ``model``; a request names one
     # (``lora=``) or none (the base). vLLM salts prefix-cache blocks per adapter.
     lora_adapters: tuple[tuple[str, str], ...] = ()
-    max_lora_rank: int | None = None  # None: vLLM's default
+    max_lora_rank: int | None = default(LoRAGroup, "max_lora_rank")  # with adapters; None: vLLM's default
     max_loras: int | None = None  # None: as many as lora_adapters; also vLLM's max_cpu_loras (all stay loaded)
     # any other AsyncEngineArgs field, passed through as given (serve_config.yaml's engine.engine_kwargs)
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
     # niceness of the engine core's processes once the engine answers (0: left as spawned), so that an
     # engine starting on the same cores comes first (app/engine/niceness.py)
-    serving_niceness: int = 0
+    serving_niceness: int = default(EngineSettings, "serving_niceness")
 
     def __post_init__(self) -> None:
         if not self.model:

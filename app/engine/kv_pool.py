@@ -46,6 +46,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
+from app.config import PoolConfig, default
 from app.engine.pool_owner import PoolHold
 from app.engine.slab import Slab, SlotOutOfRange
 from app.errors import PrefillShareLibraryError
@@ -53,7 +54,7 @@ from app.errors import PrefillShareLibraryError
 __all__ = ["KVPool", "PoolSpec", "BlockEntry", "PoolStats", "BlockDamaged", "BlockMissing", "PoolMissing",
            "SlotReused", "SlotTorn", "Reservation", "DEFAULT_CAPACITY_BYTES", "MISSING"]
 
-DEFAULT_CAPACITY_BYTES = 1 << 30
+DEFAULT_CAPACITY_BYTES = default(PoolConfig, "capacity_bytes")  # pool.capacity_bytes's (app/config.py)
 _INDEX = "slab-index.sqlite"
 
 _SCHEMA = """
@@ -104,16 +105,17 @@ class PoolSpec:
     """The one pool configuration, from ``serve_config.yaml`` (app.config.PoolConfig) to the pool.
 
     Validated here, once; it crosses vLLM's connector config as ``dataclasses.asdict`` and is
-    rebuilt with ``PoolSpec(**d)`` (an unknown field is a TypeError). Every default lives here.
+    rebuilt with ``PoolSpec(**d)`` (an unknown field is a TypeError). Its defaults are the ``pool``
+    settings' (app/config.py), read from there.
     ``capacity_bytes`` is a property of the pool: the process that creates it writes it to the
     index; later openers use the stored value (:meth:`KVPool.set_capacity` changes it).
     """
 
     path: str  # directory, normally under /dev/shm
     capacity_bytes: int = DEFAULT_CAPACITY_BYTES
-    lease_timeout_s: float = 60.0  # fan-out pins and readers' leases expire after this
-    check: Literal["off", "crc32"] = "off"  # crc32: checksum every slot (tests, debugging)
-    persist: bool = False  # keep the pool when its last owner closes (app.engine.pool_owner)
+    lease_timeout_s: float = default(PoolConfig, "lease_timeout_s")  # fan-out pins and readers' leases expire after this
+    check: Literal["off", "crc32"] = default(PoolConfig, "check")  # crc32: checksum every slot (tests, debugging)
+    persist: bool = default(PoolConfig, "persist")  # keep the pool when its last owner closes (app.engine.pool_owner)
 
     def __post_init__(self) -> None:
         if not self.path:
