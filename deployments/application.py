@@ -12,6 +12,7 @@ from dataclasses import replace
 from typing import Any, Literal
 
 from app.config import AppConfig, EngineSettings, Placement, config_from_args
+from app.engine import alloc_conf
 from app.engine_args import engine_config, engine_env, pool_spec
 from app.plan import AppPlan, plan_app
 
@@ -58,7 +59,8 @@ def _router_config(cls, cfg: AppConfig, **kwargs):
 
 def _vllm_nixl_config(cfg: AppConfig, role: Literal["producer", "consumer"], p: Placement) -> dict[str, Any]:
     """Hand-over "vllm-nixl": an engine's kv_transfer_config, its lease tied to the request timeout
-    (a lease never runs out while the request that reads it may still be waiting)."""
+    (a lease never runs out while the request that reads it may still be waiting), the transport
+    settings of its device (GPU placements: CUDA IPC reads, app.engine.vllm_nixl.GPU_SETTINGS)."""
     from app.engine.vllm_nixl import lease_for_timeout, nixl_transfer_config
 
     return nixl_transfer_config(role, lease_s=lease_for_timeout(cfg.limits.request_timeout_s),
@@ -79,6 +81,7 @@ def _prefill_deployments(cfg: AppConfig, plan: AppPlan, pool, metrics) -> dict:
                                   adapter_keys=bool(p.adapters))
         # a prefill engine caches prefixes in every mode: later prompts of a fan-out reuse the context
         ec = replace(engine_config(cfg, p.model, p.engine, p.placement, kv, p), enable_prefix_caching=True)
+        alloc_conf.check(ec.extra_env, kv, ec.engine_kwargs, where=f"prefill_modules {p.name}")
         router = _router_config(PrefixLocalityRouter, cfg, max_tracked_prefixes=cfg.routing.max_tracked_prefixes)
         prefill[p.name] = PrefillServer.options(
             **engine_options(cfg, f"Prefill-{p.name}", p.placement, p.engine, request_router_config=router)
@@ -110,6 +113,7 @@ def _decode_deployments(cfg: AppConfig, plan: AppPlan, pool, metrics) -> dict:
         extra = {"request_router_config": _router_config(NodeAffinityRouter, cfg)}
         # a consumer's local cache could hold KV it computed itself after a fallback: off
         ec = engine_config(cfg, d.model, d.engine, pl, kv, d)
+        alloc_conf.check(ec.extra_env, kv, ec.engine_kwargs, where=f"decoders {d.name}")
         if kv is not None:
             ec = replace(ec, enable_prefix_caching=False)
         handle = DecodeServer.options(**engine_options(cfg, f"Decode-{d.name}", pl, d.engine, **extra)).bind(

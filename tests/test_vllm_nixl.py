@@ -17,10 +17,12 @@ import pytest
 from app.engine import vllm_nixl_handover as ho
 from app.engine.vllm_nixl import (
     CPU_SETTINGS,
+    GPU_SETTINGS,
     NixlSettings,
     decoder_transfer_config,
     lease_for_timeout,
     nixl_transfer_config,
+    settings_for,
     side_channel_env,
 )
 from app.sampling import Sampling
@@ -73,11 +75,37 @@ def test_lease_outlives_the_request_timeout():
         lease_for_timeout(0)
 
 
-def test_side_channel_env_carries_ucx_settings():
-    env = side_channel_env(5601, settings=NixlSettings(env={"UCX_TLS": "tcp,self"}))
-    assert env == {"VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1", "VLLM_NIXL_SIDE_CHANNEL_PORT": "5601",
-                   "UCX_TLS": "tcp,self"}
+def test_side_channel_env_and_ucx_settings_in_the_connector_config():
+    env = side_channel_env(5601)
+    assert env == {"VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1", "VLLM_NIXL_SIDE_CHANNEL_PORT": "5601"}
     assert CPU_SETTINGS.extra_config()["backends"] == ["UCX"]
+    tcp = nixl_transfer_config("consumer", lease_s=40, settings=NixlSettings(ucx_env={"UCX_TLS": "tcp,self"}))
+    assert tcp["kv_connector_extra_config"]["ucx_env"] == {"UCX_TLS": "tcp,self"}
+
+
+def test_a_gpu_engine_reads_over_cuda_ipc_and_a_cpu_engine_keeps_ucxs_defaults():
+    """GPU engines (kv_buffer_device cuda) get GPU_SETTINGS unless told otherwise: CUDA IPC reads on
+    (UCX turns them off without NVLink and a pull then crosses TCP), NIXL's progress thread off."""
+    gpu = nixl_transfer_config("producer", lease_s=40, kv_buffer_device="cuda")
+    extra = gpu["kv_connector_extra_config"]
+    assert gpu["kv_buffer_device"] == "cuda"
+    assert extra["ucx_env"] == {"UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "y"} and extra["progress_thread"] is False
+    assert settings_for("cuda") is GPU_SETTINGS and settings_for("cpu") is CPU_SETTINGS
+    assert nixl_transfer_config("consumer", lease_s=40)["kv_connector_extra_config"]["ucx_env"] == {}
+    with pytest.raises(ValueError):
+        settings_for("tpu")
+    from vllm.config import KVTransferConfig
+
+    KVTransferConfig(**gpu)  # vLLM accepts the extra keys
+
+
+def test_the_connector_sets_its_ucx_variables_unless_the_operator_did(monkeypatch):
+    from app.engine.vllm_nixl_connector import apply_ucx_env
+
+    monkeypatch.delenv("UCX_CUDA_IPC_ENABLE_GET_ZCOPY", raising=False)
+    monkeypatch.setenv("UCX_TLS", "rc,cuda_ipc,cuda_copy,tcp")
+    now = apply_ucx_env({"UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "y", "UCX_TLS": "tcp,self"})
+    assert now == {"UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "y", "UCX_TLS": "rc,cuda_ipc,cuda_copy,tcp"}
     a, b = side_channel_env()["VLLM_NIXL_SIDE_CHANNEL_PORT"], side_channel_env()["VLLM_NIXL_SIDE_CHANNEL_PORT"]
     assert int(a) > 0 and int(b) > 0
 

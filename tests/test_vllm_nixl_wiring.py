@@ -17,13 +17,20 @@ from deployments.messages import PrefillTicket
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _engine_configs(handover: str):
+def _engine_configs(handover: str, gpus: bool = False):
     """({"prefill:<module>" / "decode:<served name>": its EngineConfig}, the AppConfig) of the shipped
-    app bound in ``handover`` mode."""
+    app bound in ``handover`` mode (``gpus``: every engine placed on one GPU, as the GPU variant does)."""
     from deployments.application import build
 
     cfg = load_config(ROOT / "serve_config.yaml")
     cfg = cfg.model_copy(update={"handover": handover})
+    if gpus:
+        def on_gpu(item):
+            pl = item.placement.model_copy(update={"num_gpus": 1, "placement_group_bundles": None})
+            return item.model_copy(update={"placement": pl})
+
+        cfg = cfg.model_copy(update={"prefill_modules": [on_gpu(p) for p in cfg.prefill_modules],
+                                     "decoders": [on_gpu(d) for d in cfg.decoders]})
     router = build(cfg)._bound_deployment
     prefill, decoders = router.init_args[2], router.init_args[3]
     out = {f"prefill:{k}": a._bound_deployment.init_args[1] for k, a in prefill.items()}
@@ -42,6 +49,19 @@ def test_vllm_nixl_mode_gives_producers_and_consumers_nixl_configs_tied_to_the_t
         assert lease_duration(ktc) == lease
         assert ec.prefix_caching is name.startswith("prefill:"), name  # decoders: off, explicitly
         assert ktc["kv_buffer_device"] == "cpu"  # the shipped config has no GPUs
+
+
+def test_gpu_engines_of_the_app_pull_over_cuda_ipc():
+    """The app's GPU engines carry the CUDA IPC read setting in their connector config (their
+    NixlConnector sets it before NIXL creates its UCX context); its CPU engines do not."""
+    configs, _ = _engine_configs("vllm-nixl", gpus=True)
+    for name, ec in configs.items():
+        ktc = ec.kv_transfer_config
+        assert ktc["kv_buffer_device"] == "cuda", name
+        assert ktc["kv_connector_extra_config"]["ucx_env"] == {"UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "y"}, name
+        assert ktc["kv_connector_extra_config"]["progress_thread"] is False, name
+    cpu, _ = _engine_configs("vllm-nixl")
+    assert all(ec.kv_transfer_config["kv_connector_extra_config"]["ucx_env"] == {} for ec in cpu.values())
 
 
 def test_pool_mode_engines_keep_the_projects_connector():

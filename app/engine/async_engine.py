@@ -36,7 +36,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
 from app.config import EngineSettings, LimitsConfig, LoRAGroup, default
-from app.engine import compute_dtype, core_lifetime, kv_pool, niceness
+from app.engine import alloc_conf, compute_dtype, core_lifetime, kv_pool, niceness
 from app.engine.handover_mode import PREFILLSHARE
 from app.errors import PrefillShareLibraryError
 from app.sampling import Sampling, TokenLogprob, prompt_logprobs, token_logprobs
@@ -378,7 +378,9 @@ class Engine:
     @classmethod
     async def start(cls, cfg: EngineConfig) -> Engine:
         """Build the engine without blocking the event loop; LoRA adapters are loaded before it
-        answers (a bad adapter fails the start, not a request)."""
+        answers (a bad adapter fails the start, not a request). An allocator setting vLLM would
+        refuse beside a KV connector fails here, typed (``alloc_conf.ExpandableSegmentsError``)."""
+        alloc_conf.check({**os.environ, **cfg.extra_env}, cfg.kv_transfer_config, cfg.engine_kwargs)
         engine = await asyncio.to_thread(cls, cfg)
         for name, req in engine._loras.items():
             try:

@@ -8,8 +8,9 @@ on the CPU). What this module knows:
   caching on) or a decoder / LoRA decode group (consumer, prefix caching off,
   ``enforce_handshake_compat`` off: the decoder has other weights than the base; the project's
   own gate, ``app.models.compat.check``, decides who may consume which base, at build time).
-- :class:`NixlSettings`: the UCX / NIXL knobs that make the connector usable on a small CPU box
-  (docs/engine.md, "vLLM NixlConnector hand-over on the CPU", has the measurements).
+- :class:`NixlSettings`: the UCX / NIXL knobs, one set per kind of node: :data:`CPU_SETTINGS`
+  (docs/engine.md, "vLLM NixlConnector hand-over on the CPU", has the measurements) and
+  :data:`GPU_SETTINGS` (CUDA IPC reads on: :mod:`app.engine.kv_transport`).
 - The lease: a prefill request finishes holding its blocks for ``kv_lease_duration`` seconds
   (renewed by the decoder's heartbeats once the decoder's scheduler has the request). A read
   after the lease ran out is only logged by vLLM and decodes from released blocks, so the
@@ -21,7 +22,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-__all__ = ["NIXL_CONNECTOR", "NixlSettings", "CPU_SETTINGS", "nixl_transfer_config", "decoder_transfer_config",
+__all__ = ["NIXL_CONNECTOR", "NixlSettings", "CPU_SETTINGS", "GPU_SETTINGS", "settings_for", "nixl_transfer_config",
+           "decoder_transfer_config",
            "lease_for_timeout", "side_channel_env", "listen_port", "lease_duration", "with_side_channel"]
 
 NIXL_CONNECTOR = "NixlConnector"
@@ -38,23 +40,40 @@ class NixlSettings:
     (:mod:`app.engine.vllm_nixl_connector`: off, the connector's own per-step calls drive UCX).
     ``num_threads``: NIXL's UCX worker threads (vLLM's ``kv_connector_extra_config.num_threads``,
     4 by default in vLLM; 0 lets NIXL's UCX backend run without a thread pool).
-    ``backends``: NIXL backends (vLLM's ``backends``). ``env``: UCX variables the engine's worker
-    process inherits (``UCX_TLS``, ...).
+    ``backends``: NIXL backends (vLLM's ``backends``). ``ucx_env``: UCX variables
+    (``UCX_CUDA_IPC_ENABLE_GET_ZCOPY``, ``UCX_TLS``, ...) carried in ``kv_connector_extra_config``
+    and set by the project's connector in the worker process before NIXL creates its UCX context
+    (a variable already in that process's environment wins: an operator's override).
     """
 
     progress_thread: bool = True
     num_threads: int = 4
     backends: tuple[str, ...] = ("UCX",)
-    env: dict[str, str] = field(default_factory=dict)
+    ucx_env: dict[str, str] = field(default_factory=dict)
 
     def extra_config(self) -> dict[str, Any]:
         return {"progress_thread": self.progress_thread, "num_threads": self.num_threads,
-                "backends": list(self.backends)}
+                "backends": list(self.backends), "ucx_env": dict(self.ucx_env)}
 
 
 # vLLM's defaults are NixlSettings(); measured on this project's 2-core CPU box (docs/engine.md):
 # the progress thread off.
 CPU_SETTINGS = NixlSettings(progress_thread=False)
+# GPU engines: a pull between GPUs of one node over CUDA IPC, which UCX turns off for reads when
+# it finds no NVLink (a pull then crossed TCP at ~0.5 GB/s where a push ran at ~49 GB/s: vLLM
+# issue 52607; NIXL's later UCX plugin turns it on itself). Pull, not vLLM's push connector: the
+# lease protocol (app.engine.vllm_nixl_handover) is pull's, and RDMA reads across nodes cost what
+# writes do. Progress thread off as on the CPU: the connector's per-step calls drive UCX.
+GPU_SETTINGS = NixlSettings(progress_thread=False, ucx_env={"UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "y"})
+_BY_DEVICE = {"cpu": CPU_SETTINGS, "cuda": GPU_SETTINGS}
+
+
+def settings_for(kv_buffer_device: str) -> NixlSettings:
+    """The transport settings of an engine whose KV lives on ``kv_buffer_device`` ("cpu", "cuda")."""
+    try:
+        return _BY_DEVICE[kv_buffer_device]
+    except KeyError:
+        raise ValueError(f"kv_buffer_device {kv_buffer_device!r} is not one of {sorted(_BY_DEVICE)}") from None
 # app.engine.vllm_nixl_connector (not imported here: configs are built where vLLM is not installed)
 CONNECTOR_MODULE = "app.engine.vllm_nixl_connector"
 
@@ -67,15 +86,17 @@ def lease_for_timeout(request_timeout_s: float, margin_s: float = 5.0) -> int:
     return max(6, int(request_timeout_s + margin_s + 0.999))
 
 
-def nixl_transfer_config(role: Role, *, lease_s: int, settings: NixlSettings = CPU_SETTINGS,
+def nixl_transfer_config(role: Role, *, lease_s: int, settings: NixlSettings | None = None,
                          kv_buffer_device: str = "cpu") -> dict[str, Any]:
     """``kv_transfer_config`` (a dict for vLLM's ``KVTransferConfig``) of one engine in this mode.
 
     ``role``: "producer" on prefill engines, "consumer" on decoders and LoRA decode groups,
     "both" where one engine does both. ``lease_s``: how long a finished prefill keeps its blocks
     for the decoder's pull (:func:`lease_for_timeout`). ``kv_buffer_device``: "cpu" on CPU nodes,
-    "cuda" to register the device cache on GPUs.
+    "cuda" to register the device cache on GPUs. ``settings``: :func:`settings_for` the device
+    unless given.
     """
+    settings = settings or settings_for(kv_buffer_device)
     if role not in _KV_ROLE:
         raise ValueError(f"nixl_transfer_config role: {role!r} is not one of {sorted(_KV_ROLE)}")
     if int(lease_s) != lease_s or lease_s < 1:
@@ -101,7 +122,7 @@ def nixl_transfer_config(role: Role, *, lease_s: int, settings: NixlSettings = C
 
 
 def decoder_transfer_config(base_dir: str, decoder_dir: str, prefill_module_id: str, *, lease_s: int,
-                            settings: NixlSettings = CPU_SETTINGS,
+                            settings: NixlSettings | None = None,
                             kv_buffer_device: str = "cpu") -> tuple[dict[str, Any] | None, tuple[str, ...]]:
     """A decoder's (or LoRA decode group's) ``kv_transfer_config`` in this mode, gated by the
     project's own check (``app.models.compat.check``: manifests, shapes, tokenizer hash), since
@@ -116,16 +137,14 @@ def decoder_transfer_config(base_dir: str, decoder_dir: str, prefill_module_id: 
                                 kv_buffer_device=kv_buffer_device), ()
 
 
-def side_channel_env(port: int | None = None, host: str = "127.0.0.1",
-                     settings: NixlSettings = CPU_SETTINGS) -> dict[str, str]:
+def side_channel_env(port: int | None = None, host: str = "127.0.0.1") -> dict[str, str]:
     """Env of one engine in this mode: its NIXL handshake listener (one port per engine on a host;
-    None: a free one, for a replica that starts its engine on a shared node) and the transport's UCX
-    variables. ``host``: the address decoders reach this engine at (the node's IP)."""
+    None: a free one, for a replica that starts its engine on a shared node). ``host``: the address
+    decoders reach this engine at (the node's IP). UCX variables travel in the connector's config
+    (``NixlSettings.ucx_env``)."""
     if port is None:
         port = listen_port(host)
-    env = {"VLLM_NIXL_SIDE_CHANNEL_HOST": host, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(int(port))}
-    env.update(settings.env)
-    return env
+    return {"VLLM_NIXL_SIDE_CHANNEL_HOST": host, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(int(port))}
 
 
 # Ray's own ports sit below 20000 (worker ports 10002-19999 by default); the kernel's ephemeral

@@ -21,6 +21,15 @@ merges into the worker half's each engine step (``Scheduler.update_from_output``
 replica, which pushes it to the Metrics deployment with its ``vllm:*`` families). A refusal is
 counted on the engine's next step.
 
+Transport (``kv_connector_extra_config.ucx_env``): UCX variables set in the worker process before
+NIXL creates its UCX context (CUDA IPC reads on GPUs: :data:`app.engine.vllm_nixl.GPU_SETTINGS`);
+the worker half then logs the transport its pulls should take (:mod:`app.engine.kv_transport`)
+and the engine's vLLM.
+
+One vLLM (:mod:`app.engine.vllm_pairing`): a finished prefill's ``kv_transfer_params`` name the
+producer's vLLM, and a consumer of another version refuses them (logged, naming both; the
+request is then computed privately, never read from blocks another vLLM laid out).
+
 This class is vLLM's ``NixlConnector`` itself; only its side channel differs, and the agent it
 creates when ``kv_connector_extra_config.progress_thread`` is false. It keeps vLLM's class name so that vLLM's
 own checks for "NixlConnector" still apply to it; vLLM loads it from this module
@@ -29,18 +38,29 @@ own checks for "NixlConnector" still apply to it; vLLM loads it from this module
 from __future__ import annotations
 
 import functools
+import logging
+import os
 
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_worker
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import NixlConnector as _VllmNixlConnector
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.stats import NixlKVConnectorStats, NixlPromMetrics
 
-from app.engine import side_channel_auth
+from app.engine import kv_transport, side_channel_auth, vllm_pairing
 from app.engine.cpu_layout import request_amx_tiles
 
 __all__ = ["NixlConnector", "MODULE", "GuardedNixlStats", "GuardedNixlPromMetrics", "REFUSED_KEY"]
 
 MODULE = __name__
 REFUSED_KEY = "num_refused_handshakes"
+log = logging.getLogger(__name__)
+
+
+def apply_ucx_env(ucx_env: dict | None) -> dict[str, str]:
+    """Set the connector's UCX variables in this process (before NIXL reads them); one already set
+    stays (an operator's override). The variables now in force."""
+    for k, v in (ucx_env or {}).items():
+        os.environ.setdefault(str(k), str(v))
+    return {k: os.environ[k] for k in (ucx_env or {})}
 
 
 class GuardedNixlStats(NixlKVConnectorStats):
@@ -96,6 +116,7 @@ class NixlConnector(_VllmNixlConnector):
         # SIGILL (cpu_layout); this path's bf16 tests did not die without it here: a guard, not a fix
         request_amx_tiles()
         ktc = vllm_config.kv_transfer_config
+        apply_ucx_env(ktc.get_from_extra_config("ucx_env", {}))
         progress_thread = bool(ktc.get_from_extra_config("progress_thread", True))
         make_config = base_worker.nixl_agent_config
         if progress_thread or make_config is None:
@@ -113,6 +134,24 @@ class NixlConnector(_VllmNixlConnector):
                 raise RuntimeError("vLLM's NIXL worker has no xfer_stats (a vLLM upgrade?): cannot report "
                                    "the side channel's refusals")
             worker.xfer_stats = GuardedNixlStats()
+            log.info("PrefillShare vllm-nixl engine, vLLM %s: %s", vllm_pairing.vllm_version(),
+                     kv_transport.describe(kv_transport.plan(str(ktc.kv_buffer_device))))
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens):
+        params = request.kv_transfer_params
+        mismatch = vllm_pairing.refusal(params) if params and params.get("do_remote_prefill") else None
+        if mismatch is not None:  # never pair with another vLLM: compute the prompt here
+            log.error("request %s: %s", request.request_id, mismatch)
+            params["do_remote_prefill"] = False
+        return super().get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def request_finished(self, request, block_ids):
+        delay, params = super().request_finished(request, block_ids)
+        return delay, vllm_pairing.stamp(params)
+
+    def request_finished_all_groups(self, request, block_ids):
+        delay, params = super().request_finished_all_groups(request, block_ids)
+        return delay, vllm_pairing.stamp(params)
 
     def get_kv_connector_stats(self):
         stats = super().get_kv_connector_stats()

@@ -19,21 +19,26 @@ Engines are anything with the :class:`app.engine.async_engine.Engine` ``complete
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from app.engine import vllm_pairing
 from app.handover import shared_length
 from app.sampling import Sampling
+
+log = logging.getLogger(__name__)
 
 __all__ = ["Lease", "HandoverCounters", "FALLBACK_REASONS", "default_margin", "prefill_leases", "usable", "decode",
            "lease_of", "pull_params", "count_decode",
            "read_vllm_nixl_counters", "CounterDeltas"]
 
 # Why a decoder request prefilled privately instead of pulling (counted per reason).
-FALLBACK_REASONS = ("no_lease", "lease_expiring", "pull_incomplete")
+# vllm_version: the lease came from a producer of another vLLM (app.engine.vllm_pairing).
+FALLBACK_REASONS = ("no_lease", "lease_expiring", "pull_incomplete", "vllm_version")
 
 
 def default_margin(lease_s: float) -> float:
@@ -121,6 +126,10 @@ def usable(lease: Lease | None, margin_s: float, now: float | None = None) -> st
         return "no_lease"
     if lease.remaining(now) < margin_s:
         return "lease_expiring"
+    mismatch = vllm_pairing.refusal(lease.params)
+    if mismatch is not None:
+        log.error("lease %s: %s", lease.request_id, mismatch)
+        return "vllm_version"
     return None
 
 
