@@ -4,6 +4,7 @@ from __future__ import annotations
 import base64
 import copy
 import importlib
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -29,16 +30,26 @@ from app.kube.render import (
 from app.kube.variant import VariantError, load_variant
 
 REPO = Path(__file__).resolve().parent.parent
-CRD_DIR = REPO.parent / "shared" / "kuberay"
+CRD_DIR = REPO / "tests" / "data" / "kuberay"  # KubeRay v1.7.0's CRDs, kept as data (its README: source, sums)
 MANIFESTS = sorted((REPO / "k8s").glob("rayservice-*.yaml"))
 VARIANTS = sorted((REPO / "k8s" / "variants").glob("*.yaml"))
 
 
 @pytest.fixture(scope="module")
 def crds() -> CrdValidator:
-    if not (CRD_DIR / "ray.io_rayservices.yaml").is_file():
-        pytest.skip(f"KubeRay CRDs not found at {CRD_DIR} (the shared folder beside the repo is absent)")
     return CrdValidator.from_dir(CRD_DIR)
+
+
+def test_the_crds_are_the_ones_their_readme_names():
+    """The copied CRDs are data: their bytes are what tests/data/kuberay/README.md records."""
+    import hashlib
+
+    recorded = dict(re.findall(r"\| `(ray\.io_\w+\.yaml)` \|[^|]*\| `([0-9a-f]{64})` \|",
+                               (CRD_DIR / "README.md").read_text()))
+    assert set(recorded) == {p.name for p in CRD_DIR.glob("*.yaml")} == {"ray.io_rayservices.yaml",
+                                                                          "ray.io_rayclusters.yaml"}
+    for name, digest in recorded.items():
+        assert hashlib.sha256((CRD_DIR / name).read_bytes()).hexdigest() == digest, name
 
 
 def _load(path: Path) -> dict:
