@@ -312,6 +312,14 @@ class SmallDeployment(_Strict):
     max_ongoing_requests: int = Field(256, ge=1)
     max_queued_requests: QueueLimit = Field(-1, description="see Placement.max_queued_requests")
 
+class SharingConfig(_Strict):
+    """The deploy-time check that a prefill module's decoders share its prefill (app/sharing.py)."""
+
+    require: bool = Field(False, description="fail the deploy when a decoder on a prefill module renders an agent's "
+                          "own system prompt before the shared context (trained system-first); off: a warning in the "
+                          "deploy log and on GET /sharing")
+
+
 class AuthConfig(_Strict):
     """API keys at the ingress. Off unless a key source is set; each key names a tenant, and the
     tenant salts every KV key and prefix-cache hash of its requests (app/auth.py)."""
@@ -333,12 +341,17 @@ class AppConfig(_Strict):
     handover: Literal["pool", "vllm-nixl"] = Field(
         "pool", description="how decoders get the base's KV: the project's pool (CPU nodes) or vLLM's NixlConnector "
         "(app/engine/vllm_nixl.py; GPUs)")
+    kv_lease_duration: int | None = Field(
+        None, ge=6, description="handover vllm-nixl: seconds a finished prefill keeps its blocks for a decoder's "
+        "pull (vLLM's kv_lease_duration; unpulled leases hold prefill KV space that long); None: "
+        "limits.request_timeout_s + 5. A decoder request that waits longer prefills privately")
     limits: LimitsConfig = Field(default_factory=LimitsConfig)
     routing: RoutingConfig = Field(default_factory=RoutingConfig)
     router: SmallDeployment = Field(default_factory=SmallDeployment)
     orchestrator: SmallDeployment = Field(default_factory=SmallDeployment)
     metrics: SmallDeployment = Field(default_factory=SmallDeployment)
     auth: AuthConfig = Field(default_factory=AuthConfig)
+    sharing: SharingConfig = Field(default_factory=SharingConfig)
     engine_env: dict[str, str] = Field(
         default_factory=dict, description="env vars for every engine replica (e.g. VLLM_HOST_IP)"
     )

@@ -6,6 +6,10 @@ privately), its checked Renderer, its tool-call format and its LoRA adapter. A f
 decoder that cannot share prefills privately; a decode group's adapter that cannot run on the
 group's engine fails the build with the config field named (:class:`ConfigError`).
 
+:func:`plan_app` also renders one probe request through every decoder of each prefill module
+(app/sharing.py): a decoder that would prefill an agent's own system prompt before the shared
+context is named in the deploy log, or fails the build with ``sharing.require``.
+
 The plan holds plain data and crosses to every Router and Orchestrator replica as it is: they
 neither read a manifest nor check a rendering again.
 """
@@ -20,6 +24,7 @@ from app.config import AdapterConfig, AppConfig, ConfigError, DecoderConfig, Lim
 from app.engine import compute_dtype
 from app.engine_args import check_engine_kwargs
 from app.rendering import Renderer, RenderError
+from app.sharing import ModuleSharing, module_sharing
 
 log = logging.getLogger("ray.serve")
 
@@ -56,6 +61,7 @@ class AppPlan:
     modules: tuple[ModulePlan, ...]
     decoders: tuple[DecoderPlan, ...]
     limits: LimitsConfig = field(default_factory=LimitsConfig)
+    sharing: tuple[ModuleSharing, ...] = ()  # per prefill module: what its decoders share of a probe
 
     def decoder(self, name: str) -> DecoderPlan | None:
         return next((d for d in self.decoders if d.name == name), None)
@@ -235,11 +241,35 @@ def plan_app(cfg: AppConfig) -> AppPlan:
     group_ids = {d.name: prefill_module_id(cfg.path(d.model)) for d in cfg.decoders if d.adapters}
     bpt = {d.name: kv_bytes_per_token(cfg.path(d.model), d.engine.dtype) for d in cfg.decoders}
     tok = _Tokenizer(cfg.path(cfg.tokenizer))
-    decoders = tuple(_resolve(cfg, s, module_ids, group_ids, bpt[s.decoder.name], tok) for s in _served(cfg))
+    served = _served(cfg)
+    decoders = tuple(_resolve(cfg, s, module_ids, group_ids, bpt[s.decoder.name], tok) for s in served)
     for i, d in enumerate(cfg.decoders):
         modules = sorted({p.prefill_module for p in decoders if p.group == d.name and p.prefill_module})
         if len(modules) > 1:
             raise ConfigError(f"decoders[{i}].adapters: one decode group reads one prefill module's KV; its adapters "
                               f"name {modules} (split them into groups or set decoders[{i}].prefill_module)")
     modules = tuple(ModulePlan(p.name, module_ids[p.name], p.engine.block_size) for p in cfg.prefill_modules)
-    return AppPlan(str(cfg.path(cfg.tokenizer)), modules, decoders, cfg.limits)
+    sharing = _check_sharing(cfg, decoders, tok, {s.name: s.where for s in served})
+    return AppPlan(str(cfg.path(cfg.tokenizer)), modules, decoders, cfg.limits, sharing)
+
+
+def _check_sharing(cfg: AppConfig, decoders: tuple[DecoderPlan, ...], tok: _Tokenizer,
+                   where: dict[str, str]) -> tuple[ModuleSharing, ...]:
+    """Each prefill module's probe report; a decoder that shares nothing is logged, or with
+    ``sharing.require`` fails the build naming its config entry (``where``: name -> config field)."""
+    reports = []
+    for p in cfg.prefill_modules:
+        renderers = {d.name: d.renderer for d in decoders if d.prefill_module == p.name}
+        if not renderers:
+            continue
+        report = module_sharing(tok(), p.name, renderers)
+        log.info("prefill module %s: a fan-out of one probe to its %d decoders costs the base %d prompt tokens, "
+                 "%.2fx one agent's prompt", p.name, len(renderers), report.fanout_tokens, report.ratio)
+        for d in report.decoders:
+            if d.problem is None:
+                continue
+            if cfg.sharing.require:
+                raise ConfigError(f"{where[d.decoder]}: {d.problem} (sharing.require is on)")
+            log.warning("%s: %s", where[d.decoder], d.problem)
+        reports.append(report)
+    return tuple(reports)

@@ -54,6 +54,7 @@ class PrefillRecord:
     computed_tokens: int
     cached_tokens: int
     seconds: float
+    handed_over_tokens: int = 0  # the prompt tokens whose KV the call's decoders needed, summed over them
 
 
 def pool_families(pool) -> list[EngineFamily]:
@@ -231,6 +232,21 @@ class AppMetrics:
                            ["deployment", "replica"], registry=r)
         self.prefill_seconds = Histogram("prefillshare_prefill_seconds", "Prefill call latency per module",
                                          ["module"], buckets=_LATENCY_BUCKETS, registry=r)
+        # the sharing factor: prompt tokens the decoders needed / prompt tokens the base computed
+        # (N for a fan-out to N agents whose prompts share all but their last tokens, 1 with nothing shared)
+        self.handed_over = Counter(
+            "prefillshare_prefill_handed_over_tokens",
+            "Prompt tokens whose KV a prefill module handed to decoders, summed over the decoders", ["module"],
+            registry=r)
+        self.sharing_factor = Gauge(
+            "prefillshare_prefill_sharing_factor",
+            "handed_over_tokens / tokens the module computed, over the app's life (1: nothing shared)", ["module"],
+            registry=r)
+        self.call_sharing = Histogram(
+            "prefillshare_prefill_call_sharing_factor",
+            "Per prefill call (one agent-run round or one completion): tokens handed over / tokens computed",
+            ["module"], buckets=(1, 1.25, 1.5, 2, 3, 4, 6, 8, 12, 16, 32, 64), registry=r)
+        self._module_tokens: dict[str, list[int]] = {}  # module -> [handed over, computed]
         # hand-over "vllm-nixl" (app/engine/vllm_nixl_handover.py): vLLM's NIXL counters of each engine
         # (num_kv_expired_reqs, num_notifications_after_expiry, ...) and the orchestration's own
         # (pulls, fallback:<reason>), sent as increments by the replicas
@@ -268,6 +284,13 @@ class AppMetrics:
         self.prefill_computed.labels("prefill", rec.prefill_module).inc(rec.computed_tokens)
         self.prefill_saved.labels("prefill", rec.prefill_module).inc(rec.cached_tokens)
         self.prefill_seconds.labels(rec.prefill_module).observe(rec.seconds)
+        if rec.handed_over_tokens > 0:
+            self.handed_over.labels(rec.prefill_module).inc(rec.handed_over_tokens)
+            self.call_sharing.labels(rec.prefill_module).observe(rec.handed_over_tokens / max(1, rec.computed_tokens))
+            totals = self._module_tokens.setdefault(rec.prefill_module, [0, 0])
+            totals[0] += rec.handed_over_tokens
+            totals[1] += rec.computed_tokens
+            self.sharing_factor.labels(rec.prefill_module).set(totals[0] / max(1, totals[1]))
 
     def vllm_nixl(self, module: str, increments: dict[str, float]) -> None:
         for event, n in increments.items():

@@ -16,6 +16,7 @@ from collections.abc import Mapping, Sequence
 
 from app.engine.kv_keys import block_keys
 from app.rendering import Renderer, RenderError
+from app.sharing import common_prefix
 
 __all__ = ["Prompter", "RenderError", "common_prefix", "locality_keys"]
 
@@ -68,18 +69,6 @@ class Prompter:
 
 
 _SUITE = Renderer()
-
-
-def common_prefix(prompts: Sequence[Sequence[int]]) -> list[int]:
-    """Longest token prefix shared by every prompt."""
-    if not prompts:
-        return []
-    first = prompts[0]
-    n = min(len(p) for p in prompts)
-    i = 0
-    while i < n and all(p[i] == first[i] for p in prompts):
-        i += 1
-    return list(first[:i])
 
 
 def locality_keys(prefill_module_id: str, token_ids: Sequence[int], block_size: int,

@@ -590,6 +590,13 @@ class Router:
         return {"ready": True, "engines": len(self.prefill) + len(self.decoders),
                 "admission": self.admission.snapshot()}
 
+    @api.get("/sharing")
+    async def sharing(self):
+        """The deploy-time sharing check (app/sharing.py): per prefill module, what a fan-out of one
+        probe request to its decoders costs the base, and each decoder that shares nothing, why."""
+        reports = [r.to_dict() for r in self.plan.sharing]
+        return {"sharing": all(d["shares"] for r in reports for d in r["decoders"]), "modules": reports}
+
     @api.get("/metrics")
     async def metrics_text(self):
         body = await self.metrics.render.remote()

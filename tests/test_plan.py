@@ -63,20 +63,6 @@ def test_each_manifest_is_read_once_and_each_rendering_checked_once(shipped_with
     assert p.renderer("chat-route") is plan.decoder("chat-route").renderer
 
 
-def test_a_plan_without_a_chat_template_never_loads_the_tokenizer(monkeypatch):
-    """Loading it imports transformers (seconds of CPU in each app build); only a template check needs it."""
-    from app.plan import plan_app
-    from app.training import tokenizer
-
-    def refuse(path):
-        raise AssertionError(f"tokenizer loaded: {path}")
-
-    monkeypatch.setattr(tokenizer, "load_tokenizer", refuse)
-    cfg = load_config({"prefill_modules": [{"name": "base", "model": "checkpoints/base"}],
-                       "decoders": [{"name": n, "model": f"checkpoints/decoders/{n}"} for n in ("lookup", "tool_call")]})
-    assert [d.renderer.format for d in plan_app(cfg).decoders] == ["suite", "suite"]
-
-
 def test_the_plan_carries_the_limits_once(shipped_with_group):
     from app.plan import AppPlan, plan_app
 

@@ -247,6 +247,7 @@ def fanout_prefill_tokens(data_path: Path, base_dir: Path, decoders: Path, agent
     prefix once, each prompt's own rest), against one agent's prompt, in the decoders' layout."""
     from app.handover import split_prompt
     from app.rendering import Renderer
+    from app.sharing import prefix_tree_tokens
     from app.training.data import read_records
     from app.training.tokenizer import load_tokenizer
 
@@ -264,13 +265,3 @@ def fanout_prefill_tokens(data_path: Path, base_dir: Path, decoders: Path, agent
     return {"fanouts": len(fanouts), "agents": len(agents), "base_tokens_per_fanout": round(computed, 1),
             "tokens_per_prompt": round(one, 1), "ratio_to_one_prompt": round(computed / one, 2)}
 
-
-def prefix_tree_tokens(prompts) -> int:
-    """Tokens a prefix cache computes for ``prompts``: each shared prefix once (the trie's nodes)."""
-    ordered = sorted(tuple(p) for p in prompts)
-    shared = 0
-    for a, b in zip(ordered, ordered[1:]):
-        n = min(len(a), len(b))
-        i = next((i for i in range(n) if a[i] != b[i]), n)
-        shared += i
-    return sum(len(p) for p in ordered) - shared
