@@ -300,7 +300,6 @@ def test_handover_mode_is_one_config_field():
 
 
 def test_expiry_counters_reach_the_apps_metrics():
-    pytest.importorskip("ray")
     from prometheus_client import CollectorRegistry, Counter
 
     from deployments.metrics import AppMetrics
