@@ -1,31 +1,82 @@
-"""Suite-wide hygiene: nothing a test started outlives the session, and a leftover fails the run.
+"""Suite-wide hygiene: nothing a test started outlives the session, a leftover fails the run, and
+so does a skip in CI.
 
-What the tests start is tracked by ancestry and by an environment marker every child inherits
-(tests/process_tracking.py), never by command line (vLLM renames its engine cores
-``VLLM::EngineCore``; an orphan has lost its parent). At session end whatever of it still runs is
-named, stopped by pid (SIGTERM, then SIGKILL), and the session fails.
+- Processes: what the tests start is tracked by ancestry and by an environment marker every child
+  inherits (tests/process_tracking.py), never by command line (vLLM renames its engine cores
+  ``VLLM::EngineCore``; an orphan has lost its parent). At session end whatever of it still runs
+  is named, stopped by pid (SIGTERM, then SIGKILL), and the session fails.
+- /dev/shm: an entry that appeared during the session and is still there at its end (a KV pool
+  not given back) is named, removed, and the session fails (tests/shm_tracking.py; with another
+  test session running beside this one, outside CI, it is only reported).
+- Skips: under ``CI=true`` a skipped test fails the run; the suite has nothing that may be absent.
+- Randomness: each test starts with ``random`` (and torch, numpy when loaded) seeded from the
+  session's seed and its node id; the seed is printed in the header and with each failure, and
+  ``PREFILLSHARE_TEST_SEED=<seed>`` repeats it.
 """
 from __future__ import annotations
 
 import os
+import random
 import sys
 import time
 import uuid
+import zlib
 
 import psutil
 import pytest
+import shm_tracking
 from process_tracking import ProcessTracker, kill_all, title
 
 MARKER = "PREFILLSHARE_TEST_SESSION"
+SEED_ENV = "PREFILLSHARE_TEST_SEED"
 _tracker: ProcessTracker | None = None
 _started = time.monotonic()
 _last_file: str | None = None
+_shm_before: set[str] = set()
+_others_at_start = False
+_skipped: list[str] = []
+_seed = int(os.environ.get(SEED_ENV) or random.SystemRandom().randrange(1 << 31))
+
+
+def _in_ci() -> bool:
+    return os.environ.get("CI", "").strip().lower() in ("true", "1", "yes")
 
 
 def pytest_sessionstart(session):
-    global _tracker
+    global _tracker, _shm_before, _others_at_start
     marker = os.environ.setdefault(MARKER, uuid.uuid4().hex)
     _tracker = ProcessTracker(psutil.Process(), (MARKER, marker))
+    _shm_before = shm_tracking.snapshot()
+    _others_at_start = bool(shm_tracking.other_sessions((MARKER, marker)))
+
+
+def _seed_line() -> str:
+    return f"random seed: {_seed} (repeat it with {SEED_ENV}={_seed})"
+
+
+def pytest_report_header(config):
+    return _seed_line()
+
+
+def pytest_terminal_summary(terminalreporter):
+    terminalreporter.write_line(_seed_line())  # also with -q, which drops the header
+
+
+def pytest_runtest_setup(item):
+    """Seed the test's randomness from the session's seed and its node id (the same whatever runs before it)."""
+    seed = zlib.crc32(f"{_seed}:{item.nodeid}".encode())
+    random.seed(seed)
+    for name in ("torch", "numpy"):
+        module = sys.modules.get(name)
+        if module is not None:
+            (module.manual_seed if name == "torch" else module.random.seed)(seed)
+    item.add_report_section("setup", "random seed", f"session seed {_seed}, this test's {seed}: rerun with "
+                                                    f"{SEED_ENV}={_seed}")
+
+
+def pytest_runtest_logreport(report):
+    if report.skipped and not hasattr(report, "wasxfail"):
+        _skipped.append(report.nodeid)
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -63,11 +114,31 @@ def pytest_sessionfinish(session, exitstatus):
     if _tracker is None:
         return
     left = [p for p in _tracker.stop() if not _pytest_helper(p)]
-    if not left:
+    if left:
+        print(f"\nconftest: FAIL: {len(left)} process(es) the tests started outlived them: "
+              f"{', '.join(sorted(f'{title(p)} (pid {p.pid})' for p in left))}; stopping them", file=sys.stderr)
+        kill_all(left, grace_s=20)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+    _check_shm(session)
+    if _skipped and _in_ci():
+        print(f"\nconftest: FAIL: {len(_skipped)} test(s) skipped under CI=true (nothing in this suite may be "
+              f"absent in CI): {', '.join(_skipped[:20])}", file=sys.stderr)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def _check_shm(session) -> None:
+    """Fail on what the session left in /dev/shm (after its processes are gone), and remove it."""
+    new = shm_tracking.leftovers(_shm_before)
+    if not new:
         return
-    print(f"\nconftest: FAIL: {len(left)} process(es) the tests started outlived them: "
-          f"{', '.join(sorted(f'{title(p)} (pid {p.pid})' for p in left))}; stopping them", file=sys.stderr)
-    kill_all(left, grace_s=20)
+    shown = ", ".join(str(shm_tracking.SHM / n) for n in new[:20])
+    if not _in_ci() and (_others_at_start or shm_tracking.other_sessions((MARKER, os.environ[MARKER]))):
+        print(f"\nconftest: /dev/shm gained {len(new)} entr(ies) while another test session ran beside this "
+              f"one, so they may be its: {shown}; left in place", file=sys.stderr)
+        return
+    print(f"\nconftest: FAIL: the tests left {len(new)} entr(ies) in /dev/shm: {shown}; removing them",
+          file=sys.stderr)
+    shm_tracking.remove(new)
     session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 

@@ -9,6 +9,7 @@ from dataclasses import asdict
 import pytest
 import torch
 
+from app.engine import kv_pool
 from app.engine.cpu_layout import BlockLayout, joint_runs, slot_runs
 from app.engine.kv_keys import block_keys
 from app.engine.kv_pool import BlockDamaged, KVPool, PoolSpec, SlotReused, SlotTorn
@@ -76,11 +77,32 @@ def test_torn_reused_and_damaged_slots_are_detected(pool_dir):
     assert pool.entry(c.key).slot in (ea.slot, eb.slot) and pool.entry(c.key).gen > ea.gen
 
 
-def test_lru_eviction_respects_capacity(pool_dir):
+class FakeClock:
+    """The pool's clock (``time.time`` in app/engine/kv_pool.py), standing still until a test moves it:
+    lease and pin windows then hold or expire exactly when the test says, however loaded the machine."""
+
+    def __init__(self, now: float):
+        self.now = now
+
+    def time(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+@pytest.fixture
+def clock(monkeypatch) -> FakeClock:
+    fake = FakeClock(time.time())
+    monkeypatch.setattr(kv_pool, "time", fake)
+    return fake
+
+
+def test_lru_eviction_respects_capacity(pool_dir, clock):
     pool = KVPool(PoolSpec(pool_dir, capacity_bytes=3 * BLOCK))
     a, b, c, d = items(4)
     put(pool, [a, b, c])
-    time.sleep(0.01)
+    clock.advance(1)
     pool.release(pool.fetch([a.key])[1])  # touch a: b is now least recently used
     put(pool, [d])
     held = {k for k in (a.key, b.key, c.key, d.key) if pool.entry(k)}
@@ -109,12 +131,14 @@ def test_fanout_pins_and_leases_hold_blocks_until_released(pool_dir):
     assert pool.entry(a.key) is None
 
 
-def test_pins_expire_after_the_lease_timeout(pool_dir):
-    pool = KVPool(PoolSpec(pool_dir, capacity_bytes=BLOCK, lease_timeout_s=0.2))
+def test_pins_expire_after_the_lease_timeout(pool_dir, clock):
+    pool = KVPool(PoolSpec(pool_dir, capacity_bytes=BLOCK, lease_timeout_s=30))
     (a,), (b,) = items(1, tag=3), items(1, tag=4)
     put(pool, [a], pins=3)
     assert put(pool, [b]) == [False]
-    time.sleep(0.3)
+    clock.advance(29)
+    assert put(pool, [b]) == [False]  # pinned to the end of its window
+    clock.advance(2)
     assert put(pool, [b]) == [True]
 
 
@@ -249,10 +273,12 @@ def test_a_reader_never_accepts_a_reused_or_half_written_slot(pool_dir):
 
 
 # -- faults: a producer dies mid-save, a decoder dies holding a lease ---------------------------
+# these processes keep the real clock: their windows are 30 s of it, and the test's fake clock
+# (copied from the real one once they are gone) moves past them
 DIE_MID_SAVE = """
 import os, sys
 from app.engine.kv_pool import KVPool, PoolSpec
-pool = KVPool(PoolSpec(sys.argv[1], lease_timeout_s=0.5))
+pool = KVPool(PoolSpec(sys.argv[1], lease_timeout_s=30))
 res = pool.reserve([sys.argv[2]], int(sys.argv[3]), [4], "L", pins=2)
 pool.slab(int(sys.argv[3])).view(res.new[0].slot)[:10] = b"x" * 10
 os._exit(0)  # never publishes
@@ -262,7 +288,7 @@ DIE_HOLDING_LEASE = """
 import os, sys
 from app.engine.kv_pool import KVPool, PoolSpec
 pool = KVPool(PoolSpec(sys.argv[1]))
-assert pool.fetch([sys.argv[2]], lease_s=0.5)[1]
+assert pool.fetch([sys.argv[2]], lease_s=30)[1]
 os._exit(0)
 """
 
@@ -271,28 +297,30 @@ def _run(script, *args):
     subprocess.run([sys.executable, "-c", script, *map(str, args)], check=True, timeout=120)
 
 
-def test_a_producer_dying_mid_save_leaves_a_torn_slot_that_expires(pool_dir):
-    pool = KVPool(PoolSpec(pool_dir, capacity_bytes=BLOCK, lease_timeout_s=0.5))
+def test_a_producer_dying_mid_save_leaves_a_torn_slot_that_expires(pool_dir, clock):
+    pool = KVPool(PoolSpec(pool_dir, capacity_bytes=BLOCK, lease_timeout_s=30))
     (a,), (b,) = items(1, tag=7), items(1, tag=8)
     _run(DIE_MID_SAVE, pool_dir, a.key, BLOCK)
+    clock.now = time.time()
     e = pool.entry(a.key)
     assert e is not None and pool.find([a.key]) == []  # indexed, never offered
     with pytest.raises(SlotTorn):
         pool.check_entries([e])
     assert put(pool, [b]) == [False]  # its pins hold the only slot ...
-    time.sleep(0.6)
+    clock.advance(31)
     assert put(pool, [b]) == [True]  # ... until they expire
     assert bytes(read(pool, pool.entry(b.key))) == b.data
     assert pool.stats().get("expired_pins") == 1
 
 
-def test_a_decoder_dying_with_a_lease_blocks_eviction_only_until_it_expires(pool_dir):
+def test_a_decoder_dying_with_a_lease_blocks_eviction_only_until_it_expires(pool_dir, clock):
     pool = KVPool(PoolSpec(pool_dir, capacity_bytes=BLOCK))
     (a,), (b,) = items(1, tag=11), items(1, tag=12)
     put(pool, [a])
     _run(DIE_HOLDING_LEASE, pool_dir, a.key)
+    clock.now = time.time()
     assert put(pool, [b]) == [False]
-    time.sleep(0.6)
+    clock.advance(31)
     assert put(pool, [b]) == [True] and pool.entry(a.key) is None
     assert pool.stats().get("expired_leases") == 1
 

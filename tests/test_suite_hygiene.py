@@ -31,12 +31,36 @@ def test_waits_for_what_it_starts():
 '''
 
 
-def _run(tmp_path: Path, body: str) -> subprocess.CompletedProcess:
+# a skip, a pool left behind in /dev/shm and a random draw: what the session-end rules judge
+POLICY = '''
+import os
+import random
+
+import pytest
+
+def test_draws():
+    print("drew", random.random())
+
+def test_leaves_a_pool_behind():
+    if os.environ.get("HYGIENE_SHM_DIR"):
+        os.makedirs(os.environ["HYGIENE_SHM_DIR"])
+
+def test_skips():
+    pytest.skip("something is absent")
+'''
+
+
+def _run(tmp_path: Path, body: str, **env_over: str) -> subprocess.CompletedProcess:
     shutil.copy(HERE / "conftest.py", tmp_path / "conftest.py")
     (tmp_path / "test_it.py").write_text(body)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE), str(HERE.parent)]))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE), str(HERE.parent)]), **env_over)
     env.pop("PREFILLSHARE_TEST_SESSION", None)  # the inner session marks its own
-    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+    if "CI" not in env_over:
+        env.pop("CI", None)
+    if "PREFILLSHARE_SHM_WATCHED" not in env_over:  # /dev/shm is shared with whatever else runs here
+        (tmp_path / "shm-watched").mkdir(exist_ok=True)
+        env["PREFILLSHARE_SHM_WATCHED"] = str(tmp_path / "shm-watched")
+    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider",
                            f"--basetemp={tmp_path / 'base'}", str(tmp_path / "test_it.py")],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
 
@@ -54,3 +78,25 @@ def test_a_clean_session_passes(tmp_path):
     out = _run(tmp_path, CLEAN)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "outlived" not in out.stderr
+
+
+def _draws(out: subprocess.CompletedProcess) -> list[str]:
+    return [line for line in out.stdout.splitlines() if "drew" in line]
+
+
+def test_under_ci_a_skip_and_a_leftover_in_dev_shm_fail_the_run_and_the_seed_repeats_the_draws(tmp_path):
+    """One inner session with CI=true, one without. The /dev/shm check watches a folder of this
+    test's own (the real one is shared with whatever else runs on the machine)."""
+    shm = tmp_path / "shm"
+    (shm / "there-before").mkdir(parents=True)
+    left = shm / "ps-test-pool-left"
+    ci = _run(tmp_path, POLICY, CI="true", PREFILLSHARE_TEST_SEED="12345", HYGIENE_SHM_DIR=str(left),
+              PREFILLSHARE_SHM_WATCHED=str(shm))
+    assert ci.returncode == 1 and "2 passed, 1 skipped" in ci.stdout, ci.stdout + ci.stderr
+    assert "skipped under CI=true" in ci.stderr and "test_skips" in ci.stderr, ci.stderr
+    assert f"left 1 entr(ies) in /dev/shm: {left}" in ci.stderr, ci.stderr
+    assert not left.exists() and (shm / "there-before").is_dir()  # removed; what was there before stays
+    assert "random seed: 12345" in ci.stdout
+    local = _run(tmp_path, POLICY, PREFILLSHARE_TEST_SEED="12345", PREFILLSHARE_SHM_WATCHED=str(shm))
+    assert local.returncode == 0 and "/dev/shm" not in local.stderr, local.stdout + local.stderr  # a skip is fine
+    assert _draws(ci) and _draws(ci) == _draws(local)  # the same seed, the same draws
