@@ -58,13 +58,14 @@ def _router_config(cls, cfg: AppConfig, **kwargs):
 
 
 def _vllm_nixl_config(cfg: AppConfig, role: Literal["producer", "consumer"], p: Placement) -> dict[str, Any]:
-    """Hand-over "vllm-nixl": an engine's kv_transfer_config, its lease tied to the request timeout
-    (a lease never runs out while the request that reads it may still be waiting), the transport
+    """Hand-over "vllm-nixl": an engine's kv_transfer_config, its lease ``kv_lease_duration`` or tied to
+    the request timeout (a lease never runs out while the request that reads it may still be waiting;
+    app.engine.vllm_nixl_handover sends no lease it cannot trust either way), the transport
     settings of its device (GPU placements: CUDA IPC reads, app.engine.vllm_nixl.GPU_SETTINGS)."""
     from app.engine.vllm_nixl import lease_for_timeout, nixl_transfer_config
 
-    return nixl_transfer_config(role, lease_s=lease_for_timeout(cfg.limits.request_timeout_s),
-                                kv_buffer_device="cuda" if p.num_gpus else "cpu")
+    lease_s = cfg.kv_lease_duration or lease_for_timeout(cfg.limits.request_timeout_s)
+    return nixl_transfer_config(role, lease_s=lease_s, kv_buffer_device="cuda" if p.num_gpus else "cpu")
 
 
 def _prefill_deployments(cfg: AppConfig, plan: AppPlan, pool, metrics) -> dict:

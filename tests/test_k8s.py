@@ -198,20 +198,69 @@ def test_every_replica_fits_at_full_scale(path):
     assert any("/Prefill-" in d for d in placed) and any("/Decode-" in d for d in placed), placed
 
 
-def test_gpu_prefill_and_decoders_on_separate_gpu_groups(gpu_manifest):
+def test_gpu_prefill_and_decoders_share_multi_gpu_pods(gpu_manifest):
+    """The GPU variant puts the shared prefill replicas and the decoders in pods of several GPUs
+    (one node each), so a decoder's pull stays in its pod: CUDA IPC, device to device."""
     problems, pools = check_capacity(gpu_manifest)
     assert problems == []
     by_name = {p.name: p for p in pools}
-    prefill, decode = by_name["prefill"], by_name["decode"]
-    assert prefill.per_pod["GPU"] >= 1 and decode.per_pod["GPU"] >= 1
-    assert set(prefill.placed) and all("/Prefill-" in d for d in prefill.placed)
-    assert set(decode.placed) and all("/Decode-" in d for d in decode.placed)
+    node = by_name["gpu-node"]
+    assert node.per_pod["GPU"] >= 2
+    assert any("/Prefill-" in d for d in node.placed) and any("/Decode-" in d for d in node.placed)
     assert not any("/Decode-" in d or "/Prefill-" in d for d in by_name["head"].placed)
-    groups = {g["groupName"]: g for g in gpu_manifest["spec"]["rayClusterConfig"]["workerGroupSpecs"]}
-    for name in ("prefill", "decode"):
-        limits = groups[name]["template"]["spec"]["containers"][0]["resources"]["limits"]
-        assert limits["nvidia.com/gpu"] >= 1
-        assert groups[name]["minReplicas"] <= groups[name]["replicas"] <= groups[name]["maxReplicas"]
+    serve = yaml.safe_load(gpu_manifest["spec"]["serveConfigV2"])
+    cfg = serve["applications"][0]["args"]["config"]
+    engines = cfg["prefill_modules"] + cfg["decoders"]
+    # every engine's bundle asks for the one group resource: prefill and decoders land on the same pods
+    assert {tuple(sorted(k for k in b if k not in ("CPU", "GPU"))) for e in engines
+            for b in e["placement"]["placement_group_bundles"]} == {("gpu_node",)}
+    # one pod holds a prefill replica and every decoder (the initial cluster is one such pod)
+    (group,) = [g for g in gpu_manifest["spec"]["rayClusterConfig"]["workerGroupSpecs"] if g["groupName"] == "gpu-node"]
+    need = sum(e["placement"]["num_replicas"] for e in engines)
+    assert need <= node.per_pod["GPU"] and group["replicas"] >= 1
+    limits = group["template"]["spec"]["containers"][0]["resources"]["limits"]
+    assert limits["nvidia.com/gpu"] == node.per_pod["GPU"] == node.per_pod["gpu_node"]
+    assert cfg["handover"] == "vllm-nixl"
+
+
+def test_gpu_variant_is_sized_for_an_8b_model_at_4k_with_8_decoders(gpu_manifest):
+    """docs/scaling.md "GPU KV space and lease": the prefill engine holds the unpulled 4K leases of
+    an 8B model for a lease's time, a decoder its sequences' 4K contexts."""
+    from app.config import load_config
+
+    serve = yaml.safe_load(gpu_manifest["spec"]["serveConfigV2"])
+    cfg = load_config(serve["applications"][0]["args"]["config"])
+    per_token = 2 * 32 * 8 * 128 * 2          # K and V x layers x KV heads x head_dim x bf16
+    context = 4096 * per_token                 # 512 MiB
+    (prefill,) = cfg.prefill_modules
+    assert prefill.engine.kv_cache_memory_bytes >= 32 * context  # >= 32 contexts in flight
+    assert cfg.kv_lease_duration is not None and cfg.kv_lease_duration <= 60
+    # unpulled leases (decoders that fell back) it can hold for a whole lease: >= 0.5 sessions/s per replica
+    assert prefill.engine.kv_cache_memory_bytes / context / cfg.kv_lease_duration >= 0.5
+    for d in cfg.decoders:
+        assert d.engine.kv_cache_memory_bytes >= d.engine.max_num_seqs * (4096 + 256) * per_token
+
+
+def test_rdma_and_host_ipc_render_and_validate(crds, tmp_path):
+    """A GPU variant with RDMA devices and host IPC: the pods ask for the device plugin's resource,
+    get IPC_LOCK and the node's IPC namespace, and the manifest still passes the CRD."""
+    raw = yaml.safe_load((REPO / "k8s" / "variants" / "gpu.yaml").read_text())
+    raw["workerGroups"][0].update(hostIPC=True, rdma={"rdma/rdma_shared_device_a": 1})
+    path = tmp_path / "gpu.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    doc = render_rayservice(yaml.safe_load((REPO / "serve_config.yaml").read_text()), load_variant(path))
+    crds.validate(doc)
+    (group,) = doc["spec"]["rayClusterConfig"]["workerGroupSpecs"]
+    pod = group["template"]["spec"]
+    c = pod["containers"][0]
+    assert pod["hostIPC"] is True
+    assert c["resources"]["limits"]["rdma/rdma_shared_device_a"] == c["resources"]["requests"]["rdma/rdma_shared_device_a"] == 1
+    assert c["securityContext"] == {"capabilities": {"add": ["IPC_LOCK"]}}
+    assert check_capacity(doc)[0] == []
+    # the shipped variant asks for neither
+    shipped = yaml.safe_load((REPO / "k8s" / "rayservice-gpu.yaml").read_text())
+    spec = shipped["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]["template"]["spec"]
+    assert "hostIPC" not in spec and "securityContext" not in spec["containers"][0]
 
 
 def _with_serve(manifest: dict, edit) -> dict:
@@ -224,19 +273,20 @@ def _with_serve(manifest: dict, edit) -> dict:
 
 def test_capacity_catches_too_many_decoder_replicas(gpu_manifest):
     groups = {g["groupName"]: g for g in gpu_manifest["spec"]["rayClusterConfig"]["workerGroupSpecs"]}
-    too_many = groups["decode"]["maxReplicas"] + 1
+    gpus = groups["gpu-node"]["maxReplicas"] * groups["gpu-node"]["template"]["spec"]["containers"][0][
+        "resources"]["limits"]["nvidia.com/gpu"]
 
     def edit(cfg):
-        cfg["decoders"][0]["placement"]["num_replicas"] = too_many
+        cfg["decoders"][0]["placement"]["num_replicas"] = gpus + 1
 
     problems, _ = check_capacity(_with_serve(gpu_manifest, edit))
-    assert any("does not fit in decode" in p for p in problems), problems
+    assert any("does not fit in gpu-node" in p for p in problems), problems
 
 
 def test_capacity_catches_unadvertised_resource_and_unpinned_gpu(gpu_manifest):
     def edit(cfg):
-        cfg["decoders"][0]["placement"]["placement_group_bundles"] = [{"CPU": 2, "GPU": 1, "decoder_node": 1}]
-        cfg["decoders"][1]["placement"]["placement_group_bundles"] = [{"CPU": 2, "GPU": 1}]
+        cfg["decoders"][0]["placement"]["placement_group_bundles"] = [{"CPU": 4, "GPU": 1, "decoder_node": 1}]
+        cfg["decoders"][1]["placement"]["placement_group_bundles"] = [{"CPU": 4, "GPU": 1}]
 
     problems, _ = check_capacity(_with_serve(gpu_manifest, edit))
     assert any("no node group advertises ['decoder_node']" in p for p in problems), problems
@@ -253,7 +303,10 @@ def test_ray_resources_param_survives_kubrays_bash_line(gpu_manifest):
         out = subprocess.run(["bash", "-c", f"printf '%s' --resources={raw}"], capture_output=True, text=True)
         arg = out.stdout
         assert arg.startswith("--resources={"), arg
-        assert json.loads(arg.split("=", 1)[1]) == parse_ray_resources_param(raw) == {f"{g['groupName']}_node": 1}
+        group = next(w for w in load_variant(REPO / "k8s" / "variants" / "gpu.yaml").worker_groups
+                     if w.name == g["groupName"])
+        assert json.loads(arg.split("=", 1)[1]) == parse_ray_resources_param(raw) == {
+            group.ray_resource: group.ray_resource_amount}
 
 
 def test_probes_and_service(gpu_manifest):
@@ -309,11 +362,13 @@ def test_merge_patch_semantics():
         (lambda v: v.update(imagePullPolcy="Always"), "imagePullPolcy"),
         (lambda v: v["workerGroups"][0].update(memory="64 GB"), "workerGroups.0.memory"),
         (lambda v: v["workerGroups"][0].update(replicas=9, maxReplicas=4), "replicas <= maxReplicas"),
-        (lambda v: v["workerGroups"][1].update(rayResource=v["workerGroups"][0]["rayResource"]), "own rayResource"),
+        (lambda v: v["workerGroups"].append(dict(v["workerGroups"][0], name="other")), "own rayResource"),
         (lambda v: v["modelStorage"].pop("claimName"), "claimName"),
         (lambda v: v["workerGroups"][0].update(shm="4Gi", objectStoreGiB=8), "does not fit in shm 4Gi"),
+        (lambda v: v["workerGroups"][0].update(rdma={"ib": 1}), "workerGroups.0.rdma"),
     ],
-    ids=["unknown-key", "bad-quantity", "replica-bounds", "shared-resource", "pvc-without-claim", "store-over-shm"],
+    ids=["unknown-key", "bad-quantity", "replica-bounds", "shared-resource", "pvc-without-claim", "store-over-shm",
+         "rdma-name"],
 )
 def test_bad_variant_names_the_field(tmp_path, edit, field):
     raw = yaml.safe_load((REPO / "k8s" / "variants" / "gpu.yaml").read_text())

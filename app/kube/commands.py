@@ -11,7 +11,7 @@ import yaml
 from app.kube.capacity import check_capacity
 from app.kube.render import PROJECT_ROOT, api_keys_secret_manifest, render_all, secret_manifest, to_yaml
 
-DEFAULT_CRDS = PROJECT_ROOT.parent / "shared" / "kuberay"
+DEFAULT_CRDS = PROJECT_ROOT / "tests" / "data" / "kuberay"  # KubeRay v1.7.0's CRDs, kept as data (README there)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -111,10 +111,8 @@ def _resources(shape: PodShape) -> dict:
     limits: dict[str, Any] = {"cpu": shape.cpu, "memory": shape.memory}
     if shape.gpus:
         limits["nvidia.com/gpu"] = shape.gpus
-    requests = {k: v for k, v in limits.items() if k != "nvidia.com/gpu"}
-    if shape.gpus:
-        requests["nvidia.com/gpu"] = shape.gpus
-    return {"limits": limits, "requests": requests}
+    limits.update(getattr(shape, "rdma", {}) or {})  # RDMA devices: requested = limits, as extended resources must be
+    return {"limits": limits, "requests": dict(limits)}
 
 
 def _http_probe(port: int, path: str, period: int, failures: int) -> dict:
@@ -186,7 +184,11 @@ def _pod(variant: Variant, shape: PodShape, container: str, component: str, head
     }
     if mounts:
         c["volumeMounts"] = mounts
+    if getattr(shape, "rdma", None):  # NIXL pins and registers the KV memory it lends over RDMA
+        c["securityContext"] = {"capabilities": {"add": ["IPC_LOCK"]}}
     spec: dict[str, Any] = {"containers": [c]}
+    if getattr(shape, "host_ipc", False):
+        spec["hostIPC"] = True
     if volumes:
         spec["volumes"] = volumes
     if shape.gpus:

@@ -71,6 +71,21 @@ class WorkerGroup(PodShape):
     min_replicas: int = Field(ge=0, alias="minReplicas")
     max_replicas: int = Field(ge=1, alias="maxReplicas")
     node_selector: dict[str, str] = Field(default_factory=dict, alias="nodeSelector")
+    host_ipc: bool = Field(
+        False, alias="hostIPC",
+        description="the node's IPC namespace: CUDA IPC between pods that share a node (and see each other's GPUs)")
+    rdma: dict[str, int] = Field(
+        default_factory=dict,
+        description="RDMA device resources per pod (an RDMA device plugin's, e.g. rdma/rdma_shared_device_a: 1): "
+        "KV pulls between pods over RDMA; the container then gets IPC_LOCK (NIXL registers its memory)")
+
+    @field_validator("rdma")
+    @classmethod
+    def _rdma_names(cls, v: dict[str, int]) -> dict[str, int]:
+        for name, n in v.items():
+            if "/" not in name or n < 1:
+                raise ValueError(f"rdma: {name}: {n}: want a device plugin's resource name (vendor/device) and a count >= 1")
+        return v
 
     @model_validator(mode="after")
     def _bounds(self) -> WorkerGroup:
