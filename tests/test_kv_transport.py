@@ -29,6 +29,37 @@ RDMA_LOG = """\
 """
 
 
+# NIXL 1.5.1's UCX 1.23 on this CPU box: a NIXL READ between two agents (UCX_PROTO_INFO=y), trimmed
+UCX_123_HOST_LOG = """\
+[1796457651.976672] [vm:15767:0]   +----------+--------------------+----------------------------------------+
+[1796457651.979127] [vm:15767:0]   +--------+-------------+-------------------------------------------+
+[1796457651.979127] [vm:15767:0]   | B intra-node cfg#1                                               |
+[1796457651.979127] [vm:15767:0]   | remote memory read by ucp_get*(multi) into host memory from host |
+[1796457651.979127] [vm:15767:0]   +--------+-------------+-------------------------------------------+
+[1796457651.979127] [vm:15767:0]   | Range  | Description |                  Config                   |
+[1796457651.979127] [vm:15767:0]   +--------+-------------+-------------------------------------------+
+[1796457651.979127] [vm:15767:0]   | 0..inf | zero-copy   | cma/memory                                |
+[1796457651.979127] [vm:15767:0]   +--------+-------------+-------------------------------------------+
+[1796457652.052867] [vm:15767:0]   +------------+--------------------+--------------------+
+[1796457652.052867] [vm:15767:0]   | B intra-node cfg#1                                   |
+[1796457652.052867] [vm:15767:0]   | active message by ucp_am_send*(egr) from host memory |
+[1796457652.052867] [vm:15767:0]   +------------+--------------------+--------------------+
+[1796457652.052867] [vm:15767:0]   |   Range    |    Description     |    Config          |
+[1796457652.052867] [vm:15767:0]   |          0 | short              | tcp/lo             |
+"""
+
+
+def test_ucx_123s_two_line_table_headers_are_read():
+    tables = kv_transport.read_protocols(UCX_123_HOST_LOG)
+    assert [(t.scope, t.is_read, t.transport) for t in tables] == [("intra-node", True, "cma"),
+                                                                     ("intra-node", False, "tcp")]
+    assert tables[0].rows == (("0..inf", "zero-copy", "cma/memory"),)
+    assert kv_transport.read_transport(UCX_123_HOST_LOG, memory="host") == "cma"
+    cuda = UCX_123_HOST_LOG.replace("into host memory from host", "into cuda/GPU0 from cuda/dev[0]").replace(
+        "cma/memory", "cuda_ipc/cuda")
+    assert kv_transport.read_transport(cuda) == "cuda_ipc"
+
+
 def test_the_protocol_log_names_the_transport_of_the_kv_reads():
     tables = kv_transport.read_protocols(GPU_LOG)
     assert [t.is_read for t in tables] == [False, True]

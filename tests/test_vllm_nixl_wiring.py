@@ -17,13 +17,13 @@ from deployments.messages import PrefillTicket
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _engine_configs(handover: str, gpus: bool = False):
+def _engine_configs(handover: str, gpus: bool = False, **update):
     """({"prefill:<module>" / "decode:<served name>": its EngineConfig}, the AppConfig) of the shipped
     app bound in ``handover`` mode (``gpus``: every engine placed on one GPU, as the GPU variant does)."""
     from deployments.application import build
 
     cfg = load_config(ROOT / "serve_config.yaml")
-    cfg = cfg.model_copy(update={"handover": handover})
+    cfg = cfg.model_copy(update={"handover": handover, **update})
     if gpus:
         def on_gpu(item):
             pl = item.placement.model_copy(update={"num_gpus": 1, "placement_group_bundles": None})
@@ -62,6 +62,13 @@ def test_gpu_engines_of_the_app_pull_over_cuda_ipc():
         assert ktc["kv_connector_extra_config"]["progress_thread"] is False, name
     cpu, _ = _engine_configs("vllm-nixl")
     assert all(ec.kv_transfer_config["kv_connector_extra_config"]["ucx_env"] == {} for ec in cpu.values())
+
+
+def test_kv_lease_duration_sets_every_engines_lease():
+    """kv_lease_duration (the GPU variant's 60 s) replaces the lease tied to the request timeout on
+    producers and consumers alike (a Decode replica's lease margin follows its own config)."""
+    configs, _ = _engine_configs("vllm-nixl", gpus=True, kv_lease_duration=60)
+    assert {lease_duration(ec.kv_transfer_config) for ec in configs.values()} == {60}
 
 
 def test_pool_mode_engines_keep_the_projects_connector():

@@ -11,12 +11,14 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from app.errors import PrefillShareLibraryError
+
 __all__ = ["ALLOC_CONF", "ExpandableSegmentsError", "check"]
 
 ALLOC_CONF = "PYTORCH_CUDA_ALLOC_CONF"
 
 
-class ExpandableSegmentsError(ValueError):
+class ExpandableSegmentsError(PrefillShareLibraryError, ValueError):
     """An engine with a KV connector would start with PyTorch's expandable segments on."""
 
 

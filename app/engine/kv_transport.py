@@ -121,11 +121,14 @@ class Protocol:
 
 
 _CELLS = re.compile(r"\|([^|]*)")
-_HEADER = re.compile(r"(intra-node|inter-node)\s+cfg#\d+")
+_HEADER = re.compile(r"\b(self|intra-node|inter-node)\s+cfg#\d+")
 
 
 def read_protocols(text: str) -> list[Protocol]:
-    """Every protocol table in UCX's log (``UCX_PROTO_INFO=y``), in order."""
+    """Every protocol table in UCX's log (``UCX_PROTO_INFO=y``), in order. UCX 1.23 (NIXL 1.5.1's)
+    writes a table's endpoint (``<context> intra-node cfg#1``) and its operation on two lines of one
+    cell each, then a ``Range | Description | Config`` header and the rows; older UCX wrote the two on
+    one line."""
     out: list[Protocol] = []
     scope = op = None
     rows: list[tuple[str, str, str]] = []
@@ -141,10 +144,14 @@ def read_protocols(text: str) -> list[Protocol]:
             continue
         cells = [c.strip() for c in _CELLS.findall(line[line.index("|"):])]
         cells = [c for c in cells if c != ""]
-        if len(cells) == 2 and _HEADER.search(cells[0]):
+        head = _HEADER.search(cells[0]) if cells else None
+        if head and len(cells) in (1, 2):
             close()
-            scope, op = _HEADER.search(cells[0]).group(1), cells[1]
-        elif op is not None and len(cells) == 3:
+            scope = head.group(1)
+            op = cells[1] if len(cells) == 2 else ""
+        elif scope is not None and op == "" and len(cells) == 1:
+            op = cells[0]
+        elif op and len(cells) == 3 and cells != ["Range", "Description", "Config"]:
             rows.append((cells[0], cells[1], cells[2]))
     close()
     return out

@@ -53,6 +53,8 @@ __all__ = ["NixlConnector", "MODULE", "GuardedNixlStats", "GuardedNixlPromMetric
 MODULE = __name__
 REFUSED_KEY = "num_refused_handshakes"
 log = logging.getLogger(__name__)
+# under vLLM's logger, whose handler prints INFO in the engine's processes (this module's own does not)
+engine_log = logging.getLogger(f"vllm.{__name__}")
 
 
 def apply_ucx_env(ucx_env: dict | None) -> dict[str, str]:
@@ -134,7 +136,7 @@ class NixlConnector(_VllmNixlConnector):
                 raise RuntimeError("vLLM's NIXL worker has no xfer_stats (a vLLM upgrade?): cannot report "
                                    "the side channel's refusals")
             worker.xfer_stats = GuardedNixlStats()
-            log.info("PrefillShare vllm-nixl engine, vLLM %s: %s", vllm_pairing.vllm_version(),
+            engine_log.info("PrefillShare vllm-nixl engine, vLLM %s: %s", vllm_pairing.vllm_version(),
                      kv_transport.describe(kv_transport.plan(str(ktc.kv_buffer_device))))
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens):

@@ -14,12 +14,14 @@ from __future__ import annotations
 import functools
 from typing import Any
 
+from app.errors import PrefillShareLibraryError
+
 __all__ = ["VERSION_KEY", "VllmVersionMismatch", "vllm_version", "stamp", "refusal"]
 
 VERSION_KEY = "prefillshare_vllm_version"
 
 
-class VllmVersionMismatch(RuntimeError):
+class VllmVersionMismatch(PrefillShareLibraryError, RuntimeError):
     """A producer and a consumer of one app run different vLLM versions."""
 
     def __init__(self, producer: str, consumer: str):
