@@ -32,11 +32,11 @@ PLACE = {"num_cpus": 0.25, "placement_group_bundles": [{"CPU": 0.25}]}
 pytestmark = [pytest.mark.serve, pytest.mark.engine]
 
 
-def _context(seed: int, lines: int = 30) -> str:
+def _context(seed: int, records: int = 12) -> str:
     """A shared conversation of ~350 tokens: order records one after another."""
     from app.training import tasks
 
-    return "\n".join(e.context for e in tasks.make_examples(lines // 6, seed=seed)[::4])
+    return "\n".join(e.context for e in tasks.make_examples(records, seed=seed)[::4])
 
 
 def _train(tmp: Path) -> dict[str, Path]:

@@ -30,14 +30,19 @@ def test_shipped_chat_adapters_render_their_template_and_share_the_base():
     from app.training.tokenizer import load_tokenizer
 
     tok = load_tokenizer(CKPT / "base")
+    systems = set()
     for agent in AGENTS:
-        for path, method in ((CKPT / "chat" / "adapters" / agent, "cache_conditioned"),
-                             (CKPT / "chat" / "baselines" / "fullft" / agent, "full_ft")):
+        for path, method, layout in (
+                (CKPT / "chat" / "adapters" / agent, "cache_conditioned", "shared_first"),
+                (CKPT / "chat" / "baselines" / "fullft" / agent, "full_ft", "shared_first"),
+                (CKPT / "chat" / "baselines" / "system_first" / agent, "cache_conditioned", "system_first")):
             m = read_manifest(path)
             assert m.method == method and m.agent == agent and m.weights == "adapter"
-            assert m.prompt.format == "chat_template" and m.prompt.system
+            assert m.prompt.format == "chat_template" and m.prompt.system and m.prompt.layout == layout
+            systems.add(m.prompt.system)
             Renderer.for_decoder(path, m).check(tok, str(path))
         assert check(CKPT / "base", CKPT / "chat" / "adapters" / agent).shared, agent
+    assert len(systems) == len(AGENTS)  # a system prompt of its own per agent
 
 
 def _vllm_greedy(model: str, prompts: list[str], queue) -> None:
