@@ -43,15 +43,20 @@ def _open_tcp(policy: dict, port: int) -> bool:
     return False
 
 
+@pytest.fixture(scope="module")
+def crds() -> CrdValidator:
+    return CrdValidator.from_dir(CRD_DIR)
+
+
 @pytest.mark.parametrize("path", MANIFESTS, ids=lambda p: p.name)
-def test_every_pod_reads_the_kv_secret_from_the_clusters_secret_and_the_manifest_validates(path):
+def test_every_pod_reads_the_kv_secret_from_the_clusters_secret_and_the_manifest_validates(path, crds):
     doc = yaml.safe_load(path.read_text())
     secret = doc["spec"]["rayClusterConfig"]["authOptions"]["secretName"]
     for pod in _pods(doc):
         for c in pod["spec"]["containers"]:
             (env,) = [e for e in c["env"] if e["name"] == KV_SECRET_ENV]
             assert env["valueFrom"]["secretKeyRef"] == {"name": secret, "key": KV_SECRET_KEY}
-    assert CrdValidator.from_dir(CRD_DIR).errors(doc) == []
+    assert crds.errors(doc) == []
 
 
 @pytest.mark.parametrize("variant", VARIANTS)

@@ -128,7 +128,8 @@ class CrdVersion:
 
 def load_crd(path: str | Path, version: str = "v1") -> CrdVersion:
     """Read a CRD file (as shipped by KubeRay) and pick one served version's schema."""
-    doc = yaml.safe_load(Path(path).read_text())
+    # libyaml's safe loader where PyYAML has it: the same documents, ~8x faster on these 1 MB files
+    doc = yaml.load(Path(path).read_text(), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
     if doc.get("kind") != "CustomResourceDefinition":
         raise ValueError(f"{path}: not a CustomResourceDefinition (kind={doc.get('kind')!r})")
     spec = doc["spec"]
