@@ -35,6 +35,8 @@ _last_file: str | None = None
 _shm_before: set[str] = set()
 _others_at_start = False
 _skipped: list[str] = []
+_module_s: dict[str, float] = {}  # test file -> seconds its tests took, their fixtures' set-up and teardown included
+_test_started: dict[str, float] = {}
 _seed = int(os.environ.get(SEED_ENV) or random.SystemRandom().randrange(1 << 31))
 
 
@@ -59,6 +61,13 @@ def pytest_report_header(config):
 
 
 def pytest_terminal_summary(terminalreporter):
+    """The time of each test file (the table docs/testing.md keeps from a full run), then the seed."""
+    if len(_module_s) > 1:
+        terminalreporter.write_sep("=", "time per test file")
+        terminalreporter.write_line("| file | tests' time (s) |")
+        terminalreporter.write_line("|---|---:|")
+        for path, seconds in sorted(_module_s.items(), key=lambda kv: -kv[1]):
+            terminalreporter.write_line(f"| `{path}` | {seconds:.0f} |")
     terminalreporter.write_line(_seed_line())  # also with -q, which drops the header
 
 
@@ -91,6 +100,12 @@ def pytest_runtest_logstart(nodeid, location):
     if _last_file is not None and path != _last_file:
         _write(f" {time.monotonic() - _started:.0f}s")
     _last_file = path
+    _test_started[nodeid] = time.monotonic()
+
+
+def pytest_runtest_logfinish(nodeid, location):
+    path = nodeid.split("::", 1)[0]
+    _module_s[path] = _module_s.get(path, 0.0) + time.monotonic() - _test_started.pop(nodeid, time.monotonic())
 
 
 def _write(text: str) -> None:
