@@ -313,7 +313,7 @@ def test_stock_vllm_servers_parse_with_vllms_own_parser(tmp_path):
     assert one.served_model_name == ["agent0", "agent1"] and not one.enable_lora
     text = 'vllm:prefix_cache_queries_total{engine="0"} 300\nvllm:prefix_cache_hits_total{engine="0"} 100\n'
     m = as_prefillshare_counters(parse_metrics(text))
-    assert m[("prefillshare_prefill_tokens_computed_total", ())] == 200
+    assert m[("prefillshare_prefill_tokens_computed_total", (("stage", "prefill"),))] == 200  # the prefill stage
     with pytest.raises(ValueError, match="--driver vllm"):
         ServeBenchConfig(systems=("a-lora", "v-lora"))
     with pytest.raises(ValueError, match="one round"):
@@ -351,3 +351,157 @@ def test_short_run_driven_by_vllms_client_against_the_app_and_a_stock_server(tmp
     assert c["throughput_ratio"] == pytest.approx(pts["a-lora"]["sessions_per_s"] / pts["v-lora"]["sessions_per_s"])
     md = (tmp_path / "out" / "results.md").read_text()
     assert "| a-lora vs v-lora |" in md and "vLLM's benchmark client" in md
+
+
+# --- agents with their own system prompts and tools (--driver chat) ---
+def _chat_prompts(tmp_path, layout: str, n: int = 2):
+    """The app's prompt ids of one session's N agent requests, as a framework sends them, rendered by
+    the bench's chat adapters of ``layout`` through the app's Prompter (what the Router calls)."""
+    from app.bench.client import chat_bodies
+    from app.bench.models import SMALL, random_models
+    from app.bench.workload import agent_profiles
+    from app.rendering import Renderer
+    from deployments.prompts import Prompter
+    from deployments.schemas import ChatBody
+    from deployments.tools import tools_line
+
+    mset = random_models(tmp_path / "m", n, SMALL, TOKENIZER, "float32", lora_rank=8)
+    dirs = {"shared_first": mset.shared_first, "system_first": mset.system_first}[layout]
+    prompter = Prompter(TOKENIZER, {f"agent{i}": Renderer.for_decoder(d) for i, d in enumerate(dirs)})
+    maker = ContextMaker(TOKENIZER)
+    spec = WorkloadSpec(300, n, 4, 1)
+    session = make_sessions(spec, 1, 3, maker)[0]
+    bodies = [ChatBody(**b) for b in chat_bodies(session, spec, agent_profiles([f"agent{i}" for i in range(n)], 0, maker))]
+    ids = [prompter.chat_prompt([(m.role, m.content) for m in b.messages], model=b.model, tools_line=tools_line(b.tools))
+           for b in bodies]
+    return mset, session, bodies, ids
+
+
+def test_agent_profiles_are_seeded_distinct_and_of_realistic_length():
+    from app.bench.client import chat_bodies
+    from app.bench.workload import agent_profiles
+
+    maker = ContextMaker(TOKENIZER)
+    names = ["agent0", "agent1", "agent2", "agent3"]
+    a, b = agent_profiles(names, 0, maker), agent_profiles(names, 0, maker)
+    assert a == b and len({p.system for p in a}) == 4 and [p.model for p in a] == names
+    assert all(200 <= maker.count(p.system) <= 500 for p in a), [maker.count(p.system) for p in a]
+    assert len({maker.count(p.system) for p in a}) > 1  # each agent's own length
+    assert all(len(p.tools) == 2 and len({t["function"]["name"] for t in p.tools}) == 2 for p in a)
+    t = a[0].tools[0]["function"]
+    assert t["description"] and set(t["parameters"]["required"]) == set(t["parameters"]["properties"]) != set()
+    assert agent_profiles(names, 1, maker)[0].system != a[0].system
+    assert all(p.tools == () for p in agent_profiles(names, 0, maker, (20, 30), tools=0))
+    spec = WorkloadSpec(64, 3, 5, 1)
+    session = make_sessions(spec, 1, 0, maker)[0]
+    bodies = chat_bodies(session, spec, a)
+    assert [x["model"] for x in bodies] == names[:3]  # N agents of the 4 profiles
+    assert all(x["messages"] == [{"role": "system", "content": p.system}, {"role": "user", "content": session.context}]
+               for x, p in zip(bodies, a))
+    assert all(x["stream"] and x["max_tokens"] == 5 and "tool_choice" not in x and x["tools"] for x in bodies)
+    with pytest.raises(ValueError, match="system-tokens"):
+        agent_profiles(names, 0, maker, (300, 200))
+
+
+def test_shared_first_agents_share_the_context_and_stock_vllm_renders_the_system_first_prompt(tmp_path):
+    """Through the app's own Prompter: shared-first agents' prompts share the whole context, system-first
+    ones part at their first own token; the stock servers' template (vLLM hands it ``tools``) makes the
+    system-first prompt token for token, so the three systems are asked the same thing."""
+    from transformers import AutoTokenizer
+
+    from app.bench.models import BENCH_CHAT_TEMPLATE
+    from app.models.manifest import read_manifest
+    from app.sharing import common_prefix
+
+    mset, session, bodies, sf = _chat_prompts(tmp_path, "shared_first")
+    _, _, _, sys_first = _chat_prompts(tmp_path, "system_first")
+    ctx = ContextMaker(TOKENIZER).count(session.context)
+    assert len(common_prefix(sf)) >= ctx and len(common_prefix(sys_first)) < 16
+    manifests = [read_manifest(d) for d in mset.shared_first + mset.system_first]
+    assert {m.tool_call_format for m in manifests} == {"json"} and {m.prompt.format for m in manifests} == {"chat_template"}
+    assert [m.prompt.layout for m in manifests] == ["shared_first"] * 2 + ["system_first"] * 2
+    tok = AutoTokenizer.from_pretrained(TOKENIZER)
+    for b, ids in zip(bodies, sys_first):
+        text = tok.apply_chat_template([m.model_dump(include={"role", "content"}) for m in b.messages],
+                                       tools=[t.model_dump() for t in b.tools], chat_template=BENCH_CHAT_TEMPLATE,
+                                       add_generation_prompt=True, tokenize=False)
+        assert tok(text, add_special_tokens=False)["input_ids"] == ids
+    assert Path(mset.chat_template).read_text() == BENCH_CHAT_TEMPLATE
+
+
+def test_chat_session_reads_streams_and_the_agents_table(tmp_path):
+    """run_chat_session against a fake server: N requests, TTFT at the first content or tool call,
+    usage read; a failed agent fails its session. The agents table sets each system beside a-sf-lora."""
+    import asyncio
+
+    import httpx
+
+    from app.bench.client import run_chat_session
+    from app.bench.report import agents_table
+    from app.bench.workload import AgentProfile
+
+    def chunk(delta=None, usage=None):
+        return "data: " + json.dumps({"choices": [{"delta": delta}] if delta is not None else [], "usage": usage})
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content)
+        if body["model"] == "bad":
+            return httpx.Response(400, text="tools: no")
+        first = {"tool_calls": [{"index": 0}]} if body.get("tools") else {"content": "x"}
+        lines = [chunk({"role": "assistant"}), chunk(first), chunk({"content": "y"}),
+                 chunk(usage={"prompt_tokens": 90, "completion_tokens": 2}), "data: [DONE]"]
+        return httpx.Response(200, text="\n\n".join(lines) + "\n\n")
+
+    spec = WorkloadSpec(64, 2, 2, 1)
+    session = make_sessions(spec, 1, 0, ContextMaker(TOKENIZER))[0]
+    tool = ({"type": "function", "function": {"name": "f"}},)
+    profiles = [AgentProfile("agent0", "s0", tool), AgentProfile("agent1", "s1", ())]
+
+    async def go(ps):
+        async with httpx.AsyncClient(transport=httpx.MockTransport(answer)) as c:
+            return await run_chat_session(c, "http://x", session, spec, 0.0, 30.0, profiles=ps)
+
+    ok = asyncio.run(go(profiles))
+    assert ok.ok and [a.agent for a in ok.agents] == ["agent0", "agent1"] and ok.rounds_s
+    assert all(0 <= a.ttft_s <= a.e2e_s and (a.prompt_tokens, a.completion_tokens) == (90, 2) for a in ok.agents)
+    bad = asyncio.run(go([profiles[0], AgentProfile("bad", "s", ())]))
+    assert not bad.ok and bad.agents[1].error == "HTTP 400: tools: no" and bad.agents[0].error is None
+    metrics = {"a-sf-lora": "prefill\"} 300", "a-sys-lora": "prefill\"} 900", "v-lora": "prefill\"} 960"}
+    pts = [summarize(s, spec, "concurrency", 1.0, [ok] * 3, 0.0, 3.0 * k, {},
+                     parse_metrics('prefillshare_prefill_tokens_computed_total{stage="decode"} 6\n'
+                                   'prefillshare_prefill_tokens_computed_total{stage="' + m), 0.0, 0.0, 10, 1.0)
+           for k, (s, m) in enumerate(metrics.items(), start=1)]
+    assert pts[0].base_prompt_tokens_per_session == 100 and pts[0].prompt_tokens_per_request == 90
+    assert pts[0].request_latency["p95"] is not None
+    table = agents_table(pts)
+    assert "| a-sf-lora prefillshare-lora-shared-first | 2 | 64 | c=1 | 3/3 | 90 | 100 | 1.11x | 1.00x |" in table
+    assert "| a-sys-lora prefillshare-lora-system-first | 2 | 64 | c=1 | 3/3 | 90 | 300 | 3.33x | 3.00x |" in table
+    assert table.splitlines()[-1].endswith("| 0.333 | 0.667 | 0.33x |")  # v-lora: a third of the throughput
+
+
+def test_chat_driver_config_and_stock_servers_with_the_chat_template(tmp_path):
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    from app.bench.serve_bench import ServeBenchConfig, _max_model_len, render_markdown
+    from app.bench.stock_vllm import server_argv
+    from app.bench.systems import Topology
+
+    cfg = ServeBenchConfig(systems=("a-sf-lora", "a-sys-lora", "v-lora"), driver="chat", fanouts=(4,),
+                           lengths=(2048,), concurrency=(1,), rates=())
+    assert _max_model_len(cfg, 8192) >= 2048 + 500 + 4 * 32  # context, the longest system prompt, tools, answers
+    for bad, match in (({"systems": ("a-lora",)}, "a-sf-lora"), ({"rounds": (2,)}, "one round"),
+                       ({"system_tokens": (50, 10)}, "system-tokens"), ({"system_tokens": (200,)}, "system-tokens")):
+        with pytest.raises(ValueError, match=match):
+            ServeBenchConfig(**{"systems": ("a-sf-lora",), "driver": "chat", **bad})
+    parser = make_arg_parser(FlexibleArgumentParser())
+    topo = Topology(kv_cache_gib=0.125, lora_rank=8, max_model_len=1024, dtype="float32")
+    args = parser.parse_args(server_argv("v-lora", "/m/base", ("/m/a0",), 1, topo, TOKENIZER, 1, "/m/t.jinja")[3:])
+    assert args.chat_template == "/m/t.jinja" and args.enable_auto_tool_choice and args.tool_call_parser == "pythonic"
+    doc = {"config": {"repeats": 1, "driver": "chat", "system_tokens": [200, 500], "agent_tools": 2},
+           "machine": {"cpus": 2, "memory_gib": 24, "loadavg_at_end": [1.0], "time_utc": "x"},
+           "models": {"description": "m"}, "skipped": [],
+           "topology": {"kv_cache_gib": 0.1, "block_size": 32, "threads_bind": "nobind", "max_model_len": 256,
+                        "prefill_replicas": 1, "lora_rank": 8, "colocated_replicas": 1}}
+    md = render_markdown(doc, [], [], {})
+    assert "## Agents with their own system prompts" in md and "200-500 tokens and 2 tools" in md

@@ -119,10 +119,8 @@ def _random_source(root: Path, shape: ModelShape, tokenizer_dir: Path) -> Path:
     return src
 
 
-def _view(src: Path, dst: Path, tag: str, tokenizer_dir: Path) -> Path:
-    """A model directory linking ``src``'s weights, with its own config tag."""
-    from app.models.checkpoint import copy_tokenizer
-
+def _link_weights(src: Path, dst: Path) -> None:
+    """``dst`` (made if missing) links every safetensors file of ``src``."""
     dst.mkdir(parents=True, exist_ok=True)
     for f in src.glob("*.safetensors"):
         link = dst / f.name
@@ -130,6 +128,13 @@ def _view(src: Path, dst: Path, tag: str, tokenizer_dir: Path) -> Path:
             link.unlink()  # a view of another shape's weights
         if not link.exists():
             link.symlink_to(f.resolve())
+
+
+def _view(src: Path, dst: Path, tag: str, tokenizer_dir: Path) -> Path:
+    """A model directory linking ``src``'s weights, with its own config tag."""
+    from app.models.checkpoint import copy_tokenizer
+
+    _link_weights(src, dst)
     cfg = json.loads((src / "config.json").read_text())
     cfg[TAG_KEY] = tag
     (dst / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True))
@@ -148,6 +153,11 @@ class ModelSet:
     params: int
     description: str
     adapters: tuple[str, ...] = ()  # *-lora systems: LoRA adapter directories of base
+    # --driver chat: the same adapters declaring BENCH_CHAT_TEMPLATE and JSON tool calls, laid out
+    # shared-first (a-sf-lora) and system-first (a-sys-lora); the template file (stock servers)
+    shared_first: tuple[str, ...] = ()
+    system_first: tuple[str, ...] = ()
+    chat_template: str = ""
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -184,10 +194,14 @@ def random_models(root: str | Path, n: int, shape: ModelShape, tokenizer_dir: st
 
     vocab = len(AutoTokenizer.from_pretrained(str(tokenizer_dir)))
     params = shape.params(vocab)
+    template = root / "chat_template.jinja"
+    template.write_text(BENCH_CHAT_TEMPLATE, encoding="utf-8")
     return ModelSet(str(base), tuple(shared), tuple(own), kv_bytes_per_token(base, dtype), params,
                     f"random-weight Llama {params / 1e6:.0f}M (hidden {shape.hidden}, {shape.layers} layers, "
                     f"{shape.heads} heads, {shape.kv_heads} KV heads), computed in {compute_dtype.resolve(dtype)}; "
-                    f"random LoRA adapters rank {lora_rank} on all 7 projections", adapters)
+                    f"random LoRA adapters rank {lora_rank} on all 7 projections", adapters,
+                    chat_adapters(root, adapters, "shared_first"), chat_adapters(root, adapters, "system_first"),
+                    str(template))
 
 
 def shipped_models(root: str | Path, checkpoints: str | Path, n: int, dtype: str = "auto") -> ModelSet:
@@ -208,6 +222,44 @@ def shipped_models(root: str | Path, checkpoints: str | Path, n: int, dtype: str
     return ModelSet(str(base), tuple(str(d) for d in decs[:n]), tuple(own), kv_bytes_per_token(base, dtype), 0,
                     f"shipped checkpoints ({ck}): base + {', '.join(d.name for d in decs[:n])}, "
                     f"computed in {compute_dtype.resolve(dtype)}")
+
+
+# The chat template of --driver chat's decoders and stock servers: the shipped chat suite's
+# ``role:\ncontent`` turns, a generation prompt, and a request's ``tools`` (which vLLM hands to
+# templates; the app does not) as a first system turn written the way the app writes a tools line
+# (deployments/tools.py ``tools_line``), so a stock server's prompt is the app's system-first prompt.
+BENCH_CHAT_TEMPLATE = (
+    "{{- bos_token -}}"
+    "{%- if tools -%}{{ 'system:\\ntools: ' }}{%- for t in tools -%}{%- set f = t['function'] -%}"
+    "{{ f['name'] + '(' + (((f.get('parameters') or {}).get('properties') or {}) | list | join(', ')) + ')' }}"
+    "{%- if f.get('description') -%}{{ ': ' + f['description'] }}{%- endif -%}"
+    "{%- if not loop.last -%}{{ '; ' }}{%- endif -%}{%- endfor -%}{%- endif -%}"
+    "{%- for m in messages -%}{%- if m['role'] == 'assistant' -%}"
+    "{{ '\\nassistant: ' + (m['content'] or '') + eos_token }}"
+    "{%- else -%}{%- if not loop.first or tools -%}{{ '\\n' }}{%- endif -%}"
+    "{{ m['role'] + ':\\n' + (m['content'] or '') }}{%- endif -%}{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '\\nassistant:' }}{%- endif -%}"
+)
+
+
+def chat_adapters(root: str | Path, adapters: tuple[str, ...], layout: str) -> tuple[str, ...]:
+    """Views of ``adapters`` (weights linked) whose manifests declare BENCH_CHAT_TEMPLATE in
+    ``layout`` (shared_first / system_first) and JSON tool calls, as a trained chat decoder's would."""
+    from dataclasses import replace
+
+    from app.models.manifest import read_manifest, write_manifest
+    from app.rendering import TEMPLATE_FILE, Renderer
+
+    fmt = Renderer.chat(BENCH_CHAT_TEMPLATE, layout=layout).fmt
+    out = []
+    for i, src in enumerate(Path(a) for a in adapters):
+        dst = Path(root) / f"lora-{layout.replace('_', '-')}-{i}"
+        _link_weights(src, dst)
+        shutil.copyfile(src / "adapter_config.json", dst / "adapter_config.json")
+        (dst / TEMPLATE_FILE).write_text(BENCH_CHAT_TEMPLATE, encoding="utf-8")
+        write_manifest(dst, replace(read_manifest(src), prompt=fmt, tool_call_format="json"))
+        out.append(str(dst))
+    return tuple(out)
 
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")

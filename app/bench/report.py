@@ -81,6 +81,11 @@ class PointResult:
     repeat: int = 0                   # which repeat of this (system, N, L, R, load) point
     loadavg: float | None = None      # the machine's 1-minute load average when the point ended
     pool_pinned_peak_bytes: float | None = None  # sampled: blocks pinned for fan-out loads still to come (None: a run from before it was)
+    # prompt tokens the prefill stage computed (the app's shared base or own-prefill module, stage="prefill";
+    # a stock server's engine), per finished session; None: a run from before it was recorded
+    base_prompt_tokens_per_session: float | None = None
+    request_latency: dict | None = None        # p50/p95/p99 (s) of one agent's request, send to last token
+    prompt_tokens_per_request: float | None = None  # mean prompt tokens of one agent's request (its usage)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -111,6 +116,7 @@ def summarize(system: str, spec, mode: str, load: float, results: list[SessionRe
     agents = [a for r in ok for a in r.agents]
     wall = max(t_end - t0, 1e-9)
     computed = metric_delta(after, before, "prefillshare_prefill_tokens_computed_total")
+    base = metric_delta(after, before, "prefillshare_prefill_tokens_computed_total", stage="prefill")
     saved = metric_delta(after, before, "prefillshare_prefill_tokens_saved_total")
     lookup = metric_delta(after, before, "prefillshare_kv_pool_lookup_tokens_total")
     hit = metric_delta(after, before, "prefillshare_kv_pool_hit_tokens_total")
@@ -142,6 +148,9 @@ def summarize(system: str, spec, mode: str, load: float, results: list[SessionRe
         pool_peak_bytes=pool_peak, decoder_kv_peak_bytes=peak, pool_pinned_peak_bytes=pool_pinned_peak,
         cpu_s_per_session=(cpu_s / len(ok)) if (cpu_s is not None and ok) else None,
         errors=errs,
+        base_prompt_tokens_per_session=base / len(ok) if ok else None,
+        request_latency=pcts([a.e2e_s for a in agents if a.e2e_s is not None]),
+        prompt_tokens_per_request=sum(a.prompt_tokens for a in agents) / len(agents) if agents else None,
     )
 
 
@@ -359,6 +368,36 @@ def _reading(lo: float, hi: float) -> str:
     """A p95 ratio's spread in words (p95(base)/p95(system): above 1 the system is faster)."""
     return {"better": "lower", "worse": "higher", "no measurable difference": "no measurable difference"}[
         spread_verdict(lo, hi)]
+
+
+AGENTS_SUBJECT = "a-sf-lora"  # the agents table's ratios are each system's figure over this one's
+
+
+def agents_table(points: list[PointResult]) -> str:
+    """Agents with their own system prompts (--driver chat): per point, what the prefill stage computed
+    per fan-out against one agent's prompt, p95 TTFT and throughput, each beside its ratio to the
+    shared-first app's at the same (N, L, load, repeat)."""
+    ref = {(p.key, p.load, p.repeat): p for p in points if p.system == AGENTS_SUBJECT}
+    head = ("| system | N | L | load | ok/sent | prompt tok/request | base prompt tok/fan-out | ÷ one prompt | "
+            "÷ shared-first | TTFT p50/p95 s | p95 ÷ shared-first | request p95 s | fan-out p95 s | sessions/s | "
+            "requests/s | throughput ÷ shared-first |")
+    rows = []
+    for p in points:
+        r = ref.get((p.key, p.load, p.repeat))
+        base, one = p.base_prompt_tokens_per_session, p.prompt_tokens_per_request
+        rows.append(
+            f"| {p.system} {SYSTEMS[p.system]} | {p.fanout} | {p.context_tokens} | "
+            f"{f'{p.load:g}/s' if p.mode == 'rate' else f'c={p.load:g}'} | {p.ok}/{p.sent} | {_f(one, '{:.0f}')} | "
+            f"{_f(base, '{:.0f}')} | {_f(_ratio(base, one), '{:.2f}x')} | "
+            f"{_f(_ratio(base, r and r.base_prompt_tokens_per_session), '{:.2f}x')} | "
+            f"{_f(p.ttft['p50'])}/{_f(p.ttft['p95'])} | {_f(_ratio(p.ttft['p95'], r and r.ttft['p95']), '{:.2f}x')} | "
+            f"{_f((p.request_latency or {}).get('p95'))} | {_f(p.fanout_latency['p95'])} | {p.sessions_per_s:.3f} | "
+            f"{p.sessions_per_s * p.fanout:.3f} | {_f(_ratio(p.sessions_per_s, r and r.sessions_per_s), '{:.2f}x')} |")
+    return _table(head, rows)
+
+
+def _ratio(x: float | None, y: float | None) -> float | None:
+    return x / y if x is not None and y else None
 
 
 def costs_table(costs: dict) -> str:

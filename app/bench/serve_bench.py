@@ -2,7 +2,10 @@
 
 The driver is the project's client (sessions of ``/v1/agents/run``, app/bench/client.py) or vLLM's
 own benchmark client (``--driver vllm``: N independent ``/v1/completions`` over one shared prefix,
-app/bench/vllm_client.py), which also drives stock vLLM servers as systems (app/bench/stock_vllm.py).
+app/bench/vllm_client.py), which also drives stock vLLM servers as systems (app/bench/stock_vllm.py),
+or agents as frameworks define them (``--driver chat``: N streamed ``/v1/chat/completions`` per
+session, each ``[system: the agent's own 200-500-token prompt, user: the shared context]`` with its
+own tools; the app's chat decoders shared-first and system-first against stock vLLM).
 
 One Ray cluster, one Serve HTTP proxy; the systems (app/bench/systems.py) are deployed one
 after another as the same Serve application with different configs, so every system runs on
@@ -35,7 +38,7 @@ from pathlib import Path
 from app.bench.local_cluster import free_port
 from app.bench.models import SMALL, ModelShape
 from app.bench.stock_vllm import STOCK_SYSTEMS
-from app.bench.systems import SYSTEMS, Topology, decoder_names
+from app.bench.systems import CHAT_SYSTEMS, SYSTEMS, Topology, decoder_names
 from app.bench.workload import WorkloadSpec
 
 PROJECT = Path(__file__).resolve().parents[2]
@@ -69,7 +72,9 @@ class ServeBenchConfig:
     tokenizer: str = "checkpoints/tokenizer"
     checkpoints: str = "checkpoints"
     ready_timeout_s: float = 900.0
-    driver: str = "project"                # "project" (sessions of /v1/agents/run) | "vllm" (vLLM's client)
+    driver: str = "project"                # "project" (sessions of /v1/agents/run) | "vllm" (vLLM's client) | "chat"
+    system_tokens: tuple[int, int] = (200, 500)  # --driver chat: each agent's system prompt, min and max tokens
+    agent_tools: int = 2                   # --driver chat: tools of each agent
 
     def __post_init__(self) -> None:
         bad = [s for s in self.systems if s not in SYSTEMS]
@@ -87,13 +92,19 @@ class ServeBenchConfig:
             raise ValueError("--duration must be > 0 seconds")
         if self.repeats < 1:
             raise ValueError("--repeats must be >= 1")
-        if self.driver not in ("project", "vllm"):
-            raise ValueError("--driver: 'project' or 'vllm'")
+        if self.driver not in ("project", "vllm", "chat"):
+            raise ValueError("--driver: 'project', 'vllm' or 'chat'")
         if self.driver == "project" and any(s in STOCK_SYSTEMS for s in self.systems):
             raise ValueError("--systems: the stock vLLM servers (v-lora, v-one) have no /v1/agents/run; "
-                             "drive them with --driver vllm")
-        if self.driver == "vllm" and self.rounds != (1,):
-            raise ValueError("--driver vllm: one round per session (prefix_repetition has no rounds); --rounds 1")
+                             "drive them with --driver vllm or chat")
+        if self.driver != "project" and self.rounds != (1,):
+            raise ValueError(f"--driver {self.driver}: one round per session (one request per agent); --rounds 1")
+        if self.driver == "chat" and any(s not in CHAT_SYSTEMS for s in self.systems):
+            raise ValueError(f"--driver chat: systems {', '.join(CHAT_SYSTEMS)} (chat decoders that call tools, "
+                             "stock vLLM servers)")
+        if len(self.system_tokens) != 2 or not 1 <= self.system_tokens[0] <= self.system_tokens[1] \
+                or self.agent_tools < 0:
+            raise ValueError("--system-tokens MIN,MAX with 1 <= MIN <= MAX; --agent-tools >= 0")
         if self.models == "shipped" and any(s.endswith("-lora") or s in STOCK_SYSTEMS for s in self.systems):
             raise ValueError("--systems: the *-lora systems need --models random (random LoRA adapters of the base)")
         for L in self.lengths:
@@ -115,6 +126,8 @@ class ServeBenchConfig:
 def _max_model_len(cfg: ServeBenchConfig, limit: int) -> int:
     """Room for the largest context, R rounds of joined outputs, instructions and O new tokens."""
     need = max(cfg.lengths) + max(cfg.rounds) * max(cfg.fanouts) * (cfg.output_tokens + 24) + 64
+    if cfg.driver == "chat":  # an agent's own system prompt and tools line (~40 tokens a tool)
+        need += cfg.system_tokens[1] + 64 * cfg.agent_tools
     need = int(math.ceil(need / cfg.topology.block_size) * cfg.topology.block_size)
     if need > limit:
         raise ValueError(f"--lengths/--rounds/--fanouts/--output-tokens: sessions need {need} tokens of context, "
@@ -299,10 +312,10 @@ def _run_point(url: str, cfg: ServeBenchConfig, system: str, spec: WorkloadSpec,
                 # in a thread: the client runs its own event loop
                 result = await asyncio.to_thread(vllm_client.run_client, argv)
                 return vllm_client.sessions_of(result, spec.fanout, names)
-            sessions = make_sessions(spec, count, seed, maker)
+            sessions, send = make_sessions(spec, count, seed, maker), _chat_sender(cfg, spec.fanout, maker)
             if cfg.mode == "rate":
-                return await open_loop(url, sessions, spec, arrivals, cfg.session_timeout_s)
-            return await closed_loop(url, sessions, spec, int(load), cfg.duration_s, cfg.session_timeout_s)
+                return await open_loop(url, sessions, spec, arrivals, cfg.session_timeout_s, send)
+            return await closed_loop(url, sessions, spec, int(load), cfg.duration_s, cfg.session_timeout_s, send)
         finally:
             stop.set()
             peak_box.append(await sampler)
@@ -318,6 +331,21 @@ def _run_point(url: str, cfg: ServeBenchConfig, system: str, spec: WorkloadSpec,
     p = summarize(system, spec, cfg.mode, load, results, t0, t_end, before, after, held, pinned,
                   kv_bytes_per_token, cpu)
     return replace(p, repeat=repeat, loadavg=round(os.getloadavg()[0], 1))
+
+
+def _chat_sender(cfg: ServeBenchConfig, n: int, maker):
+    """How a session is sent with --driver chat: the N agents' chat completions (the agents' system
+    prompts and tools seeded by --seed alone, so every system and point meets the same agents);
+    None (the project's client) otherwise."""
+    if cfg.driver != "chat":
+        return None
+    from functools import partial
+
+    from app.bench.client import run_chat_session
+    from app.bench.workload import agent_profiles
+
+    profiles = agent_profiles(decoder_names(n), cfg.seed, maker, cfg.system_tokens, cfg.agent_tools)
+    return partial(run_chat_session, profiles=profiles)
 
 
 def cfg_tokenizer(cfg: ServeBenchConfig) -> str:
@@ -340,7 +368,8 @@ def _warm_up(url: str, cfg: ServeBenchConfig, system: str, n: int, maker, log) -
         res = vllm_client.sessions_of(result, n, names)[0]
     else:
         s = make_sessions(spec, cfg.warmup, 90_000, maker)
-        res, _, _ = asyncio.run(open_loop(url, s, spec, [0.0] * len(s), cfg.session_timeout_s))
+        res, _, _ = asyncio.run(open_loop(url, s, spec, [0.0] * len(s), cfg.session_timeout_s,
+                                          _chat_sender(cfg, n, maker)))
     for r in res:
         if not r.ok:
             log(f"[{system}] warm-up session failed: {r.error or [a.error for a in r.agents]}")
@@ -371,7 +400,8 @@ def _deployed(cfg: ServeBenchConfig, system: str, n: int, mset, topo, tokenizer:
     if system in STOCK_SYSTEMS:
         from app.bench.stock_vllm import StockServer, server_argv
 
-        argv = server_argv(system, mset.base, mset.adapters, n, topo, tokenizer, free_port())
+        argv = server_argv(system, mset.base, mset.adapters, n, topo, tokenizer, free_port(),
+                           mset.chat_template if cfg.driver == "chat" else None)
         server = StockServer(argv, Path(cfg.out) / f"server-{system}.log", topo.threads_bind)
         try:
             server.wait_ready(cfg.ready_timeout_s)
@@ -529,11 +559,14 @@ def _machine() -> dict:
 _DRIVERS = {"project": "the project's client (sessions of /v1/agents/run)",
             "vllm": "vLLM's benchmark client (vllm.benchmarks.serve, prefix_repetition in file order, the N decoders "
                     "as --lora-modules round-robin: N /v1/completions per shared prefix; no phase-cost probes, so "
-                    "no phase bound)"}
+                    "no phase bound)",
+            "chat": "agents as frameworks send them (N streamed /v1/chat/completions per session, sent together: "
+                    "[system: the agent's own prompt, user: the shared context] + the agent's tools; no phase-cost "
+                    "probes, so no phase bound)"}
 
 
 def render_markdown(doc: dict, points, comps, costs) -> str:
-    from app.bench.report import comparison_table, costs_table, points_table
+    from app.bench.report import agents_table, comparison_table, costs_table, points_table
 
     m, t = doc["machine"], doc["topology"]
     lines = [
@@ -554,7 +587,10 @@ def render_markdown(doc: dict, points, comps, costs) -> str:
         "## Ratios (PrefillShare vs baseline) beside the work bound",
         comparison_table(comps),
     ]
-    if costs:  # none in a run driven by vLLM's client
+    if doc["config"].get("driver") == "chat":
+        lines[4:4] = ["## Agents with their own system prompts", _agents_note(doc["config"]), "",
+                      agents_table(points), ""]
+    if costs:  # none in a run driven by vLLM's or the chat client
         lines += ["", "## Unloaded phase costs (bound inputs)", costs_table(costs)]
     if doc.get("merged_from"):
         lines[2:2] = [f"Runs drawn together: {', '.join(doc['merged_from'])} (machine, models and settings "
@@ -562,6 +598,15 @@ def render_markdown(doc: dict, points, comps, costs) -> str:
     if doc["skipped"]:
         lines += ["", "## Not run", *[f"- {s}" for s in doc["skipped"]]]
     return "\n".join(lines) + "\n"
+
+
+def _agents_note(config: dict) -> str:
+    lo, hi = config.get("system_tokens", (0, 0))
+    return (f"Each agent: its own system prompt of {lo}-{hi} tokens and {config.get('agent_tools')} tools, the same "
+            "in every session; the user turn is the session's shared context. Base prompt tokens: what the prefill "
+            "stage computed per fan-out (the app's `prefillshare_prefill_tokens_computed_total{stage=\"prefill\"}`, "
+            "a stock server's `vllm:prefix_cache_queries_total` minus `vllm:prefix_cache_hits_total`); "
+            "ratios are this system's figure over a-sf-lora's at the same point.")
 
 
 def rerender(results_json: str | Path | list, out: str | None = None, log=print) -> dict:
@@ -649,10 +694,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
       "forms a-lora, b-lora, c-lora (c-lora: one multi-LoRA engine, what vLLM users run); with --driver vllm also "
       "the stock vLLM servers v-lora (multi-LoRA, prefix caching) and v-one (one model for every request: the "
       "bound on sharing); default a,b,c")
-    a("--driver", choices=["project", "vllm"], help="project (default): sessions of /v1/agents/run; vllm: vLLM's "
-      "own benchmark client (prefix_repetition, --disable-shuffle, the N decoders as --lora-modules round-robin: "
-      "N /v1/completions per shared prefix); --rates are sessions/s (N requests each), --concurrency sessions in "
-      "flight, --max-sessions prefixes per concurrency point")
+    a("--driver", choices=["project", "vllm", "chat"], help="project (default): sessions of /v1/agents/run; vllm: "
+      "vLLM's own benchmark client (prefix_repetition, --disable-shuffle, the N decoders as --lora-modules "
+      "round-robin: N /v1/completions per shared prefix); chat: agents with their own system prompts and tools, "
+      "N streamed /v1/chat/completions per session sent together (systems a-sf-lora, a-sys-lora, v-lora, v-one); "
+      "--rates are sessions/s (N requests each), --concurrency sessions in flight, --max-sessions sessions per "
+      "concurrency point")
+    a("--system-tokens", type=_ints, help="--driver chat: MIN,MAX tokens of each agent's system prompt (default 200,500)")
+    a("--agent-tools", type=int, help="--driver chat: tools per agent (default 2)")
     a("--fanouts", type=_ints, help="N agents per round, e.g. 2,4,8")
     a("--lengths", type=_ints, help="shared context tokens L, e.g. 1024,2048,4096")
     a("--rounds", type=_ints, help="R rounds per session, e.g. 1,3")
@@ -697,7 +746,7 @@ def config_from_args(args: argparse.Namespace) -> ServeBenchConfig:
         kw["model_dir"] = "runs/bench/serve-models-quick"
     for name in ("fanouts", "lengths", "rounds", "output_tokens", "rates", "concurrency", "duration_s",
                  "max_sessions", "session_timeout_s", "warmup", "repeats", "probes", "seed", "models", "max_engines",
-                 "slo_s", "slo_factor", "out", "model_dir", "driver"):
+                 "slo_s", "slo_factor", "out", "model_dir", "driver", "system_tokens", "agent_tools"):
         v = getattr(args, name, None)
         if v is not None:
             kw[name] = v

@@ -9,6 +9,10 @@
 
 Engine settings are the LoRA group engine's of the app's systems (dtype, KV space, block size,
 max_model_len, max_num_seqs, eager, thread binding), so the comparison is engine for engine.
+With ``--driver chat`` a server also gets the chat decoders' template (``--chat-template``: its
+prompts are the app's system-first prompts, token for token) and answers ``tools`` with
+``tool_choice`` auto, as frameworks send them (``--enable-auto-tool-choice``, the ``pythonic``
+parser: it needs no special tokens and streams plain text as content).
 """
 from __future__ import annotations
 
@@ -25,8 +29,8 @@ STOCK_SYSTEMS = ("v-lora", "v-one")
 
 
 def server_argv(system: str, base: str, adapters: tuple[str, ...], n: int, topo: Topology, tokenizer: str,
-                port: int) -> list[str]:
-    """The command line of ``system``'s server on 127.0.0.1:``port``."""
+                port: int, chat_template: str | None = None) -> list[str]:
+    """The command line of ``system``'s server on 127.0.0.1:``port`` (``chat_template``: --driver chat)."""
     from app.engine import compute_dtype
 
     if system not in STOCK_SYSTEMS:
@@ -36,6 +40,8 @@ def server_argv(system: str, base: str, adapters: tuple[str, ...], n: int, topo:
             "--max-model-len", str(topo.max_model_len), "--block-size", str(topo.block_size),
             "--max-num-seqs", str(topo.max_num_seqs * n), "--enforce-eager", "--enable-prefix-caching",
             "--kv-cache-memory-bytes", str(int(topo.group_kv_gib(n) * (1 << 30))), "--seed", "0"]
+    if chat_template:
+        argv += ["--chat-template", chat_template, "--enable-auto-tool-choice", "--tool-call-parser", "pythonic"]
     names = decoder_names(n)
     if system == "v-one":
         return argv + ["--served-model-name", *names]
@@ -103,5 +109,6 @@ def as_prefillshare_counters(metrics: dict) -> dict:
 
     queries = metric_sum(metrics, "vllm:prefix_cache_queries_total")
     hits = metric_sum(metrics, "vllm:prefix_cache_hits_total")
-    return {**metrics, ("prefillshare_prefill_tokens_computed_total", ()): queries - hits,
-            ("prefillshare_prefill_tokens_saved_total", ()): hits}
+    stage = (("stage", "prefill"),)  # the one engine is the stage that computes prompts
+    return {**metrics, ("prefillshare_prefill_tokens_computed_total", stage): queries - hits,
+            ("prefillshare_prefill_tokens_saved_total", stage): hits}

@@ -22,6 +22,15 @@ The same three with the n decoders as LoRA adapters of the base (random-weight a
                     each adapter prefilling its own prompt (vLLM salts cached blocks per adapter);
                     ``colocated_replicas`` replicas so that it uses every core, like a and b.
 
+And a-lora again with chat decoders, for ``--driver chat`` (agents with their own system prompts
+and tools, each sent as a framework sends it: ``[system, user: the shared context]``): the same
+adapters declaring a chat template and JSON tool calls, laid out
+
+  a-sf-lora         shared-first (the agent's system prompt and tools after the shared context:
+                    the N agents' prompts share the context, which the base prefills once);
+  a-sys-lora        system-first (the messages as sent: every agent's prompt starts with its own
+                    text, so the base prefills the context once per agent).
+
 And two stock vLLM OpenAI servers (app/bench/stock_vllm.py; only with vLLM's client as the
 driver, since they have no ``/v1/agents/run``): ``v-lora``, one server holding the n adapters
 with prefix caching, and ``v-one``, one model answering every decoder's name (the bound on sharing).
@@ -34,10 +43,14 @@ from app.bench.models import ModelSet
 
 SYSTEMS = {"a": "prefillshare", "b": "disagg", "c": "colocated",
            "a-lora": "prefillshare-lora", "b-lora": "disagg-lora", "c-lora": "multi-lora",
+           "a-sf-lora": "prefillshare-lora-shared-first", "a-sys-lora": "prefillshare-lora-system-first",
            "v-lora": "vllm-multi-lora", "v-one": "vllm-one-model"}
+# the systems --driver chat can send tools to: chat decoders declaring a tool-call format, stock servers
+CHAT_SYSTEMS = ("a-sf-lora", "a-sys-lora", "v-lora", "v-one")
 # (system under test, baseline) pairs the report compares
 PAIRS = (("a", "b"), ("a", "c"), ("a-lora", "b-lora"), ("a-lora", "c-lora"), ("a-lora", "v-lora"),
-         ("a-lora", "v-one"), ("c-lora", "v-lora"))
+         ("a-lora", "v-one"), ("c-lora", "v-lora"), ("a-sf-lora", "a-sys-lora"), ("a-sf-lora", "v-lora"),
+         ("a-sys-lora", "v-lora"))
 
 
 @dataclass(frozen=True)
@@ -61,8 +74,10 @@ class Topology:
     colocated_replicas: int = 2    # c-lora: replicas of the one multi-LoRA engine (one per core)
 
     def engines(self, system: str, n: int) -> int:
-        return {"a": self.prefill_replicas + n, "b": 2 * n, "c": n, "a-lora": self.prefill_replicas + 1,
-                "b-lora": self.prefill_replicas + 1, "c-lora": self.colocated_replicas, "v-lora": 1, "v-one": 1}[system]
+        group = self.prefill_replicas + 1  # a prefill module's replicas + one decode group
+        return {"a": self.prefill_replicas + n, "b": 2 * n, "c": n, "a-lora": group, "a-sf-lora": group,
+                "a-sys-lora": group, "b-lora": group, "c-lora": self.colocated_replicas,
+                "v-lora": 1, "v-one": 1}[system]
 
     def group_kv_gib(self, n: int) -> float:
         return self.lora_kv_cache_gib or self.kv_cache_gib * n
@@ -77,13 +92,18 @@ def decoder_names(n: int) -> list[str]:
     return [f"agent{i}" for i in range(n)]
 
 
+def lora_adapters(system: str, models: ModelSet) -> tuple[str, ...]:
+    """The adapter directories a LoRA system serves."""
+    return {"a-sf-lora": models.shared_first, "a-sys-lora": models.system_first}.get(system, models.adapters)
+
+
 def app_config(system: str, models: ModelSet, n: int, topo: Topology, tokenizer: str, pool_path: str) -> dict:
     """The AppConfig dict (app/config.py) of ``system`` with ``n`` decoders."""
     if system not in SYSTEMS:
         raise ValueError(f"--systems: unknown system {system!r} (choose from {', '.join(SYSTEMS)})")
     if system.startswith("v-"):
         raise ValueError(f"{system} is a stock vLLM server, not an app config (app/bench/stock_vllm.py)")
-    have = len(models.adapters) if system.endswith("-lora") else len(models.shared)
+    have = len(lora_adapters(system, models)) if system.endswith("-lora") else len(models.shared)
     if n > have:
         raise ValueError(f"--fanouts: {n} decoders asked, {have} model directories prepared")
     engine = {"dtype": topo.dtype, "max_model_len": topo.max_model_len, "kv_cache_memory_bytes": _bytes(topo.kv_cache_gib),
@@ -122,14 +142,14 @@ def app_config(system: str, models: ModelSet, n: int, topo: Topology, tokenizer:
 
 def _lora_system(system: str, models: ModelSet, n: int, topo: Topology, engine: dict, dec_place: dict,
                  pf_place: dict) -> tuple[list, list]:
-    """(prefill modules, decoders) of a-lora, b-lora or c-lora: one group engine holds the n adapters."""
-    adapters = [{"name": nm, "path": models.adapters[i], "rank": topo.lora_rank}
-                for i, nm in enumerate(decoder_names(n))]
+    """(prefill modules, decoders) of a LoRA system: one group engine holds the n adapters."""
+    paths = lora_adapters(system, models)
+    adapters = [{"name": nm, "path": paths[i], "rank": topo.lora_rank} for i, nm in enumerate(decoder_names(n))]
     lora = {"adapters": adapters, "max_lora_rank": topo.lora_rank, "max_loras": n}
     group_engine = {**engine, "kv_cache_memory_bytes": _bytes(topo.group_kv_gib(n)), "max_num_seqs": topo.max_num_seqs * n}
     group = {"name": "lora-group", "model": models.base, "engine": group_engine, "placement": dec_place, **lora}
     pf = {**pf_place, "num_replicas": topo.prefill_replicas}
-    if system == "a-lora":
+    if system in ("a-lora", "a-sf-lora", "a-sys-lora"):
         return [{"name": "base", "model": models.base, "engine": engine, "placement": pf}], \
             [{**group, "prefill_module": "base"}]
     if system == "b-lora":

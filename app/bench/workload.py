@@ -69,17 +69,29 @@ class ContextMaker:
     def _word(self, rng: random.Random) -> str:
         return "".join(rng.choice(_SYLLABLES) for _ in range(rng.randint(1, 3)))
 
-    def text(self, n_tokens: int, rng: random.Random) -> str:
-        """Lines of `key: words` records, trimmed to at most ``n_tokens`` tokens."""
-        lines: list[str] = []
+    def _record(self, rng: random.Random) -> str:
+        return f"{self._word(rng)}: " + " ".join(self._word(rng) for _ in range(rng.randint(3, 8)))
+
+    def _sentence(self, rng: random.Random) -> str:
+        return " ".join(self._word(rng) for _ in range(rng.randint(6, 14))).capitalize() + "."
+
+    def _fill(self, n_tokens: int, rng: random.Random, part, sep: str) -> str:
+        """``part(rng)`` pieces joined by ``sep``, trimmed to at most ``n_tokens`` tokens."""
+        parts: list[str] = []
         total = 0
         while total < n_tokens:
-            line = f"{self._word(rng)}: " + " ".join(self._word(rng) for _ in range(rng.randint(3, 8)))
-            lines.append(line)
-            total += self.count(line) + 1
-        text = "\n".join(lines)
-        ids = self.tok(text, add_special_tokens=False)["input_ids"][:n_tokens]
+            parts.append(part(rng))
+            total += self.count(parts[-1]) + 1
+        ids = self.tok(sep.join(parts), add_special_tokens=False)["input_ids"][:n_tokens]
         return self.tok.decode(ids).strip()
+
+    def text(self, n_tokens: int, rng: random.Random) -> str:
+        """Lines of `key: words` records, trimmed to at most ``n_tokens`` tokens."""
+        return self._fill(n_tokens, rng, self._record, "\n")
+
+    def prose(self, n_tokens: int, rng: random.Random) -> str:
+        """Sentences of filler words, trimmed to at most ``n_tokens`` tokens."""
+        return self._fill(n_tokens, rng, self._sentence, " ")
 
 
 def make_sessions(spec: WorkloadSpec, count: int, seed: int | str, maker: ContextMaker) -> list[Session]:
@@ -92,6 +104,45 @@ def make_sessions(spec: WorkloadSpec, count: int, seed: int | str, maker: Contex
             f"agent {a}: {rng.choice(_VERBS)} " + " ".join(maker._word(rng) for _ in range(spec.instruction_words - 2))
             for a in range(spec.fanout))
         out.append(Session(i, context, instr))
+    return out
+
+
+@dataclass(frozen=True)
+class AgentProfile:
+    """One agent as a framework defines it (``--driver chat``): the decoder it calls, its own system
+    prompt and its OpenAI ``tools``, the same in every session (only the shared context changes)."""
+
+    model: str
+    system: str
+    tools: tuple[dict, ...]
+
+
+def _tool(maker: ContextMaker, rng: random.Random, k: int) -> dict:
+    """An OpenAI function tool: a verb_noun name (``k`` keeps an agent's names apart), a one-line
+    description and 2-3 string parameters, described."""
+    params = {maker._word(rng): {"type": "string", "description": maker.prose(rng.randint(4, 10), rng)}
+              for _ in range(rng.randint(2, 3))}
+    return {"type": "function", "function": {
+        "name": f"{rng.choice(_VERBS)}_{maker._word(rng)}_{k}", "description": maker.prose(rng.randint(10, 20), rng),
+        "parameters": {"type": "object", "properties": params, "required": list(params)}}}
+
+
+def agent_profiles(models: list[str], seed: int | str, maker: ContextMaker, system_tokens: tuple[int, int] = (200, 500),
+                   tools: int = 2) -> list[AgentProfile]:
+    """One profile per model: a system prompt of ``system_tokens`` (min, max) tokens (seeded, its length
+    drawn per agent; it opens with the agent's name, so no two agents' prompts start alike) and
+    ``tools`` tools of its own."""
+    lo, hi = system_tokens
+    if not 1 <= lo <= hi:
+        raise ValueError("--system-tokens: give MIN,MAX with 1 <= MIN <= MAX")
+    if tools < 0:
+        raise ValueError("--agent-tools must be >= 0")
+    out = []
+    for i, model in enumerate(models):
+        rng = random.Random(f"agent-{seed}-{i}")
+        head = f"You are {model}, the agent that will {rng.choice(_VERBS)} what the conversation needs."
+        body = maker.prose(max(1, rng.randint(lo, hi) - maker.count(head) - 1), rng)
+        out.append(AgentProfile(model, f"{head} {body}", tuple(_tool(maker, rng, k) for k in range(tools))))
     return out
 
 
