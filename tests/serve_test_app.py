@@ -34,6 +34,9 @@ MAX_INFLIGHT = 4  # ingress admission limit of the test app
 MAX_BODY = 65536
 MAX_N = 4  # limits.max_n of the test app
 MAX_LOGPROBS = 5  # limits.max_logprobs
+# limits.max_tokens_cap: the fault tests' streams ask for this many tokens ignoring EOS, so that a
+# hang-up or a kill lands while tokens still flow (alpha's context is 256 tokens)
+LONG_NEW = 240
 
 
 def _make_models(root: Path) -> dict[str, Path]:
@@ -67,7 +70,8 @@ def _app_config(paths: dict[str, Path], pool_dir: str, keys_file: Path) -> dict:
     return {
         "tokenizer": str(paths["tokenizer"]),
         "pool": {"path": pool_dir, "capacity_bytes": "128MiB"},
-        "limits": {"max_tokens_default": MAX_NEW, "max_tokens_cap": 64, "max_agents": 4, "max_n": MAX_N,
+        "limits": {"max_tokens_default": MAX_NEW, "max_tokens_cap": LONG_NEW, "max_agents": 4,
+                   "max_n": MAX_N,
                    "max_logprobs": MAX_LOGPROBS,
                    "max_inflight_requests": MAX_INFLIGHT, "max_body_bytes": MAX_BODY, "retry_after_s": 2},
         "auth": {"keys_file": str(keys_file)},

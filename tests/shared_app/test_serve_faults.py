@@ -14,6 +14,7 @@ import pytest
 from serve_test_app import (
     CONTEXT,
     KEY_A,
+    LONG_NEW,
     MAX_INFLIGHT,
     MAX_NEW,
     _auth,
@@ -43,17 +44,48 @@ def _stream_then_hang_up(app, body: dict) -> str:
     return first
 
 
-def test_client_that_disconnects_mid_stream_frees_its_slot_and_the_engines(app):
-    first = _stream_then_hang_up(app, {"model": "alpha", "prompt": CONTEXT, "max_tokens": 64, "stream": True,
-                                       "temperature": 0.7, "seed": 1})
+def _cancelled(admission: dict) -> int:
+    """The Router's count of requests that ended cancelled (every route)."""
+    return sum(c["cancelled"] for c in admission["outcomes"].values())
+
+
+def _engine_tokens(app, deployment: str) -> float:
+    """The tokens ``deployment``'s engines generated, from their vllm:* metrics. Replicas push
+    them every 2 s: read until two reads 3 s apart agree (bounded)."""
+    def read():
+        return _metric(_metrics(app["url"]), "vllm:generation_tokens_total", deployment=deployment)
+
+    last = read()
+    for _ in range(10):
+        time.sleep(3)
+        now = read()
+        if now == last:
+            break
+        last = now
+    return last
+
+
+def test_client_that_disconnects_mid_stream_is_cancelled_and_its_generation_stops(app):
+    """A client hangs up after the first event of a stream asking for LONG_NEW tokens, ignoring
+    EOS: the Router counts that request cancelled (not completed), nothing stays in flight, and
+    alpha's engine stops generating well short of max_tokens."""
+    tokens0 = _engine_tokens(app, "Decode-alpha")
+    cancelled0 = _cancelled(_ingress_state(app))
+    first = _stream_then_hang_up(app, {"model": "alpha", "prompt": "hi", "max_tokens": LONG_NEW, "ignore_eos": True,
+                                       "stream": True, "temperature": 0.7, "seed": 1})
     assert first.startswith("data: ")
-    for _ in range(60):  # the cancellation travels router -> decoder
+    for _ in range(60):  # the cancellation travels proxy -> router -> decoder -> engine
         queues = _metric(_metrics(app["url"]), "prefillshare_queue_length")
-        if _ingress_state(app)["inflight"] == 0 and queues == 0:
+        state = _ingress_state(app)
+        if state["inflight"] == 0 and queues == 0 and _cancelled(state) > cancelled0:
             break
         time.sleep(1)
-    assert _ingress_state(app)["inflight"] == 0
+    assert _cancelled(state) == cancelled0 + 1, state  # the hang-up, seen as a cancellation
+    assert state["inflight"] == 0, state
     assert queues == 0  # no engine still works on the abandoned request
+    generated = _engine_tokens(app, "Decode-alpha") - tokens0
+    assert 1 <= generated < LONG_NEW, f"alpha's engine generated {generated:.0f} tokens of max_tokens={LONG_NEW}"
+    print(f"\ndisconnect: cancelled at the Router; alpha's engine generated {generated:.0f} of {LONG_NEW} tokens")
 
 
 
@@ -244,26 +276,28 @@ def _read_events(r) -> list[str]:
 
 
 def test_killing_a_decoder_replica_mid_stream_fails_clearly_and_the_app_recovers(app, baseline):
-    """ray.kill gamma's replica while it streams: that stream ends with an error event (or had
-    already finished), requests sent meanwhile complete or get 503 + Retry-After, none waits for
-    the restart (limits.decoder_wait_s bounds the wait for a replica while none is running),
-    Serve starts a new replica and gamma's greedy answer is the same as before."""
+    """ray.kill alpha's replica while it streams (LONG_NEW tokens ignoring EOS: the stream cannot
+    finish first): that stream ends with an error event, then [DONE]; requests sent meanwhile
+    complete or get 503 + Retry-After, none waits for the restart (limits.decoder_wait_s bounds the
+    wait for a replica while none is running), Serve starts a new replica and alpha's greedy answer
+    is the same as before."""
     import http.client
     import threading
 
     import psutil
     import ray
 
-    (named,) = [a for a in ray.util.list_named_actors(all_namespaces=True) if "Decode-gamma" in a["name"]]
+    (named,) = [a for a in ray.util.list_named_actors(all_namespaces=True) if "#Decode-alpha#" in a["name"]]
     actor = ray.get_actor(named["name"], namespace=named["namespace"])
     # this cluster's replica process (other apps on the machine may use the same names)
     proc = psutil.Process(ray._private.state.actors(actor_id=actor._actor_id.hex())["Pid"])
-    assert any("Decode-gamma" in c for c in proc.cmdline()), proc.cmdline()
+    assert any("Decode-alpha" in c for c in proc.cmdline()), proc.cmdline()
     engine_procs = proc.children(recursive=True)  # vLLM EngineCore + worker, started by this test's app
 
     conn = http.client.HTTPConnection("127.0.0.1", app["port"], timeout=600)
     conn.request("POST", "/v1/completions", body=json.dumps(
-        {"model": "gamma", "prompt": "hi", "max_tokens": 56, "temperature": 1.0, "seed": 3, "stream": True}),
+        {"model": "alpha", "prompt": "hi", "max_tokens": LONG_NEW, "ignore_eos": True, "temperature": 1.0, "seed": 3,
+         "stream": True}),
         headers={"Content-Type": "application/json", **_auth(KEY_A)})
     r = conn.getresponse()
     assert r.status == 200
@@ -272,17 +306,19 @@ def test_killing_a_decoder_replica_mid_stream_fails_clearly_and_the_app_recovers
     rest = _read_events(r)  # a hang here would fail the test on the 600 s socket timeout
     conn.close()
     assert rest[-1] == "[DONE]"
-    stream_failed = any("error" in json.loads(e) for e in rest[:-1])
-    if stream_failed:
-        err = next(json.loads(e)["error"] for e in rest[:-1] if "error" in json.loads(e))
-        assert err["type"] == "server_error" and "decoder" in err["message"], err
+    events = [json.loads(e) for e in rest[:-1]]
+    errors = [e["error"] for e in events if "error" in e]
+    finished = [c.get("finish_reason") for e in events for c in e.get("choices", []) if c.get("finish_reason")]
+    assert errors and not finished, (errors, finished)  # cut by the kill, told in-band: never a whole answer
+    assert errors[-1]["type"] == "server_error" and "decoder" in errors[-1]["message"], errors
+    streamed = sum(bool(c.get("text")) for e in events for c in e.get("choices", []))
 
     results: list[tuple] = []
 
     answered: list[float] = []
 
     def one():
-        results.append(_post(app["url"] + "/v1/completions", {"model": "gamma", "prompt": "hi", "max_tokens": 4},
+        results.append(_post(app["url"] + "/v1/completions", {"model": "alpha", "prompt": "hi", "max_tokens": 4},
                              timeout=600, with_headers=True))
         answered.append(time.monotonic())
 
@@ -303,7 +339,7 @@ def test_killing_a_decoder_replica_mid_stream_fails_clearly_and_the_app_recovers
             p.kill()
         except psutil.NoSuchProcess:
             pass
-    for _ in range(150):  # Serve starts a new gamma replica (an engine start: minutes on 2 busy cores)
+    for _ in range(150):  # Serve starts a new alpha replica (an engine start: minutes on 2 busy cores)
         status, body = _get(app["url"] + "/ready")
         if status == 200:
             break
@@ -312,10 +348,10 @@ def test_killing_a_decoder_replica_mid_stream_fails_clearly_and_the_app_recovers
     ready = time.monotonic()
     # answered before the replacement was up: none held its admission slot through the restart
     assert max(answered) < ready, (max(answered) - ready, [x[:2] for x in results])
-    status, out = _post(app["url"] + "/v1/completions", {"model": "gamma", "prompt": CONTEXT + "\nQ: what is the item?\nA:",
+    status, out = _post(app["url"] + "/v1/completions", {"model": "alpha", "prompt": CONTEXT + "\nQ: what is the item?\nA:",
                                                          "max_tokens": MAX_NEW, "temperature": 0})
-    assert status == 200 and out["choices"][0]["text"] == baseline["gamma"], out
-    print(f"\nfault: stream {'ended with an error event' if stream_failed else 'finished before the kill'}; "
+    assert status == 200 and out["choices"][0]["text"] == baseline["alpha"], out
+    print(f"\nfault: the stream ended with an error event after {streamed} of {LONG_NEW} tokens; "
           f"3 requests during the restart: {len(ok)} completed, {len(failed)} got 503; "
           f"the replacement was ready {ready - max(answered):.0f} s after the last answer")
 
