@@ -1,48 +1,41 @@
-"""PrefillShare's GPU path in one run: KV transport speed, decoder speed-up, token equality, vLLM NIXL.
+"""PrefillShare's GPU path in one run: the vllm-nixl hand-over with the app's own settings.
 
-Run through scripts/gpu_check.sh on a CUDA box. Step 1 needs only torch; steps 2, 3 and 5 need
-the vllm CUDA build and transformers (step 5 also nixl). ``--device cpu`` runs the same steps at toy
-sizes on the CPU (step 1 in seconds: CI runs it), to check this script before spending GPU
-time. Each step has its own time limit and its failure does not stop the others; a JSON of all
-figures goes to ``--out``. The whole default run is bounded to 8 minutes by the shell wrapper.
+Run through scripts/gpu_check.sh on a CUDA box (one H100 or H200, no network: vLLM and NIXL come
+from scripts/gpu_payload.sh). ``--device cpu`` runs the same steps at toy sizes on the CPU, to check
+this script before spending GPU time (CI runs that). Every step has its own time limit (the
+default run's add up to :data:`BUDGET_S`), a failed step does not stop the others, and the JSON
+of all figures (``--out``/gpu_check.json) is rewritten after every step.
 
-1. KV transport (torch only), flash-attention layout ``[2, num_blocks, block_size, heads, head]``
-   per layer, 8B-shaped caches (32 layers, 8 KV heads, head 128, bf16) and ~100M-shaped ones
-   (8 layers, 4 KV heads, head 64), L = 2048 and 4096: the batched slot copies of
-   app.engine.cpu_layout (one index_select / index_copy_ per layer) into and out of
-   - a device slab in one process, and read by a second process over CUDA IPC (goal >= 1 TB/s),
-   - a page-locked host slab (a /dev/shm mapping registered with CUDA; goal >= 35 GB/s),
-   beside a plain device copy and a plain pinned copy of the same bytes, and beside the per-block
-   path the connector used before (one block and one layer at a time through pageable memory).
-   Every copy's bytes are checked against the per-block reference.
-2. Decoder time to first token with the base's KV vs private prefill, producer and decoders on
-   one GPU, ~100M Llama (dummy weights), per prompt length: shared should be lower; every decoder
-   must get L-1 tokens and the fan-out pins must return to 0.
-3. Token equality (float32): random Llama A (base) and B (decoder); B's greedy tokens on A's KV
-   must equal app.reference.shared_greedy(A, B).
-4. (retired with the pool's NIXL block server: across nodes the KV moves with vLLM's connector,
-   step 5)
-5. The ``vllm-nixl`` hand-over (vLLM's own NixlConnector, the mode meant for GPUs), through
-   ``python -m app.bench.nixl_probe --device cuda``: a producer engine (the base) and a consumer
-   engine (a model with other weights) in two processes on the GPU, ``kv_buffer_device: cuda``,
-   vLLM's transport settings. Shipped models at L = 300, 900: the decoder's greedy tokens on the
-   pulled KV equal ``app.reference.shared_greedy`` (float32). A ~90M dummy Llama at ``--lengths``
-   (bf16): decoder TTFT with the pulled KV vs a private prefill, the second prefill of a prompt
-   computing at most one block (the prefix cache), and NIXL's bytes per second (vLLM's counters).
-   On the CPU (``--device cpu``) the shipped models at L = 300 only, over UCX on host memory.
+Steps (``--steps``, in this order by default):
+- ``env``: nvidia-smi (GPUs, driver, topology) and the versions of torch, CUDA, vLLM, NIXL,
+  transformers and Python.
+- ``transport`` (torch only): a request's KV blocks copied with the pool's batched slot copies
+  beside a plain device copy, host slabs and a second process over CUDA IPC (the figures the
+  device can give, without vLLM).
+- ``tokens``: ``python -m app.bench.nixl_probe`` with the app's own NIXL settings
+  (``app.engine.vllm_nixl.settings_for``: progress thread off, CUDA IPC reads on for GPUs): the
+  shipped base as producer and the shipped ``lookup`` decoder (other weights) as consumer, two
+  engine processes; the decoder's greedy tokens on the pulled KV must equal
+  ``app.reference.shared_greedy``, and every pull must bring the whole prompt.
+- ``lora``: the same with a LoRA adapter consumer (the base + ``checkpoints/chat/adapters/lookup``).
+- ``speed``: a dummy Llama big enough that a private prefill costs more than a hand-over (8B
+  shape on a GPU), a 4K prompt: decoder TTFT with the pulled KV vs a private prefill (a ratio,
+  not a gate), NIXL's GB/s from vLLM's counters against a device-to-device copy of the same
+  bytes, and the transport UCX chose for the reads (its protocol log, ``UCX_PROTO_INFO``).
+- ``speed-auto``: the same without the CUDA IPC override (``UCX_CUDA_IPC_ENABLE_GET_ZCOPY`` left
+  to UCX), to show what the override buys.
 
-The JSON is rewritten after every step, so a run stopped by its time limit keeps what it measured.
+Correctness fails the check (tokens, whole pulls, bytes); speed is reported as ratios only.
 """
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import mmap
 import os
 import random
-import shutil
-import statistics
+import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -55,7 +48,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from app.engine.cpu_layout import BlockLayout  # noqa: E402  (torch only)
 
-# (layers, kv heads, head size, block size) of the two cache shapes of step 1
+# (layers, kv heads, head size, block size) of the transport step's cache shapes
 SHAPES = {"8B": (32, 8, 128, 16), "100M": (8, 4, 64, 32)}
 TOY = {"8B": (4, 2, 32, 16), "100M": (2, 2, 16, 16)}
 
@@ -124,29 +117,6 @@ def _ipc_reader(q_in, q_out) -> None:
         equal = all(torch.equal(x.view(torch.int16), y.view(torch.int16)) for x, y in zip(lay.caches, ref.caches))
         del slab
         q_out.put((t, equal))
-
-
-def transport(args, results: dict, failures: list[str]) -> None:
-    dev = args.device
-    full = dev == "cuda" or args.full
-    shapes = {k: v for k, v in (SHAPES if full else TOY).items() if k in args.shapes.split(",")}
-    lengths = [int(x) for x in args.lengths.split(",")] if full else [64]
-    repeats = 5 if full else 2
-    if dev == "cpu":
-        torch.set_num_threads(1)  # as one engine worker; the yardstick copies run with the same
-    rows = []
-    import torch.multiprocessing as tmp
-
-    ctx = tmp.get_context("spawn")
-    q_in, q_out = ctx.Queue(), ctx.Queue()
-    reader = ctx.Process(target=_ipc_reader, args=(q_in, q_out), daemon=True)
-    reader.start()
-    try:
-        _transport_cases(dev, shapes, lengths, repeats, rows, failures, q_in, q_out)
-    finally:
-        q_in.put(None)
-        reader.join(30)
-    results["transport"] = {"rows": rows, "goals": {"device_gb_s": 1000, "host_pinned_gb_s": 35}}
 
 
 def _transport_cases(dev, shapes, lengths, repeats, rows, failures, q_in, q_out) -> None:
@@ -235,222 +205,240 @@ def _transport_case(dev, name, shape, L, repeats, q_in, q_out) -> dict:
     return row
 
 
-class Engines:
-    """Steps 2 and 3: real vLLM engines (imports deferred so that step 1 needs only torch)."""
+def transport(args, results: dict, failures: list[str]) -> None:
+    dev = args.device
+    full = dev == "cuda" or args.full
+    shapes = {k: v for k, v in (SHAPES if full else TOY).items() if k in args.shapes.split(",")}
+    lengths = [4096] if full else [64]
+    repeats = 3 if full else 2
+    if dev == "cpu":
+        torch.set_num_threads(1)  # as one engine worker; the yardstick copies run with the same
+    rows = []
+    import torch.multiprocessing as tmp
 
-    def __init__(self, args, results: dict, failures: list[str]):
-        self.args = args
-        self.dev = args.device
-        self.results = results
-        self.failures = failures
-        self.work = tempfile.mkdtemp(prefix="ps-gpu-")
-        self.pool_root = f"/dev/shm/ps-gpu-{uuid.uuid4().hex[:8]}"
-        self.gpu_extra = dict(gpu_memory_utilization=0.05) if self.dev == "cuda" else {}
+    ctx = tmp.get_context("spawn")
+    q_in, q_out = ctx.Queue(), ctx.Queue()
+    reader = ctx.Process(target=_ipc_reader, args=(q_in, q_out), daemon=True)
+    reader.start()
+    try:
+        _transport_cases(dev, shapes, lengths, repeats, rows, failures, q_in, q_out)
+    finally:
+        q_in.put(None)
+        reader.join(10)
+        if reader.is_alive():
+            reader.kill()
+    results["transport"] = {"rows": rows}
 
-    def cleanup(self) -> None:
-        for suffix in ("-eq", "-sp", "-nx", "-nx2"):
-            shutil.rmtree(self.pool_root + suffix, ignore_errors=True)
-        shutil.rmtree(self.work, ignore_errors=True)
 
-    def engine_cfg(self, **kw):
-        from app.engine.async_engine import EngineConfig
+# ---------------------------------------------------------------- env
 
-        return EngineConfig(skip_tokenizer_init=True, enforce_eager=True, **self.gpu_extra, **kw)
+def _run(cmd: list[str], timeout: float = 10) -> str:
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        return (r.stdout + r.stderr).strip()
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"{cmd[0]}: {type(e).__name__}: {e}"
 
-    @staticmethod
-    def small_llama(path: str, seed: int) -> None:
-        from transformers import LlamaConfig, LlamaForCausalLM
 
-        torch.manual_seed(seed)
-        LlamaForCausalLM(LlamaConfig(vocab_size=1024, hidden_size=192, num_hidden_layers=4, num_attention_heads=3,
-                                     num_key_value_heads=1, head_dim=64, intermediate_size=512,
-                                     max_position_embeddings=1024, tie_word_embeddings=True,
-                                     initializer_range=0.1)).save_pretrained(path)
+def versions() -> dict[str, str | None]:
+    """Versions of what the check runs on (None: not installed)."""
+    from importlib import import_module
+    from importlib.metadata import PackageNotFoundError, version
 
-    async def equality(self) -> None:
-        from transformers import LlamaForCausalLM
-
-        from app.engine.async_engine import Engine, PoolSpec, Sampling, connector_config
-        from app.engine.kv_pool import KVPool
-        from app.reference import shared_greedy
-
-        a, b = os.path.join(self.work, "A"), os.path.join(self.work, "B")
-        self.small_llama(a, 1)
-        self.small_llama(b, 2)
-        spec = PoolSpec(path=self.pool_root + "-eq", capacity_bytes=1 << 30)
-        common = dict(dtype="float32", kv_cache_memory_bytes=1 << 30, max_model_len=1024, block_size=32,
-                      max_num_batched_tokens=128)
-        prod = await Engine.start(self.engine_cfg(model=a, kv_transfer_config=connector_config("producer", "A", spec),
-                                                  **common))
-        cons = await Engine.start(self.engine_cfg(model=b, kv_transfer_config=connector_config("consumer", "A", spec),
-                                                  **common))
+    out: dict[str, str | None] = {"python": sys.version.split()[0], "torch": torch.__version__,
+                                  "cuda": torch.version.cuda}
+    for mod in ("vllm", "transformers"):
         try:
-            ha = LlamaForCausalLM.from_pretrained(a, dtype=torch.float32).to(self.dev).eval()
-            hb = LlamaForCausalLM.from_pretrained(b, dtype=torch.float32).to(self.dev).eval()
-            rng = random.Random(0)
-            lengths = (77, 150, 333, 701) if self.dev == "cuda" else (77, 150)
-            prompts = [[rng.randrange(3, 1024) for _ in range(n)] for n in lengths]
-            await asyncio.gather(*[prod.prefill(p, cache_salt="t", kv_transfer_params={"fanout": 1}) for p in prompts])
-            outs = await asyncio.gather(*[cons.complete(p, Sampling(max_tokens=12, ignore_eos=True), cache_salt="t")
-                                          for p in prompts])
-            rows = []
-            for p, o in zip(prompts, outs):
-                ref = shared_greedy(ha, hb, p, 12)
-                same = o.token_ids == ref
-                rows.append({"L": len(p), "cached": o.num_cached_tokens, "equal": same})
-                print(f"  L={len(p):4d} cached={o.num_cached_tokens:4d}/{len(p) - 1} tokens equal: {same}"
-                      + ("" if same else f"  vllm={o.token_ids} ref={ref}"), flush=True)
-                if not same or o.num_cached_tokens != len(p) - 1:
-                    self.failures.append(f"equality L={len(p)}")
-            self.results["equality"] = rows
-            print("  pool:", KVPool.attach(spec.path).stats().counters, flush=True)
-        finally:
-            prod.shutdown()
-            cons.shutdown()
-
-    async def speed(self) -> None:
-        from transformers import LlamaConfig
-
-        from app.engine.async_engine import Engine, PoolSpec, Sampling, connector_config
-        from app.engine.kv_keys import shared_block_keys
-        from app.engine.kv_pool import KVPool
-
-        m = os.path.join(self.work, "M")
-        toy = self.dev == "cpu"
-        LlamaConfig(vocab_size=8192, hidden_size=256 if toy else 1024, num_hidden_layers=2 if toy else 8,
-                    num_attention_heads=4 if toy else 16, num_key_value_heads=2 if toy else 4,
-                    intermediate_size=512 if toy else 2816, max_position_embeddings=8256,
-                    tie_word_embeddings=True).save_pretrained(m)
-        lengths = [int(x) for x in self.args.lengths.split(",")] if not toy else [256]
-        mml = max(lengths) + 64
-        spec = PoolSpec(path=self.pool_root + "-sp", capacity_bytes=4 << 30)
-        common = dict(model=m, dtype="auto", kv_cache_memory_bytes=2 << 30, max_model_len=mml, block_size=32,
-                      max_num_batched_tokens=max(lengths), load_format="dummy")
-        prod = await Engine.start(self.engine_cfg(**common, kv_transfer_config=connector_config(
-            "producer", "M", spec, scope="gpu-producer")))
-        cons = await Engine.start(self.engine_cfg(**common, kv_transfer_config=connector_config(
-            "consumer", "M", spec, scope="gpu-decoder")))
-        priv = await Engine.start(self.engine_cfg(**common, enable_prefix_caching=False))
-        engines = (prod, cons, priv)
-        pool = KVPool.attach(spec.path)
-
-        async def ttft(engine, ids, salt):
-            t0 = time.perf_counter()
-            async for o in engine.generate(ids, Sampling(max_tokens=1, ignore_eos=True), None, salt):
-                if o.new_token_ids:
-                    return time.perf_counter() - t0, o.num_cached_tokens
-            raise RuntimeError("no token")
-
+            out[mod] = str(import_module(mod).__version__)
+        except Exception:  # noqa: BLE001 - absent or broken: reported as None
+            out[mod] = None
+    for dist in ("nixl", "nixl-cu13", "nixl-cu12"):
         try:
-            rng = random.Random(1)
-            for e in (cons, priv):
-                await ttft(e, [5] * 64, "warm")
-            await prod.prefill([6] * 64, cache_salt="warm")
-            n = self.args.decoders
-            rows = []
-            for L in lengths:
-                for trial in range(self.args.trials):
-                    ids = [rng.randrange(3, 8192) for _ in range(L)]
-                    salt = f"L{L}t{trial}"
-                    p = [(await ttft(priv, ids, salt))[0] for _ in range(n)]
-                    t0 = time.perf_counter()
-                    await prod.prefill(ids, cache_salt=salt, kv_transfer_params={"fanout": n})
-                    base = time.perf_counter() - t0
-                    s = [await ttft(cons, ids, salt) for _ in range(n)]
-                    ok = all(c == L - 1 for _, c in s)
-                    pins = sum(pool.pins(k.key) for k in shared_block_keys("M", salt, ids, 32))
-                    ps, ss = statistics.mean(p), statistics.mean(t for t, _ in s)
-                    rows.append({"L": L, "trial": trial, "private_ms": ps * 1e3, "shared_ms": ss * 1e3,
-                                 "ratio": ps / ss, "base_prefill_ms": base * 1e3, "cached_ok": ok, "pins_left": pins,
-                                 "shared_lower": ss < ps, "fanout_private_ms": sum(p) * 1e3,
-                                 "fanout_shared_ms": (base + sum(t for t, _ in s)) * 1e3})
-                    print(f"  L={L} trial {trial}: decoder TTFT private {ps * 1e3:.1f} ms, shared {ss * 1e3:.1f} ms, "
-                          f"ratio {ps / ss:.2f}x; base prefill {base * 1e3:.1f} ms; cached ok: {ok}; pins left {pins}",
-                          flush=True)
-                    if not ok or pins:
-                        self.failures.append(f"speed L={L}: KV not loaded by every decoder or pins left")
-            dec, pro = pool.stats("gpu-decoder"), pool.stats("gpu-producer")
-            self.results["speed"] = {
-                "rows": rows, "load_us_per_token": dec.load_seconds_per_token * 1e6,
-                "load_gb_s": dec.get("bytes_moved") / dec.get("load_seconds") / 1e9 if dec.get("load_seconds") else 0,
-                "save_gb_s": pro.get("save_bytes") / pro.get("save_seconds") / 1e9 if pro.get("save_seconds") else 0,
-                "mib_moved": dec.get("bytes_moved") / 2**20}
-            print(f"  KV load {self.results['speed']['load_us_per_token']:.2f} us/token "
-                  f"({self.results['speed']['load_gb_s']:.2f} GB/s), save {self.results['speed']['save_gb_s']:.2f} GB/s",
-                  flush=True)
-        finally:
-            for e in engines:
-                e.shutdown()
+            out[dist] = version(dist)
+        except PackageNotFoundError:
+            out[dist] = None
+    return out
 
 
-def _probe(args, name: str, probe_args: list[str], limit: float) -> dict:
+def environment(args, results: dict, failures: list[str]) -> None:
+    env: dict = {"versions": versions()}
+    if args.device == "cuda":
+        env["nvidia_smi"] = _run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version,pci.bus_id",
+                                  "--format=csv,noheader"])
+        env["nvidia_smi_topo"] = _run(["nvidia-smi", "topo", "-m"])
+        env["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    from app.engine import kv_transport
+
+    env["rdma_devices"] = list(kv_transport.rdma_devices())
+    results["environment"] = env
+    print(json.dumps(env["versions"]), flush=True)
+    if args.device == "cuda":
+        print(env["nvidia_smi"], flush=True)
+
+
+# ---------------------------------------------------------------- the vllm-nixl hand-over
+
+def app_setting(device: str) -> str:
+    """The nixl_probe setting that is the app's own for ``device`` (app.engine.vllm_nixl.settings_for)."""
+    from app.bench.nixl_probe import SETTINGS
+    from app.engine.vllm_nixl import settings_for
+
+    mine = settings_for(device)
+    return next(name for name, s in SETTINGS.items() if s == mine)
+
+
+def _probe(args, name: str, probe_args: list[str], limit: float) -> tuple[dict, str]:
     """One run of app.bench.nixl_probe in its own process group (killed whole at ``limit``: its
-    engines are child processes); its JSON."""
-    import signal
-    import subprocess
-
+    engines are child processes): its JSON and its output (UCX's protocol log included)."""
     work = tempfile.mkdtemp(prefix="ps-gpu-probe-")
-    out = os.path.join(work, f"{name}.json")
+    out, log = os.path.join(work, f"{name}.json"), os.path.join(work, f"{name}.log")
     cmd = [sys.executable, "-m", "app.bench.nixl_probe", "--device", args.device, "--out", out, *probe_args]
     print("  $", " ".join(cmd[1:]), flush=True)
-    proc = subprocess.Popen(cmd, start_new_session=True)
     try:
-        rc = proc.wait(limit)
+        with open(log, "w") as f:
+            proc = subprocess.Popen(cmd, start_new_session=True, stdout=f, stderr=subprocess.STDOUT)
+            try:
+                rc = proc.wait(limit)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+                rc = None
+        with open(log, errors="replace") as f:
+            text = f.read()
+        if args.out:  # the engines' own output (UCX's protocol tables, the connector's transport line)
+            os.makedirs(args.out, exist_ok=True)
+            with open(os.path.join(args.out, f"{name}.log"), "w") as f:
+                f.write(text[-4_000_000:])
         if rc != 0:
-            raise RuntimeError(f"nixl_probe {name}: exit {rc}")
+            print(text[-4000:], flush=True)
+            raise TimeoutError(f"{name}: not done in {limit:.0f} s") if rc is None else RuntimeError(
+                f"{name}: nixl_probe exit {rc}")
         with open(out) as f:
-            return json.load(f)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-        raise TimeoutError(f"nixl_probe {name}: not done in {limit:.0f} s") from None
+            return json.load(f), text
     finally:
+        import shutil
+
         shutil.rmtree(work, ignore_errors=True)
 
 
-def vllm_nixl(args, results: dict, failures: list[str], limit: float) -> None:
-    """Step 5: the vllm-nixl hand-over between two engine processes (module docstring)."""
-    from importlib.metadata import PackageNotFoundError, version
+def _common(args, setting: str) -> list[str]:
+    env = ["--env", "UCX_PROTO_INFO=y", "--env", "UCX_LOG_LEVEL=info"]
+    return ["--setting", setting, "--idle", "0.5", "--timeout", "60", *env]
 
+
+def _record(name: str, res: dict, log: str, setting: str, device: str) -> dict:
+    from app.engine import kv_transport
+    from app.engine.vllm_nixl import settings_for
+
+    memory = "cuda" if device == "cuda" else "host"
+    plan = kv_transport.plan(device, env=dict(res.get("settings", {}).get("ucx_env") or {}))
+    return {"setting": setting, "app_setting": res.get("settings") == _asdict(settings_for(device)),
+            "summary": res["summary"], "kv_transfer": res["kv_transfer"], "start_s": res.get("start_s"),
+            "handover_counters": res.get("handover_counters"),
+            "expired": res["producer_metrics"].get("num_kv_expired_reqs", 0.0),
+            "transport_planned": kv_transport.describe(plan),
+            "transport_logged": [ln.split("PrefillShare vllm-nixl engine, ", 1)[1] for ln in log.splitlines()
+                                 if "PrefillShare vllm-nixl engine, " in ln][:2],
+            "transport_chosen": kv_transport.read_transport(log, memory),
+            "ucx_read_tables": [{"scope": p.scope, "operation": p.operation, "rows": p.rows}
+                                for p in kv_transport.read_protocols(log) if p.is_read][:8],
+            "ucx_version": next((ln.split("UCX  INFO  ", 1)[1] for ln in log.splitlines()
+                                 if "UCX  INFO  Version" in ln), None)}
+
+
+def _asdict(settings) -> dict:
+    from dataclasses import asdict
+
+    d = asdict(settings)
+    d["backends"] = list(d["backends"])
+    return d
+
+
+def _check_rows(name: str, rec: dict, failures: list[str]) -> None:
     from app.bench.nixl_probe import ProbeConfig
 
-    try:
-        vllm_version = version("vllm")
-    except PackageNotFoundError:
-        vllm_version = "unknown"
+    for n, row in rec["summary"].items():
+        ratio = row["ttft_private_s"] / row["ttft_shared_s"] if row["ttft_shared_s"] else 0.0
+        row["ttft_private_over_shared"] = round(ratio, 3)
+        print(f"  {name} L={n}: decoder TTFT shared {row['ttft_shared_s'] * 1e3:.1f} ms, private "
+              f"{row['ttft_private_s'] * 1e3:.1f} ms ({ratio:.2f}x); second prefill computed "
+              f"{row['second_prefill_computed']} tokens; all pulled: {row['all_pulled']}; "
+              f"tokens equal: {row['tokens_equal']}", flush=True)
+        if not (row["all_pulled"] and row["tokens_equal"]):
+            failures.append(f"{name} L={n}: not every decoder pulled the whole prompt, or tokens differ")
+        if row["second_prefill_computed"] > ProbeConfig.block_size:
+            failures.append(f"{name} L={n}: the second prefill computed more than one block")
+    rate = rec["kv_transfer"]
+    print(f"  {name}: NIXL moved {rate['mib']} MiB in {rate['seconds'] * 1e3:.1f} ms ({rate['gb_s']} GB/s, "
+          f"vLLM's counters); transport planned: {rec['transport_planned']}; UCX chose: "
+          f"{rec['transport_chosen'] or 'not logged'}", flush=True)
+    if not rate["mib"]:
+        failures.append(f"{name}: vLLM counted no NIXL bytes")
+
+
+def copy_gb_s(nbytes: int, device: str, repeats: int = 5) -> float:
+    """A plain device-to-device copy of ``nbytes`` (host memory on the CPU), best of ``repeats``."""
+    a = torch.empty(max(1, nbytes), dtype=torch.uint8, device=device)
+    b = torch.empty_like(a)
+    return nbytes / _timed(lambda: b.copy_(a), device, repeats) / 1e9
+
+
+def handover(args, results: dict, failures: list[str], step: str, limit: float) -> None:
+    """Steps tokens, lora, speed, speed-auto (module docstring)."""
     gpu = args.device == "cuda"
-    setting = "default" if gpu else "polled"  # vLLM's transport settings on GPUs; the CPU box's own
-    t0 = time.perf_counter()
-    runs = {"equality": ["--models", "shipped", "--lengths", "300,900" if gpu else "300", "--repeats", "1",
-                         "--max-tokens", "8", "--setting", setting, "--idle", "1", "--timeout", "60"]}
-    if gpu:
-        runs["speed"] = ["--models", "random", "--lengths", args.lengths, "--repeats", str(args.trials),
-                         "--max-tokens", "4", "--setting", setting, "--dtype", "bfloat16", "--idle", "1",
-                         "--timeout", "60"]
-    out: dict = {"vllm": vllm_version, "setting": setting}
-    results["vllm_nixl"] = out
-    for name, probe_args in runs.items():
-        res = _probe(args, name, probe_args, max(30.0, limit - (time.perf_counter() - t0)))
-        summary, rate = res["summary"], res["kv_transfer"]
-        out[name] = {"summary": summary, "kv_transfer": rate, "start_s": res.get("start_s"),
-                     "handover_counters": res.get("handover_counters"),
-                     "expired": res["producer_metrics"].get("num_kv_expired_reqs", 0.0)}
-        for n, row in summary.items():
-            ratio = row["ttft_private_s"] / row["ttft_shared_s"] if row["ttft_shared_s"] else 0.0
-            print(f"  {name} L={n}: decoder TTFT shared {row['ttft_shared_s'] * 1e3:.1f} ms, private "
-                  f"{row['ttft_private_s'] * 1e3:.1f} ms ({ratio:.1f}x); second prefill computed "
-                  f"{row['second_prefill_computed']} tokens; all pulled: {row['all_pulled']}; "
-                  f"tokens equal: {row['tokens_equal']}", flush=True)
-            if not (row["all_pulled"] and row["tokens_equal"]):
-                failures.append(f"vllm_nixl {name} L={n}: not every decoder pulled, or tokens differ")
-            if row["second_prefill_computed"] > ProbeConfig.block_size:  # the probe runs with its default
-                failures.append(f"vllm_nixl {name} L={n}: the second prefill computed more than one block")
-            if name == "speed" and row["ttft_shared_s"] >= row["ttft_private_s"]:
-                failures.append(f"vllm_nixl speed L={n}: the pulled KV is not faster than a private prefill")
-        print(f"  {name}: NIXL moved {rate['mib']} MiB in {rate['seconds'] * 1e3:.1f} ms of transfers "
-              f"({rate['gb_s']} GB/s, vLLM's counters)", flush=True)
-        if not rate["mib"]:
-            failures.append(f"vllm_nixl {name}: vLLM counted no NIXL bytes")
+    setting = app_setting(args.device)
+    if step == "tokens":
+        probe = ["--models", "shipped", "--lengths", "300,900" if gpu else "300", "--repeats", "1",
+                 "--max-tokens", "8"]
+    elif step == "lora":
+        probe = ["--models", "shipped", "--lora", args.lora, "--lengths", "300", "--repeats", "1", "--max-tokens", "8"]
+    else:
+        if step == "speed-auto":
+            setting = "gpu-auto" if gpu else setting
+        shape, length = (args.shape, args.speed_length) if gpu else ("toy", 256)
+        probe = ["--models", "random", "--shape", shape, "--lengths", str(length), "--repeats", "2" if gpu else "1",
+                 "--max-tokens", "2", "--dtype", "bfloat16" if gpu else "float32",
+                 "--kv-bytes", str(args.kv_bytes if gpu else 1 << 28)]
+    res, log = _probe(args, step, [*probe, *_common(args, setting)], limit)
+    rec = _record(step, res, log, setting, args.device)
+    results.setdefault("handover", {})[step] = rec
+    _check_rows(step, rec, failures)
+    rate = rec["kv_transfer"]
+    if step.startswith("speed") and rate["pulls"]:
+        per_pull = int(rate["mib"] * 2**20 / rate["pulls"])
+        rec["copy_gb_s"] = round(copy_gb_s(per_pull, args.device), 3)
+        rec["kv_over_copy"] = round(rate["gb_s"] / rec["copy_gb_s"], 4) if rec["copy_gb_s"] else 0.0
+        print(f"  {step}: a plain copy of the same {per_pull / 2**20:.1f} MiB: {rec['copy_gb_s']} GB/s; "
+              f"NIXL at {rec['kv_over_copy']:.3f}x of it", flush=True)
+    ratios = results.setdefault("ratios", {})  # speed, as ratios only: never a failure
+    if step.startswith("speed"):
+        ratios[f"{step}: decoder TTFT private / shared"] = {
+            n: row["ttft_private_over_shared"] for n, row in rec["summary"].items()}
+        ratios[f"{step}: KV GB/s / device copy GB/s"] = rec.get("kv_over_copy")
+    if step == "speed-auto" and "speed" in results["handover"]:
+        on, off = results["handover"]["speed"]["kv_transfer"]["gb_s"], rate["gb_s"]
+        ratios["KV GB/s with the CUDA IPC override / without"] = round(on / off, 3) if off else None
+
+
+# ---------------------------------------------------------------- the run
+
+# step -> (title, time limit in seconds); the default run's limits add up to BUDGET_S
+STEPS = {
+    "env": ("nvidia-smi and versions", 10),
+    "transport": ("KV blocks: batched slot copies vs plain copies (torch only)", 30),
+    "tokens": ("vllm-nixl, the app's settings: a full decoder's tokens on the pulled KV", 65),
+    "lora": ("vllm-nixl, the app's settings: a LoRA adapter consumer's tokens on the pulled KV", 65),
+    "speed": ("vllm-nixl, the app's settings: TTFT shared vs private, KV GB/s vs a copy, UCX's transport", 110),
+    "speed-auto": ("vllm-nixl without the CUDA IPC override: KV GB/s and UCX's transport", 80),
+}
+DEFAULT_STEPS = tuple(STEPS)
+BUDGET_S = 360
+# --device cpu (the dry run): a 2-core box starts two engines in 20-50 s where a GPU box takes ~10 s
+CPU_SLACK = 5
+
+
+class StepTimeout(Exception):
+    """A step ran past its own limit."""
 
 
 def _write(args, results: dict) -> None:
@@ -460,41 +448,39 @@ def _write(args, results: dict) -> None:
             json.dump(results, f, indent=1)
 
 
+def _alarm(signum, frame):
+    raise StepTimeout("ran past its limit")
+
+
 def run(args) -> int:
-    results: dict = {"device": args.device, "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    results: dict = {"device": args.device, "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                     "limits_s": {k: STEPS[k][1] * (1 if args.device == "cuda" else CPU_SLACK) for k in DEFAULT_STEPS}}
     failures: list[str] = []
     results["failures"] = failures
-    eng = None
-    steps = {"1": ("KV transport: batched slot copies vs plain copies vs per-block (torch only)", 90),
-             "2": (f"decoder TTFT shared vs private, L={args.lengths}", 200),
-             "3": ("token equality (float32)", 120),
-             "5": ("the vllm-nixl hand-over: vLLM's NixlConnector between two engine processes", 240)}
-    try:
-        for key in args.steps.split(","):
-            if key not in steps:
-                raise SystemExit(f"--steps: unknown step {key!r} (1, 2, 3 or 5)")
-            title, limit = steps[key]
-            print(f"== {key}. {title} (limit {limit} s)", flush=True)
-            t0 = time.perf_counter()
-            try:
-                if key == "1":
-                    transport(args, results, failures)
-                elif key == "5":
-                    vllm_nixl(args, results, failures, limit)
-                else:
-                    eng = eng or Engines(args, results, failures)
-                    fn = {"2": eng.speed, "3": eng.equality}[key]
-                    asyncio.run(asyncio.wait_for(fn(), limit))
-            except Exception as e:  # noqa: BLE001 - report and go on to the next step
-                traceback.print_exc()
-                failures.append(f"step {key}: {type(e).__name__}: {e}"[:300])
-            spent = time.perf_counter() - t0
-            results.setdefault("step_seconds", {})[key] = spent
-            print(f"   ({spent:.0f} s)", flush=True)
-            _write(args, results)
-    finally:
-        if eng is not None:
-            eng.cleanup()
+    signal.signal(signal.SIGALRM, _alarm)
+    for key in args.steps.split(","):
+        if key not in STEPS:
+            raise SystemExit(f"--steps: unknown step {key!r} ({', '.join(STEPS)})")
+        title, limit = STEPS[key]
+        limit *= 1 if args.device == "cuda" else CPU_SLACK
+        print(f"== {key}: {title} (limit {limit} s)", flush=True)
+        t0 = time.perf_counter()
+        try:
+            if key in ("env", "transport"):
+                signal.alarm(limit)  # in-process steps; the probes are killed at their limit instead
+                try:
+                    (environment if key == "env" else transport)(args, results, failures)
+                finally:
+                    signal.alarm(0)
+            else:
+                handover(args, results, failures, key, limit)
+        except Exception as e:  # noqa: BLE001 - report and go on to the next step
+            traceback.print_exc()
+            failures.append(f"step {key}: {type(e).__name__}: {e}"[:300])
+        spent = time.perf_counter() - t0
+        results.setdefault("step_seconds", {})[key] = round(spent, 1)
+        print(f"   ({spent:.0f} s)", flush=True)
+        _write(args, results)
     _write(args, results)
     print("== RESULT:", "PASS" if not failures else f"FAIL {failures}", flush=True)
     return 1 if failures else 0
@@ -503,13 +489,13 @@ def run(args) -> int:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
-    ap.add_argument("--steps", default="1,5,3,2",
-                    help="comma-separated steps to run, in that order (1 needs only torch; 5 is the vllm-nixl mode)")
-    ap.add_argument("--lengths", default="2048,4096")
-    ap.add_argument("--shapes", default="8B,100M", help="step 1: cache shapes to measure")
-    ap.add_argument("--full", action="store_true", help="--device cpu: step 1 at full sizes instead of toy ones")
-    ap.add_argument("--decoders", type=int, default=4)
-    ap.add_argument("--trials", type=int, default=2)
+    ap.add_argument("--steps", default=",".join(DEFAULT_STEPS), help=f"comma-separated, in order ({', '.join(STEPS)})")
+    ap.add_argument("--shapes", default="8B,100M", help="transport: cache shapes to measure")
+    ap.add_argument("--full", action="store_true", help="--device cpu: the transport step at full sizes")
+    ap.add_argument("--shape", default="8B", help="speed: the dummy Llama's shape (app.bench.nixl_probe.SHAPES)")
+    ap.add_argument("--speed-length", type=int, default=4096, help="speed: prompt tokens")
+    ap.add_argument("--kv-bytes", type=int, default=3 << 30, help="speed: each engine's KV space on the GPU")
+    ap.add_argument("--lora", default="checkpoints/chat/adapters/lookup", help="lora: an adapter of the shipped base")
     ap.add_argument("--out", default=os.environ.get("OUT"))
     return run(ap.parse_args(argv))
 

@@ -1,16 +1,27 @@
 #!/usr/bin/env bash
 # Builds what a bare CUDA box (torch 2.11+cu130, python 3.12, no vLLM, no network) needs to run
-# scripts/gpu_check.sh: vllm 0.26.0 (the CUDA build that pins torch 2.11), stripped of kernels the
-# check never loads, its missing pure-Python dependencies, and nixl-cu13. Needs PyPI.
-#   bash scripts/gpu_payload.sh [OUTDIR] [CHUNK_MIB]       # default .gpu, 25
-# Writes OUTDIR/payload.tar.xz split into OUTDIR0, OUTDIR1, ... (one chunk per folder, so each
-# device call can carry one folder next to the 37 MiB tracked tree, under the 64 MiB limit).
-# On the box: cat the chunks into one file, `tar -xJf payload.tar.xz -C /tmp/site`, then
-#   PYTHONPATH=/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 bash scripts/gpu_check.sh --out $OUT
-# (measured: 5 calls of ~6 s each after a ~40 s start, then ~190 s for the check).
+# scripts/gpu_check.sh: vllm 0.26.0 (the CUDA build that pins torch 2.11; the pinned 0.32 needs torch
+# 2.13), stripped of kernels the check never loads, its missing pure-Python dependencies, and
+# nixl-cu13. Needs PyPI.
+#   bash scripts/gpu_payload.sh [OUTDIR] [CHUNK_MIB]       # default .gpu, chunk: what fits (below)
+# Writes OUTDIR/payload.tar.xz split into OUTDIR0, OUTDIR1, ... (one chunk per folder). A device call
+# carries the working tree (tracked and untracked files git does not ignore) plus what it is told to
+# carry, at most 64 MiB in all; so the default chunk is 60 MiB less the tree, and the script refuses a
+# chunk that would not fit. One call per folder copies its part.* to /tmp/p on the box; the last one runs
+#   PAYLOAD=/tmp/p bash scripts/gpu_check.sh --out $OUT
+# (calls must follow each other within the box's idle window, or /tmp is lost with the machine).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-out="${1:-.gpu}"; chunk="${2:-25}"
+out="${1:-.gpu}"
+tree_mib=$(( ( $( (git ls-files -z; git ls-files -z --others --exclude-standard) | xargs -0 du -cb 2>/dev/null \
+             | awk '$2 == "total" {s += $1} END {print s + 0}') + 1048575 ) / 1048576 ))
+room=$(( 60 - tree_mib ))
+chunk="${2:-$room}"
+if [ "$chunk" -lt 1 ] || [ "$chunk" -gt "$room" ]; then
+  echo "chunk ${chunk} MiB does not fit beside the ${tree_mib} MiB working tree under the 64 MiB carry limit" >&2
+  exit 1
+fi
+echo "working tree ${tree_mib} MiB: chunks of ${chunk} MiB"
 work="$(mktemp -d /tmp/gpu-payload.XXXX)"; site="$work/site"; mkdir -p "$site" "$work/whl"
 pip=(.venv/bin/python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12
      --implementation cp -d "$work/whl" --platform any --platform manylinux1_x86_64
@@ -44,7 +55,7 @@ find "$site"/vllm/third_party/deep_gemm -name '_C.cpython-3*' ! -name '*-312-*' 
 echo "packing $(du -sh "$site" | cut -f1) ..."
 mkdir -p "$out"
 tar -cf - -C "$site" . | xz -T0 -6 > "$out/payload.tar.xz"
-(cd "$out" && split -b "${chunk}M" -d -a 1 payload.tar.xz part.)
+(cd "$out" && split -b "${chunk}M" -d -a 2 payload.tar.xz part.)
 for p in "$out"/part.*; do i="${p##*.}"; mkdir -p "$out$i"; mv "$p" "$out$i/"; done
-rm -f "$out/payload.tar.xz"; rm -rf "$work"
+rm -f "$out/payload.tar.xz"; rmdir "$out" 2>/dev/null || true; rm -rf "$work"
 ls -d "$out"?* | sed 's/^/chunk folder: /'

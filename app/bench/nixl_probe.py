@@ -9,10 +9,12 @@ It records per-request wall times, the decoder's ``num_cached_tokens`` (L when i
 prompt: vLLM counts every prompt token and recomputes the last), its greedy tokens against ``app.reference.shared_greedy`` (shipped models) and vLLM's
 NIXL counters, under one named transport setting (:data:`SETTINGS`). Each setting starts fresh
 engines (UCX reads its variables at start-up). ``--device cuda`` puts both engines on the GPU
-(``kv_buffer_device: cuda``, a small share of its memory each): scripts/gpu_check.py runs it so.
+(``kv_buffer_device: cuda``, a small share of its memory each, the app's GPU settings unless
+``--setting`` names others): scripts/gpu_check.py runs it so. ``--models random --shape 8B`` runs
+config-only Llama shapes with vLLM's dummy weights (no weights file is written).
 
-    python -m app.bench.nixl_probe --setting default --out runs/nixl/default.json
-    python -m app.bench.nixl_probe --setting tuned --models random --lengths 2048,4096
+    python -m app.bench.nixl_probe --setting polled --out runs/nixl/polled.json
+    python -m app.bench.nixl_probe --setting polled --models random --lengths 2048,4096
 
 Run it alone on the machine (it starts two engines).
 """
@@ -31,7 +33,14 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from app.engine.vllm_nixl import CPU_SETTINGS, NixlSettings, lease_for_timeout, nixl_transfer_config, side_channel_env
+from app.engine.vllm_nixl import (
+    CPU_SETTINGS,
+    GPU_SETTINGS,
+    NixlSettings,
+    lease_for_timeout,
+    nixl_transfer_config,
+    side_channel_env,
+)
 from app.engine.vllm_nixl_handover import read_vllm_nixl_counters
 
 # Named transport settings: NIXL's UCX threads (vLLM's ``num_threads``) and UCX variables.
@@ -39,14 +48,28 @@ SETTINGS: dict[str, NixlSettings] = {
     "default": NixlSettings(),  # vLLM's: NIXL progress thread on, 4 UCX threads, UCX picks transports
     "threads0": NixlSettings(num_threads=0),
     "polled": CPU_SETTINGS,  # the project's CPU setting: progress thread off
-    "polled-tcp": NixlSettings(progress_thread=False, env={"UCX_TLS": "tcp,self"}),
+    "polled-tcp": NixlSettings(progress_thread=False, ucx_env={"UCX_TLS": "tcp,self"}),
+    "gpu": GPU_SETTINGS,  # the project's GPU setting: progress thread off, CUDA IPC reads on
+    "gpu-auto": NixlSettings(progress_thread=False),  # the same without the CUDA IPC override
+}
+
+# Llama shapes of ``--models random`` (config only; vLLM's dummy weights), ``--shape``
+SHAPES: dict[str, dict[str, int]] = {
+    "toy": dict(hidden_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                intermediate_size=512),
+    "90M": dict(hidden_size=1024, num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=4,
+                intermediate_size=2816),
+    "8B": dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+               intermediate_size=14336),
 }
 
 
 @dataclass(frozen=True)
 class ProbeConfig:
     setting: str = "default"
-    models: str = "shipped"           # shipped: checkpoints/base + a decoder; random: ~90M dummy Llama
+    models: str = "shipped"           # shipped: checkpoints/base + a decoder; random: a dummy Llama of ``shape``
+    shape: str = "90M"                # --models random: a key of SHAPES
+    kv_cache_memory_bytes: int = 536870912
     decoder: str = "checkpoints/decoders/lookup"
     lora: str | None = None           # a LoRA adapter directory of the base: the consumer serves it
     lengths: tuple[int, ...] = (300, 900)
@@ -205,14 +228,29 @@ class EngineProcess:
             self.proc.join(10)
 
 
+def _dummy_llama(path: Path, shape: str, max_len: int, tokenizer: str = "checkpoints/tokenizer") -> str:
+    """A config-only Llama of ``SHAPES[shape]`` with the project's tokenizer (vLLM loads dummy weights)."""
+    import shutil
+
+    from transformers import AutoTokenizer, LlamaConfig
+
+    tok = AutoTokenizer.from_pretrained(tokenizer)
+    cfg = LlamaConfig(vocab_size=len(tok), max_position_embeddings=max_len, tie_word_embeddings=True,
+                      bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, **SHAPES[shape])
+    cfg.architectures = ["LlamaForCausalLM"]
+    cfg.save_pretrained(path)
+    for f in Path(tokenizer).iterdir():
+        if f.is_file():
+            shutil.copy(f, path / f.name)
+    return str(path)
+
+
 def _models(cfg: ProbeConfig, root: Path) -> tuple[str, str, int]:
     """(base dir, decoder dir, max_model_len)."""
     if cfg.models == "shipped":
         return "checkpoints/base", cfg.decoder, 1024
-    from app.bench.models import ModelShape, random_models
-
-    ms = random_models(root, 1, ModelShape(), "checkpoints/tokenizer", dtype="float32")
-    return ms.base, ms.shared[0], max(cfg.lengths) + cfg.max_tokens + 64
+    max_len = max(cfg.lengths) + cfg.max_tokens + 64
+    return _dummy_llama(root / "base", cfg.shape, max_len), _dummy_llama(root / "dec", cfg.shape, max_len), max_len
 
 
 def _prompts(cfg: ProbeConfig, base: str) -> list[list[int]]:
@@ -262,7 +300,7 @@ def start_engines(specs: dict) -> dict[str, EngineProcess]:
 def engine_common(cfg: ProbeConfig, max_len: int) -> dict:
     """EngineConfig fields both engines of a probe share, whatever carries their KV."""
     gpu = dict(gpu_memory_utilization=0.05) if cfg.device == "cuda" else {}
-    return dict(dtype=cfg.dtype, kv_cache_memory_bytes=536870912, **gpu, max_model_len=max_len,
+    return dict(dtype=cfg.dtype, kv_cache_memory_bytes=cfg.kv_cache_memory_bytes, **gpu, max_model_len=max_len,
                 block_size=cfg.block_size, max_num_batched_tokens=2048, request_timeout_s=cfg.request_timeout_s,
                 load_format="dummy" if cfg.models == "random" else "auto")
 
@@ -297,9 +335,8 @@ def engine_specs(cfg: ProbeConfig, base: str, decoder: str, max_len: int) -> tup
     """What :func:`start_engines` takes for this probe's two engines (each with its own NIXL
     handshake port, ``cfg.ports``), and the lease seconds."""
     prod, cons, lease = engine_configs(cfg, base, decoder, max_len)
-    settings = SETTINGS[cfg.setting]
-    return {"producer": (prod, side_channel_env(cfg.ports[0], settings=settings)),
-            "consumer": (cons, side_channel_env(cfg.ports[1], settings=settings))}, lease
+    return {"producer": (prod, side_channel_env(cfg.ports[0])),
+            "consumer": (cons, side_channel_env(cfg.ports[1]))}, lease
 
 
 async def _cases(cfg: ProbeConfig, prod: EngineProcess, cons: EngineProcess, prompts, lease: int) -> dict:
@@ -316,6 +353,7 @@ async def _cases(cfg: ProbeConfig, prod: EngineProcess, cons: EngineProcess, pro
     (le,) = await ho.prefill_leases(prod, warm, 1, lease_s=lease, lora=None)
     w = await ho.decode(cons, warm, Sampling(max_tokens=2), le, margin_s=margin, lora=lora)
     out["warmup"] = {"seconds": time.perf_counter() - t, "cached": w.num_cached_tokens}
+    out["consumer_metrics_after_warmup"] = await cons.metrics()
     # idle: CPU the two engines burn with nothing to do (spinning progress threads show here)
     c0 = prod.cpu_seconds() + cons.cpu_seconds()
     await asyncio.sleep(cfg.idle_s)
@@ -375,15 +413,19 @@ def run_probe(cfg: ProbeConfig) -> dict:
                 case["reference_tokens"] = want
                 case["tokens_equal"] = case["shared_tokens"] == want
         result["summary"] = summarize(result["cases"])
-        result["kv_transfer"] = transfer_rate(result["consumer_metrics"])
+        result["kv_transfer"] = transfer_rate(result["consumer_metrics"], result["consumer_metrics_after_warmup"])
     return result
 
 
-def transfer_rate(metrics: dict[str, float]) -> dict[str, float]:
+def transfer_rate(metrics: dict[str, float], before: dict[str, float] | None = None) -> dict[str, float]:
     """KV bytes the decoder pulled and NIXL's own time for them (vLLM's ``nixl_bytes_transferred``
-    and ``nixl_xfer_time_seconds``), with their ratio in GB/s."""
-    nbytes, secs = metrics.get("bytes_transferred_sum", 0.0), metrics.get("xfer_time_seconds_sum", 0.0)
-    return {"mib": round(nbytes / 2**20, 1), "seconds": round(secs, 4), "pulls": metrics.get("xfer_time_seconds_count", 0.0),
+    and ``nixl_xfer_time_seconds``), with their ratio in GB/s; since ``before`` (the counters after
+    the warm-up, whose pull also makes the handshake) when given."""
+    def since(key: str) -> float:
+        return metrics.get(key, 0.0) - (before or {}).get(key, 0.0)
+
+    nbytes, secs = since("bytes_transferred_sum"), since("xfer_time_seconds_sum")
+    return {"mib": round(nbytes / 2**20, 1), "seconds": round(secs, 4), "pulls": since("xfer_time_seconds_count"),
             "gb_s": round(nbytes / secs / 1e9, 3) if secs else 0.0}
 
 
@@ -408,6 +450,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--setting", choices=sorted(SETTINGS), default="default")
     ap.add_argument("--models", choices=["shipped", "random"], default="shipped")
+    ap.add_argument("--shape", choices=sorted(SHAPES), default=ProbeConfig.shape, help="--models random: its shape")
+    ap.add_argument("--kv-bytes", type=int, default=ProbeConfig.kv_cache_memory_bytes,
+                    help="each engine's kv_cache_memory_bytes")
     ap.add_argument("--decoder", default=ProbeConfig.decoder)
     ap.add_argument("--lora", default=None, help="a LoRA adapter directory of the base (the consumer serves it)")
     ap.add_argument("--lengths", default="300,900")
@@ -425,7 +470,7 @@ def main(argv: list[str] | None = None) -> int:
                       lengths=tuple(int(x) for x in a.lengths.split(",")), repeats=a.repeats,
                       max_tokens=a.max_tokens, binds=tuple(a.binds.split(",")), request_timeout_s=a.timeout,
                       extra_env=dict(kv.split("=", 1) for kv in a.env), out=a.out, idle_s=a.idle,
-                      device=a.device, dtype=a.dtype)
+                      device=a.device, dtype=a.dtype, shape=a.shape, kv_cache_memory_bytes=a.kv_bytes)
     if cfg.models == "random":
         cfg = replace(cfg, check_tokens=False)
     result = run_probe(cfg)

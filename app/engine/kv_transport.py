@@ -43,7 +43,8 @@ def rdma_devices(root: str = "/sys/class/infiniband") -> tuple[str, ...]:
 
 @dataclass(frozen=True)
 class TransportPlan:
-    """The transport a pull should take: to a peer on the same node, and to one on another node."""
+    """The transport a pull should take: to a peer on the same node, and to one on another node
+    (UCX's names: ``cuda_ipc``, ``rdma``, ``tcp``), with the reasons."""
 
     kv_buffer_device: str
     same_node: str
