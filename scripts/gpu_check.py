@@ -227,6 +227,8 @@ def transport(args, results: dict, failures: list[str]) -> None:
         reader.join(10)
         if reader.is_alive():
             reader.kill()
+        if dev == "cuda":
+            torch.cuda.empty_cache()  # the engines of the next steps need this process's cached blocks
     results["transport"] = {"rows": rows}
 
 
