@@ -437,6 +437,7 @@ def test_chat_session_reads_streams_and_the_agents_table(tmp_path):
     import httpx
 
     from app.bench.client import run_chat_session
+    from app.bench.plots import agents_bars
     from app.bench.report import agents_table
     from app.bench.workload import AgentProfile
 
@@ -477,6 +478,7 @@ def test_chat_session_reads_streams_and_the_agents_table(tmp_path):
     assert "| a-sf-lora prefillshare-lora-shared-first | 2 | 64 | c=1 | 3/3 | 90 | 100 | 1.11x | 1.00x |" in table
     assert "| a-sys-lora prefillshare-lora-system-first | 2 | 64 | c=1 | 3/3 | 90 | 300 | 3.33x | 3.00x |" in table
     assert table.splitlines()[-1].endswith("| 0.333 | 0.667 | 0.33x |")  # v-lora: a third of the throughput
+    assert agents_bars(pts, tmp_path / "agents.png").stat().st_size > 0
 
 
 def test_chat_driver_config_and_stock_servers_with_the_chat_template(tmp_path):

@@ -111,6 +111,28 @@ def throughput_vs_load(points: list[PointResult], path: str | Path, title: str =
     return _save(plt, fig, path, title, len(groups))
 
 
+def agents_bars(points: list[PointResult], path: str | Path, title: str = "") -> Path:
+    """--driver chat: per point (system, load, repeat), bars of the prefill stage's prompt tokens per
+    fan-out, p95 TTFT beside p95 request latency, and requests/s."""
+    plt = _plt()
+    pts = [p for p in points if p.base_prompt_tokens_per_session is not None]
+    names = [f"{p.system}\n{p.load:g}{'/s' if p.mode == 'rate' else ' sess.'}" for p in pts]
+    colors = [_STYLE[p.system][0] for p in pts]
+    x = list(range(len(pts)))
+    fig, (a1, a2, a3) = plt.subplots(1, 3, figsize=(12, 3.8))
+    a1.bar(x, [p.base_prompt_tokens_per_session for p in pts], color=colors)
+    a2.bar([i - 0.2 for i in x], [p.ttft["p95"] or 0 for p in pts], width=0.4, color=colors, label="TTFT p95")
+    a2.bar([i + 0.2 for i in x], [(p.request_latency or {}).get("p95") or 0 for p in pts], width=0.4, color=colors,
+           alpha=0.45, hatch="//", label="request p95")
+    a3.bar(x, [p.sessions_per_s * p.fanout for p in pts], color=colors)
+    for ax, ylabel in ((a1, "base prompt tokens per fan-out"), (a2, "seconds"), (a3, "requests/s")):
+        ax.set_xticks(x, names, fontsize=7)
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3, axis="y")
+    a2.legend(fontsize=7)
+    return _save(plt, fig, path, title, 3)
+
+
 def engine_prompt_time(results: list[dict], path: str | Path, title: str = "") -> Path:
     """`bench engine`: a decoder's prompt time against L, private prefill vs the base's KV, per N;
     and the fan-out's total CPU seconds both ways."""

@@ -651,7 +651,7 @@ def rerender(results_json: str | Path | list, out: str | None = None, log=print)
 
 
 def write_outputs(doc: dict, points, comps, costs, out: str, log=print) -> None:
-    from app.bench.plots import p95_vs_load, throughput_vs_load, throughput_vs_n
+    from app.bench.plots import agents_bars, p95_vs_load, throughput_vs_load, throughput_vs_n
 
     out_dir = Path(out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -663,8 +663,11 @@ def write_outputs(doc: dict, points, comps, costs, out: str, log=print) -> None:
         p95_vs_load(points, out_dir / "p95_vs_load.png", title)
         throughput_vs_n(points, out_dir / "throughput_vs_n.png", title)
         throughput_vs_load(points, out_dir / "throughput_vs_load.png", title)
+        if doc["config"].get("driver") == "chat":
+            agents_bars(points, out_dir / "agents.png", title)
     log(md)
-    log(f"wrote {out_dir}/results.json, results.md, p95_vs_load.png, throughput_vs_n.png, throughput_vs_load.png")
+    log(f"wrote {out_dir}/results.json, results.md, p95_vs_load.png, throughput_vs_n.png, throughput_vs_load.png"
+        + (", agents.png" if doc["config"].get("driver") == "chat" else ""))
 
 
 # --- command line --------------------------------------------------------------------
