@@ -4,8 +4,9 @@ A local multi-node Ray cluster mirrors the manifest: one raylet per pod at the g
 initial `replicas`, each started with the CPUs/GPUs of its pod and the custom resource its
 `rayStartParams` hand to `ray start` (parsed as bash would). Every replica's
 placement-group bundles from the rendered Serve config are then placed by Ray's scheduler:
-all must fit, prefill replicas only on prefill pods, each decoder replica on a GPU of its
-own on a decode pod. GPUs are Ray's logical resources here (no device needed).
+all must fit, every engine replica on a GPU of its own in a GPU-node pod, and a prefill replica
+in the same pod as a replica of every decoder (its pulls stay device to device: CUDA IPC).
+GPUs are Ray's logical resources here (no device needed).
 Run through scripts/test.sh (loopback-only network namespace).
 """
 from __future__ import annotations
@@ -84,17 +85,21 @@ def test_every_replica_lands_on_its_group(gpu_manifest, cluster):
             for _ in range(pl.num_replicas):
                 pg = placement_group(pl.placement_group_bundles, strategy=pl.placement_group_strategy)
                 assert pg.wait(timeout_seconds=60), f"{kind}:{item.name} does not fit the cluster"
-                pgs.append(pg)
+                pgs.append((f"{kind}:{item.name}", pg))
                 nodes = set(placement_group_table(pg)["bundles_to_node_id"].values())
                 placed.setdefault(f"{kind}:{item.name}", []).extend(node_group[n] for n in nodes)
-    for name, groups in placed.items():
-        want = "prefill" if name.startswith("prefill:") else "decode"
-        assert set(groups) == {want}, f"{name} placed on {groups}"
-    decode_nodes = [n for pg in pgs for n in placement_group_table(pg)["bundles_to_node_id"].values()
-                    if node_group[n] == "decode"]
-    assert len(decode_nodes) == len(set(decode_nodes)) == sum(d.placement.num_replicas for d in cfg.decoders), \
-        "each decoder replica has a GPU (pod) of its own"
-    extra = placement_group([{"GPU": 1, "decode_node": 1}])
-    assert not extra.wait(timeout_seconds=3), "the decode pods' GPUs are all taken: the cluster is exactly full"
-    for pg in pgs + [extra]:
+    assert {g for groups in placed.values() for g in groups} == {"gpu-node"}, placed
+    bundles = [(name, n) for name, pg in pgs for n in placement_group_table(pg)["bundles_to_node_id"].values()]
+    gpus = sum(int(b.get("GPU", 0)) for _, pg in pgs for b in pg.bundle_specs)
+    assert gpus == len(bundles), "one GPU per engine replica"
+    decoders = {f"decode:{d.name}" for d in cfg.decoders}
+    for name, node in bundles:
+        if name.startswith("prefill:"):
+            beside = {n for n, other in bundles if other == node}
+            assert decoders <= beside, f"{name} on {node}: decoders {sorted(decoders - beside)} are in other pods"
+    per_pod = int(next(p for p in cluster_pools(gpu_manifest) if p.name == "gpu-node").per_pod["GPU"])
+    free = per_pod * len(set(node_group)) - gpus
+    extra = placement_group([{"GPU": 1, "gpu_node": 1}] * (free + 1), strategy="PACK")
+    assert not extra.wait(timeout_seconds=3), "more GPUs placed than the pods hold"
+    for pg in [pg for _, pg in pgs] + [extra]:
         remove_placement_group(pg)
