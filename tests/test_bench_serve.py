@@ -470,10 +470,11 @@ def test_chat_session_reads_streams_and_the_agents_table(tmp_path):
     metrics = {"a-sf-lora": "prefill\"} 300", "a-sys-lora": "prefill\"} 900", "v-lora": "prefill\"} 960"}
     pts = [summarize(s, spec, "concurrency", 1.0, [ok] * 3, 0.0, 3.0 * k, {},
                      parse_metrics('prefillshare_prefill_tokens_computed_total{stage="decode"} 6\n'
+                                   'prefillshare_fallbacks_total{reason="prefill_overloaded"} 2\n'
                                    'prefillshare_prefill_tokens_computed_total{stage="' + m), 0.0, 0.0, 10, 1.0)
            for k, (s, m) in enumerate(metrics.items(), start=1)]
     assert pts[0].base_prompt_tokens_per_session == 100 and pts[0].prompt_tokens_per_request == 90
-    assert pts[0].request_latency["p95"] is not None
+    assert pts[0].request_latency["p95"] is not None and pts[0].fallbacks == {"prefill_overloaded": 2}
     table = agents_table(pts)
     assert "| a-sf-lora prefillshare-lora-shared-first | 2 | 64 | c=1 | 3/3 | 90 | 100 | 1.11x | 1.00x |" in table
     assert "| a-sys-lora prefillshare-lora-system-first | 2 | 64 | c=1 | 3/3 | 90 | 300 | 3.33x | 3.00x |" in table

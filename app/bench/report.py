@@ -86,6 +86,7 @@ class PointResult:
     base_prompt_tokens_per_session: float | None = None
     request_latency: dict | None = None        # p50/p95/p99 (s) of one agent's request, send to last token
     prompt_tokens_per_request: float | None = None  # mean prompt tokens of one agent's request (its usage)
+    fallbacks: dict | None = None              # the app's prefillshare_fallbacks_total by reason over the point
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -151,6 +152,9 @@ def summarize(system: str, spec, mode: str, load: float, results: list[SessionRe
         base_prompt_tokens_per_session=base / len(ok) if ok else None,
         request_latency=pcts([a.e2e_s for a in agents if a.e2e_s is not None]),
         prompt_tokens_per_request=sum(a.prompt_tokens for a in agents) / len(agents) if agents else None,
+        fallbacks={reason: n for reason in sorted({dict(lab).get("reason") for (name, lab) in after
+                                                   if name == "prefillshare_fallbacks_total"} - {None})
+                   if (n := metric_delta(after, before, "prefillshare_fallbacks_total", reason=reason))},
     )
 
 
