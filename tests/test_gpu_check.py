@@ -80,8 +80,11 @@ def test_handover_steps_dry_run_on_cpu(tmp_path):
         assert step["kv_transfer"]["mib"] > 0 and step["handover_counters"]["pulls"] >= 2
         assert "host memory" in step["transport_planned"]
         assert step["transport_logged"], "each engine logs its transport when its connector starts"
+        # UCX's own protocol table for the reads (UCX_PROTO_INFO): on one CPU host, CMA (measured here)
+        assert step["transport_chosen"] and step["ucx_version"].startswith("Version ")
     speed = steps["speed"]
     assert speed["copy_gb_s"] > 0 and speed["kv_over_copy"] > 0
     (row,) = speed["summary"].values()
     assert row["ttft_private_over_shared"] > 0 and row["all_pulled"]
     assert (tmp_path / "speed.log").is_file()
+    assert set(res["ratios"]) == {"speed: decoder TTFT private / shared", "speed: KV GB/s / device copy GB/s"}
