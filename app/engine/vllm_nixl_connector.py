@@ -137,7 +137,7 @@ class NixlConnector(_VllmNixlConnector):
                                    "the side channel's refusals")
             worker.xfer_stats = GuardedNixlStats()
             engine_log.info("PrefillShare vllm-nixl engine, vLLM %s: %s", vllm_pairing.vllm_version(),
-                     kv_transport.describe(kv_transport.plan(str(ktc.kv_buffer_device))))
+                            kv_transport.describe(kv_transport.plan(str(ktc.kv_buffer_device))))
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens):
         params = request.kv_transfer_params
