@@ -56,8 +56,7 @@ def test_the_scan_finds_the_library_exceptions():
     assert len(names) >= 25
 
 
-@pytest.mark.parametrize("name,module", [e for e in EXCEPTIONS if not e[0].startswith("_")],
-                         ids=lambda v: v if isinstance(v, str) and "." not in v else "")
+@pytest.mark.parametrize("name,module", [pytest.param(n, m, id=n) for n, m in EXCEPTIONS if not n.startswith("_")])
 def test_every_library_exception_derives_from_the_root(name, module):
     assert ROOT in _ancestors(name), f"{module}.{name} does not derive from app.errors.{ROOT}"
 
