@@ -50,8 +50,6 @@ def _serve_config(port: int, pool: str) -> dict:
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    if not (SHIPPED / "base" / "config.json").is_file():
-        pytest.skip("no shipped checkpoints")
     tmp = tmp_path_factory.mktemp("cli")
     port = free_port()
     pool = f"/dev/shm/ps-cli-{os.getpid()}"

@@ -12,7 +12,6 @@ from tests.engine_child import KV_CACHE_BYTES, run_in_child
 
 CKPT = Path(__file__).resolve().parents[1] / "checkpoints"
 AGENTS = tuple(tasks.AGENTS)
-pytestmark = pytest.mark.skipif(not (CKPT / "base" / "config.json").is_file(), reason="no shipped base")
 
 
 def test_shipped_layout_manifests_and_size():
