@@ -4,8 +4,7 @@ Each replica runs a vLLM engine on the frozen base with the hand-over mode's con
 producer. Hand-over "pool": computing a prompt's KV publishes it to the KV pool, where decoders
 of other models load it. Hand-over "vllm-nixl": each prompt's prefill keeps its blocks for one
 decoder's pull and the ticket carries that lease. For a fan-out the shared context is computed
-first, so every agent prompt afterwards hits the prefix cache and only its own suffix is computed;
-a call over a conversation another call is computing waits for it (deployments/prefix_wait.py).
+first, so every agent prompt afterwards hits the prefix cache and only its own suffix is computed.
 """
 from __future__ import annotations
 
@@ -22,7 +21,6 @@ from app.handover import shared_length
 from deployments.engine_host import EngineHost
 from deployments.messages import PrefillRequest, PrefillTicket
 from deployments.metrics import PrefillRecord
-from deployments.prefix_wait import PrefixWait
 
 
 @serve.deployment(name="Prefill")
@@ -31,7 +29,6 @@ class PrefillServer(EngineHost):
         self.module = module_name
         self.node_id = ray.get_runtime_context().get_node_id()
         self.lease_s = lease_duration(engine_config.kv_transfer_config)  # None: the pool's hand-over
-        self.prefix_wait = PrefixWait(engine_config.block_size)
         await self._start_engine(engine_config, metrics)
 
     def _identity(self) -> dict:
@@ -41,8 +38,7 @@ class PrefillServer(EngineHost):
         """Compute each prompt's base KV; the producer connector publishes every prompt token
         but the last (the hand-over convention), pinned until that prompt's decoder loaded it."""
         with self._in_flight():
-            async with self.prefix_wait.turn(req.prompts, req.cache_salt, req.adapters or (None,) * len(req.prompts)):
-                return await self._prefill(req)
+            return await self._prefill(req)
 
     async def _prefill(self, req: PrefillRequest) -> PrefillTicket:
         t0 = time.perf_counter()
