@@ -95,6 +95,19 @@ def test_chat_data_any_agent_name_lora_exports_merged_and_adapter_with_rendering
         tok, [("system", f"Answer from the record.\n{question}"), ("user", context), ("assistant", "x")])[0]
 
 
+def test_layout_system_first_is_recorded_and_served_in_the_order_sent(base, tmp_path):
+    data = _write(tmp_path / "chat.jsonl", _conversations(4))
+    out = tmp_path / "old"
+    assert cli(["train", "--base", str(base), "--data", str(data), "--agent", AGENT, "--agent-field", "task",
+                "--chat-template", str(CHATML), "--layout", "system-first", "--out", str(out), *FAST]) == 0
+    assert read_manifest(out).prompt.layout == "system_first"
+    served = Prompter(str(base), {AGENT: Renderer.for_decoder(out)})
+    context, question = tasks.make_examples(1, seed=3)[0].context, "Q: what is the\ncity"
+    text = served.decode(served.agent_prompt(context, question, model=AGENT))
+    # the system prompt first, then the context and the question in the user turn, as before the layout
+    assert text.index("Answer from the record.") < text.index(context) < text.index(question)
+
+
 def test_agent_field_splits_one_file_into_decoders(base, tmp_path):
     data = _write(tmp_path / "chat.jsonl", _conversations(4, agent_key="role_of"))
     out = tmp_path / "decs"
