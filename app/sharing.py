@@ -43,6 +43,13 @@ def prefix_tree_tokens(prompts: Sequence[Sequence[int]]) -> int:
     return sum(len(p) for p in ordered) - sum(len(common_prefix([a, b])) for a, b in zip(ordered, ordered[1:]))
 
 
+def fanout_cost(prompts: Sequence[Sequence[int]]) -> tuple[int, float]:
+    """(prompt tokens the base computes for a fan-out of ``prompts``, one prompt's handed-over tokens
+    on average): each prompt but its last token (app/handover.py), shared prefixes once."""
+    handed = [split_prompt(p)[0] for p in prompts]
+    return prefix_tree_tokens(handed), (sum(len(p) for p in handed) / len(handed) if handed else 0.0)
+
+
 @dataclass(frozen=True)
 class DecoderSharing:
     decoder: str
@@ -97,6 +104,6 @@ def module_sharing(tok, module: str, renderers: Mapping[str, Renderer]) -> Modul
     for i, (name, r) in enumerate(renderers.items()):
         a, b = _probe(r, tok, PROBE_SYSTEMS[0]), _probe(r, tok, PROBE_SYSTEMS[1])
         decoders.append(DecoderSharing(name, r.fmt.layout, len(common_prefix([a, b])), context_tokens))
-        fanout.append(split_prompt(_probe(r, tok, f"{PROBE_SYSTEMS[i % 2]} You are agent {name}."))[0])
-    one = sum(len(p) for p in fanout) / len(fanout) if fanout else 0.0
-    return ModuleSharing(module, tuple(decoders), prefix_tree_tokens(fanout), round(one, 1))
+        fanout.append(_probe(r, tok, f"{PROBE_SYSTEMS[i % 2]} You are agent {name}."))
+    computed, one = fanout_cost(fanout)
+    return ModuleSharing(module, tuple(decoders), computed, round(one, 1))

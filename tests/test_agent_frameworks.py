@@ -19,6 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 from random_models import serve_app
+from serve_test_app import _metric, _metrics
 
 ROOT = Path(__file__).resolve().parent.parent
 AGENTS = {  # served name -> the agent's own system prompt
@@ -89,12 +90,7 @@ def app_url(tmp_path_factory):
 
 def _base_computed(url: str) -> float:
     """Prompt tokens the base has computed (prefix-cache hits excluded), from /metrics."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    text = httpx.get(f"{url}/metrics", timeout=30).text
-    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
-               if s.name == "prefillshare_prefill_tokens_computed_total"
-               and s.labels == {"module": "base", "stage": "prefill"})
+    return _metric(_metrics(url), "prefillshare_prefill_tokens_computed_total", module="base", stage="prefill")
 
 
 def _settled(url: str, before: float) -> float:

@@ -11,7 +11,7 @@ import pytest
 
 from app.config import ConfigError, load_config
 from app.models.manifest import MANIFEST_NAME
-from app.sharing import prefix_tree_tokens
+from app.sharing import fanout_cost, prefix_tree_tokens
 from deployments.metrics import AppMetrics, PrefillRecord
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -68,6 +68,8 @@ def test_prefix_tree_tokens_counts_each_shared_prefix_once():
     assert prefix_tree_tokens([[1, 2, 3, 4], [1, 2, 3, 5], [1, 2, 6]]) == 6  # 1 2 3 4 5 6
     assert prefix_tree_tokens([[1, 2], [3, 4]]) == 4
     assert prefix_tree_tokens([[1, 2, 3], [1, 2, 3]]) == 3
+    # a fan-out hands over each prompt but its last token: 1 2 3 once, then 5 and 6 / 7
+    assert fanout_cost([[1, 2, 3, 5, 9], [1, 2, 3, 6, 7, 9]]) == (6, 4.5)
 
 
 def _value(metrics: AppMetrics, name: str, **labels) -> float | None:

@@ -245,9 +245,8 @@ def run_chat_recipe(models: Path, work: Path, quick: bool = False, resume: bool 
 def fanout_prefill_tokens(data_path: Path, base_dir: Path, decoders: Path, agents) -> dict:
     """Prompt tokens the base computes for one fan-out of every agent over one record (the shared
     prefix once, each prompt's own rest), against one agent's prompt, in the decoders' layout."""
-    from app.handover import split_prompt
     from app.rendering import Renderer
-    from app.sharing import prefix_tree_tokens
+    from app.sharing import fanout_cost
     from app.training.data import read_records
     from app.training.tokenizer import load_tokenizer
 
@@ -257,11 +256,10 @@ def fanout_prefill_tokens(data_path: Path, base_dir: Path, decoders: Path, agent
     for a in agents:
         for rec in read_records(data_path, a):
             *prompt, _ = rec.messages
-            ids = renderers[a].chat_ids(tok, prompt)
-            by_record.setdefault(prompt[-1][1], []).append(split_prompt(ids)[0])
-    fanouts = [p for p in by_record.values() if len(p) == len(agents)]
-    computed = sum(prefix_tree_tokens(p) for p in fanouts) / len(fanouts)
-    one = sum(sum(len(x) for x in p) / len(p) for p in fanouts) / len(fanouts)
-    return {"fanouts": len(fanouts), "agents": len(agents), "base_tokens_per_fanout": round(computed, 1),
+            by_record.setdefault(prompt[-1][1], []).append(renderers[a].chat_ids(tok, prompt))
+    costs = [fanout_cost(p) for p in by_record.values() if len(p) == len(agents)]
+    computed = sum(c for c, _ in costs) / len(costs)
+    one = sum(o for _, o in costs) / len(costs)
+    return {"fanouts": len(costs), "agents": len(agents), "base_tokens_per_fanout": round(computed, 1),
             "tokens_per_prompt": round(one, 1), "ratio_to_one_prompt": round(computed / one, 2)}
 
