@@ -214,6 +214,23 @@ def _ingress_state(app) -> dict:
     return json.loads(body)["admission"]
 
 
+def prefill_call(app_name: str, module: str, make_request, timeout_s: float = 120):
+    """A Prefill replica's ticket for ``make_request(attempt)``, called from the test process
+    through a fresh handle, bounded: a handle call that no replica answers within ``timeout_s``
+    (a driver-side Serve router that never heard of the replica; once in CI it held a test
+    until pytest-timeout) is made once more through a new handle, with a new request id, and
+    then fails naming the call instead of hanging."""
+    from ray import serve
+
+    for attempt in range(2):
+        handle = serve.get_deployment_handle(f"Prefill-{module}", app_name)
+        try:
+            return handle.prefill.remote(make_request(attempt)).result(timeout_s=timeout_s)
+        except TimeoutError:
+            print(f"prefill_call: no answer from Prefill-{module} in {timeout_s:.0f} s (try {attempt + 1})")
+    pytest.fail(f"Prefill-{module}.prefill: no answer in 2 x {timeout_s:.0f} s")
+
+
 def nixl_events(url: str, module: str, event: str) -> float:
     """Hand-over "vllm-nixl": a decoder's (``module``) count of ``event`` on /metrics."""
     return _metric(_metrics(url), "prefillshare_vllm_nixl_events_total", module=module, event=event)

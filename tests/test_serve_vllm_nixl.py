@@ -43,6 +43,7 @@ from serve_test_app import (
     _post,
     decoder_entry,
     nixl_events,
+    prefill_call,
     wait_for_nixl_event,
 )
 
@@ -184,7 +185,6 @@ def test_the_prefill_engines_side_channel_answers_only_holders_of_the_kv_secret(
     (``prefillshare_nixl_refused_handshakes_total``, reported with the engine's next step); a CURVE
     peer holding the KV secret gets the engine's handshake payload."""
     import zmq
-    from ray import serve
     from side_channel_peer import ask, peer
 
     from app.engine import side_channel_auth
@@ -193,9 +193,8 @@ def test_the_prefill_engines_side_channel_answers_only_holders_of_the_kv_secret(
     tok, _ = nixl_reference
     url = nixl_app["url"]
     ids = tuple(tok("a short prompt for the side channel")["input_ids"])
-    prefill = serve.get_deployment_handle("Prefill-base", APP).prefill
-    ticket = prefill.remote(
-        PrefillRequest(request_id="side-channel", prompts=(ids,), cache_salt="side-channel")).result()
+    ticket = prefill_call(APP, "base", lambda i: PrefillRequest(request_id=f"side-channel-{i}", prompts=(ids,),
+                                                                cache_salt="side-channel"))
     params = ticket.leases[0].params
     path = f"tcp://{params['remote_host']}:{params['remote_port']}"
     refused_before = _metric(_metrics(url), REFUSED, model_name="base")
@@ -204,7 +203,8 @@ def test_the_prefill_engines_side_channel_answers_only_holders_of_the_kv_secret(
         assert ask(plain, 3000) is None
     refused, deadline = refused_before, time.time() + 60
     while refused < refused_before + 1 and time.time() < deadline:  # a step of the engine reports it
-        prefill.remote(PrefillRequest(request_id=f"tick-{time.time()}", prompts=(ids[:8],), cache_salt="tick")).result()
+        prefill_call(APP, "base", lambda i: PrefillRequest(request_id=f"tick-{time.time()}", prompts=(ids[:8],),
+                                                           cache_salt="tick"))
         time.sleep(2)
         refused = _metric(_metrics(url), REFUSED, model_name="base")
     assert refused >= refused_before + 1, (refused_before, refused)
@@ -232,10 +232,9 @@ def test_a_lease_that_ran_out_is_answered_privately_and_counted(nixl_app, nixl_r
     prompt_ids = tuple(tok(render_prompt(CONTEXT, "what is the color?"))["input_ids"])
     before = nixl_events(url, "alpha", "fallback:lease_expiring")
     expired_before = _metric(_metrics(url), EXPIRED, model_name="base")
-    prefill = serve.get_deployment_handle("Prefill-base", APP).prefill
     # two prompts, as a 2-agent fan-out sends them: one lease each, the second prefill a prefix-cache hit
-    ticket = prefill.remote(
-        PrefillRequest(request_id="expired", prompts=(prompt_ids, prompt_ids), cache_salt="lease-test")).result()
+    ticket = prefill_call(APP, "base", lambda i: PrefillRequest(request_id=f"expired-{i}", prompts=(prompt_ids, prompt_ids),
+                                                                cache_salt=f"lease-test-{i}"))
     lease, second = ticket.leases
     assert lease.params.get("remote_block_ids") and second.params.get("remote_block_ids")  # kept for a pull
     assert lease.computed_tokens == len(prompt_ids)  # a fresh salt: nothing cached before
@@ -255,8 +254,8 @@ def test_a_lease_that_ran_out_is_answered_privately_and_counted(nixl_app, nixl_r
     time.sleep(max(0.0, lease.expires_at + 1 - time.time()))
     expired, deadline = expired_before, lease.expires_at + 30
     while expired < expired_before + 2 and time.time() < deadline:
-        prefill.remote(PrefillRequest(request_id=f"tick-{time.time()}", prompts=(prompt_ids[:8],),
-                                      cache_salt="tick")).result()
+        prefill_call(APP, "base", lambda i: PrefillRequest(request_id=f"tick-{time.time()}", prompts=(prompt_ids[:8],),
+                                                           cache_salt="tick"))
         time.sleep(2)
         expired = _metric(_metrics(url), EXPIRED, model_name="base")
     assert expired >= expired_before + 2, (expired_before, expired)
