@@ -1,5 +1,18 @@
-"""Python agent SDK for the PrefillShare Serve app: clients, typed results, workflows."""
-from agents.errors import (
+"""Python agent SDK for the PrefillShare Serve app: clients, typed results, workflows.
+
+Imported as ``prefillshare_agents`` (pyproject.toml maps this agents/ folder to that name):
+``agents`` is the import name of OpenAI's Agents SDK (openai-agents).
+"""
+if __name__ != "prefillshare_agents":  # e.g. `import agents` with the repository root on sys.path
+    raise ImportError(
+        f"{__file__} is PrefillShare's SDK, imported as `prefillshare_agents`, not `{__name__}`: the name "
+        "`agents` belongs to OpenAI's Agents SDK (openai-agents). This folder was found only because the "
+        "repository root is on sys.path (the current directory?); run from another directory, or import "
+        "prefillshare_agents")
+
+from app.sampling import StructuredOutput
+
+from .errors import (
     AgentFailedError,
     APIConnectionError,
     APIStatusError,
@@ -14,8 +27,8 @@ from agents.errors import (
     StreamError,
     WorkflowError,
 )
-from agents.sdk import AsyncClient, Client, RunStream
-from agents.types import (
+from .sdk import AsyncClient, Client, RunStream
+from .types import (
     AgentChoice,
     AgentDelta,
     AgentDone,
@@ -31,7 +44,6 @@ from agents.types import (
     Usage,
     one_line,
 )
-from agents.workflow import Agent, Join, Sampling, Workflow, join_lines
-from app.sampling import StructuredOutput
+from .workflow import Agent, Join, Sampling, Workflow, join_lines
 
 __all__ = [n for n in dir() if not n.startswith("_")]

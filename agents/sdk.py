@@ -22,7 +22,9 @@ from typing import Any
 
 import httpx
 
-from agents.errors import (
+from app.sampling import StructuredOutput
+
+from .errors import (
     APIConnectionError,
     APITimeoutError,
     PrefillShareError,
@@ -30,7 +32,7 @@ from agents.errors import (
     WorkflowError,
     error_from_response,
 )
-from agents.types import (
+from .types import (
     AgentDelta,
     AgentDone,
     AgentResult,
@@ -47,8 +49,7 @@ from agents.types import (
     parse_agent_result,
     parse_run,
 )
-from agents.workflow import Agent, Join, Sampling, Workflow
-from app.sampling import StructuredOutput
+from .workflow import Agent, Join, Sampling, Workflow
 
 AgentLike = Agent | Mapping[str, Any]
 _RETRY_STATUS = {429, 502, 503, 504}

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from agents.errors import AgentFailedError
+from .errors import AgentFailedError
 
 
 @dataclass(frozen=True)

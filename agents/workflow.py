@@ -16,10 +16,11 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from agents.errors import WorkflowError
-from agents.types import AgentResult
 from app.sampling import Sampling as _Sampling
 from app.sampling import SamplingError
+
+from .errors import WorkflowError
+from .types import AgentResult
 
 # The config's name rule (app.config): letters of any script, digits, '_', '.', '-'.
 _NAME = re.compile(r"^[^\W_][\w.\-]{0,62}$")

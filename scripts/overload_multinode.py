@@ -47,12 +47,12 @@ def main(out: Path, duration_s: float) -> int:
     import ray
     from ray import serve
 
-    from agents import Client
     from app.bench.local_cluster import free_port, start_local_cluster
     from app.bench.overload import FaultSpec, OverloadSpec, run
     from app.bench.overload_report import summarize, write
     from app.config import load_config
     from deployments.application import build
+    from prefillshare_agents import Client
 
     tag = str(os.getpid())
     os.environ["RAY_TMPDIR"] = tmp = f"/tmp/ps-ovmn-{tag}"

@@ -41,10 +41,10 @@ def arm_config(tag: str, niceness: int) -> dict:
 
 def measure(url: str, rate: float, warmup_s: float, load_s: float, seed: int) -> dict:
     """Load for ``load_s``; the victim killed at ``warmup_s``; the seconds until /ready again."""
-    from agents import APITimeoutError, Client
     from app.bench.faults import FaultSpec, inject
     from app.bench.overload import OverloadSpec, Traffic, models_of, open_loop
     from app.bench.report import percentile
+    from prefillshare_agents import APITimeoutError, Client
 
     spec = OverloadSpec(url=url, app=APP, duration_s=load_s, rate=rate, seed=seed)
     traffic = Traffic(spec, models_of(spec))
@@ -92,10 +92,10 @@ def main() -> int:
     import ray
     from ray import serve
 
-    from agents import Client
     from app.bench.local_cluster import free_port, start_local_cluster
     from app.config import load_config
     from deployments.application import build
+    from prefillshare_agents import Client
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("out", nargs="?", default="runs/restart_under_load")

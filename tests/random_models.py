@@ -74,7 +74,7 @@ def serve_app(cfg, name: str, ray_tmp: str, pool_dir: str) -> Iterator[str]:
 
 def wait_app_ready(url: str) -> None:
     """Until every engine of the app at ``url`` answers /ready (its start, or a replacement's)."""
-    from agents import Client
+    from prefillshare_agents import Client
 
     with Client(url, retries=5, backoff_s=0.5) as c:
         c.wait_ready(timeout_s=600, interval_s=2)  # waiting for engines to start, not a timing assertion

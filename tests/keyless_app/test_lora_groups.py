@@ -101,7 +101,8 @@ def test_per_adapter_kv_is_loaded_only_by_its_own_adapter(models):
     import torch
     from peft import PeftModel
 
-    from app.engine.async_engine import Engine, EngineConfig, PoolSpec, Sampling, connector_config
+    from app.engine.async_engine import Engine, EngineConfig, PoolSpec, Sampling
+    from app.engine.pool.handover import connector_config
     from app.models.checkpoint import load_model
     from app.models.identity import prefill_module_id
     from app.reference import shared_greedy
@@ -197,8 +198,8 @@ def test_openai_client_and_sdk_address_adapters_like_models(app_url, reference):
     import openai
     from transformers import AutoTokenizer
 
-    from agents import Agent, Client, ModelNotFoundError, Sampling
     from app.training.tasks import render_prompt
+    from prefillshare_agents import Agent, Client, ModelNotFoundError, Sampling
 
     tok = AutoTokenizer.from_pretrained(str(TOKENIZER))
     oa = openai.OpenAI(base_url=app_url + "/v1", api_key="unused", max_retries=0, timeout=300)

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from keyless_test_app import MAX_NEW
 
-from agents import (
+from prefillshare_agents import (
     Agent,
     AsyncClient,
     BadRequestError,
@@ -74,8 +74,8 @@ def test_per_agent_options_reach_the_engines(client):
 
     import jsonschema
 
-    from agents import StructuredOutput
     from app.training.tasks import render_prompt
+    from prefillshare_agents import StructuredOutput
 
     schema = {"type": "object", "properties": {"city": {"enum": ["oslo", "lima"]}, "ok": {"type": "boolean"}},
               "required": ["city", "ok"], "additionalProperties": False}
