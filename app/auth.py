@@ -3,7 +3,7 @@
 The ingress checks `Authorization: Bearer <key>` against a key ring loaded once from a file or
 an env var (a YAML/JSON mapping key -> tenant). A tenant's requests carry a salt derived from
 the tenant *name* (never the key) as vLLM's `cache_salt` and into every KV block key
-(app/engine/kv_keys.py), so one tenant's cached prefix is invisible to another's requests.
+(app/engine/pool/kv_keys.py), so one tenant's cached prefix is invisible to another's requests.
 Keys are compared with `hmac.compare_digest` against every entry (no early exit on a match),
 and nothing here logs or returns a key.
 """

@@ -340,7 +340,7 @@ class AppConfig(_Strict):
     pool: PoolConfig = Field(default_factory=PoolConfig)
     handover: Literal["pool", "vllm-nixl"] = Field(
         "pool", description="how decoders get the base's KV: the project's pool (CPU nodes) or vLLM's NixlConnector "
-        "(app/engine/vllm_nixl.py; GPUs)")
+        "(app/engine/nixl/config.py; GPUs)")
     kv_lease_duration: int | None = Field(
         None, ge=6, description="handover vllm-nixl: seconds a finished prefill keeps its blocks for a decoder's "
         "pull (vLLM's kv_lease_duration; unpulled leases hold prefill KV space that long); None: "

@@ -103,9 +103,9 @@ def engine_config(cfg: AppConfig, model: str, eng: EngineSettings, placement: Pl
 
 
 def pool_spec(pool: PoolConfig):
-    """The node's pool as the connector takes it (app.engine.kv_pool.PoolSpec): producers write it,
+    """The node's pool as the connector takes it (app.engine.pool.kv_pool.PoolSpec): producers write it,
     consumers on the same node read it."""
-    from app.engine.kv_pool import PoolSpec
+    from app.engine.pool.kv_pool import PoolSpec
 
     return PoolSpec(path=pool.path, capacity_bytes=pool.capacity_bytes, lease_timeout_s=pool.lease_timeout_s,
                     check=pool.check, persist=pool.persist)

@@ -10,6 +10,9 @@ group's engine fails the build with the config field named (:class:`ConfigError`
 (app/sharing.py): a decoder that would prefill an agent's own system prompt before the shared
 context is named in the deploy log, or fails the build with ``sharing.require``.
 
+The plan also chooses the app's hand-over once (:func:`handover_of`: the config's ``handover``
+is read here and nowhere after); engine deployments receive the :class:`Handover` it gives.
+
 The plan holds plain data and crosses to every Router and Orchestrator replica as it is: they
 neither read a manifest nor check a rendering again.
 """
@@ -22,6 +25,7 @@ from pathlib import Path
 
 from app.config import AdapterConfig, AppConfig, ConfigError, DecoderConfig, LimitsConfig, PrefillModuleConfig
 from app.engine import compute_dtype
+from app.engine.handover import Handover
 from app.engine_args import check_engine_kwargs
 from app.rendering import Renderer, RenderError
 from app.sharing import ModuleSharing, module_sharing
@@ -51,7 +55,7 @@ class DecoderPlan:
     group: str | None = None  # decode group (config decoder name) whose engine serves this LoRA decoder
     adapter: str | None = None  # LoRA adapter name in that engine (None: a full-weight decoder)
     prefill_adapter: str | None = None  # the prefill module computes this decoder's KV with this adapter
-    tool_call_format: str | None = None  # from the decoder's manifest: how it calls tools (deployments/tools.py)
+    tool_call_format: str | None = None  # from the decoder's manifest: how it calls tools (deployments/ingress/tools.py)
     renderer: Renderer = field(default_factory=Renderer)  # checked against the app's tokenizer at build time
 
 
@@ -62,6 +66,7 @@ class AppPlan:
     decoders: tuple[DecoderPlan, ...]
     limits: LimitsConfig = field(default_factory=LimitsConfig)
     sharing: tuple[ModuleSharing, ...] = ()  # per prefill module: what its decoders share of a probe
+    handover: Handover | None = None  # how the base's KV reaches the decoders (handover_of)
 
     def decoder(self, name: str) -> DecoderPlan | None:
         return next((d for d in self.decoders if d.name == name), None)
@@ -231,6 +236,19 @@ def _resolve(cfg: AppConfig, s: _Served, module_ids: dict[str, str], group_ids: 
     return DecoderPlan(s.name, module, None, None, prefill_adapter=own_or_code, **common)
 
 
+def handover_of(cfg: AppConfig) -> Handover:
+    """The app's hand-over, from the config's ``handover``: the one place the mode is read."""
+    from app.engine_args import pool_spec
+
+    if cfg.handover == "vllm-nixl":
+        from app.engine.nixl.handover import NixlHandover
+
+        return NixlHandover.for_timeout(cfg.limits.request_timeout_s, cfg.kv_lease_duration)
+    from app.engine.pool.handover import PoolHandover
+
+    return PoolHandover(pool_spec(cfg.pool))
+
+
 def plan_app(cfg: AppConfig) -> AppPlan:
     """The resolved plan; raises ConfigError (or RenderError) naming the field before any engine starts."""
     from app.models.identity import prefill_module_id
@@ -250,7 +268,7 @@ def plan_app(cfg: AppConfig) -> AppPlan:
                               f"name {modules} (split them into groups or set decoders[{i}].prefill_module)")
     modules = tuple(ModulePlan(p.name, module_ids[p.name], p.engine.block_size) for p in cfg.prefill_modules)
     sharing = _check_sharing(cfg, decoders, tok, {s.name: s.where for s in served})
-    return AppPlan(str(cfg.path(cfg.tokenizer)), modules, decoders, cfg.limits, sharing)
+    return AppPlan(str(cfg.path(cfg.tokenizer)), modules, decoders, cfg.limits, sharing, handover_of(cfg))
 
 
 def _check_sharing(cfg: AppConfig, decoders: tuple[DecoderPlan, ...], tok: _Tokenizer,

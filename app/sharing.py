@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 
-from app.handover import split_prompt
+from app.prompt_split import split_prompt
 from app.rendering import Renderer
 
 PROBE_CONTEXT = ("order\ncity: porto\nday: wed\nstatus: open\nqty: 4\nitem: lamp\ncolor: red\nname: yuki\n"
@@ -45,7 +45,7 @@ def prefix_tree_tokens(prompts: Sequence[Sequence[int]]) -> int:
 
 def fanout_cost(prompts: Sequence[Sequence[int]]) -> tuple[int, float]:
     """(prompt tokens the base computes for a fan-out of ``prompts``, one prompt's handed-over tokens
-    on average): each prompt but its last token (app/handover.py), shared prefixes once."""
+    on average): each prompt but its last token (app/prompt_split.py), shared prefixes once."""
     handed = [split_prompt(p)[0] for p in prompts]
     return prefix_tree_tokens(handed), (sum(len(p) for p in handed) / len(handed) if handed else 0.0)
 

@@ -3,17 +3,18 @@
 The plan (app/plan.py) is resolved first, before any engine starts. Then: one PrefillServer
 deployment per prefill module (prefix-locality router), one DecodeServer deployment per decoder
 or decode group (its own placement-group bundles, node-affinity router), the Orchestrator, the
-Metrics holder and the Router ingress. ``handover`` picks each engine's connector: the project's
-KV pool ("pool", CPU nodes) or vLLM's NixlConnector ("vllm-nixl", app/engine/vllm_nixl.py; GPUs).
+Metrics holder and the Router ingress. The plan's hand-over (app/engine/handover.py) gives each
+engine's connector config and goes to every engine replica whole.
 """
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any, Literal
+from typing import Any
 
 from app.config import AppConfig, EngineSettings, Placement, config_from_args
 from app.engine import alloc_conf
-from app.engine_args import engine_config, engine_env, pool_spec
+from app.engine.handover import ModuleLink
+from app.engine_args import engine_config, engine_env
 from app.plan import AppPlan, plan_app
 
 
@@ -57,68 +58,52 @@ def _router_config(cls, cfg: AppConfig, **kwargs):
         "imbalance_threshold": cfg.routing.imbalance_threshold, "metrics_deployment": "Metrics", **kwargs})
 
 
-def _vllm_nixl_config(cfg: AppConfig, role: Literal["producer", "consumer"], p: Placement) -> dict[str, Any]:
-    """Hand-over "vllm-nixl": an engine's kv_transfer_config, its lease ``kv_lease_duration`` or tied to
-    the request timeout (a lease never runs out while the request that reads it may still be waiting;
-    app.engine.vllm_nixl_handover sends no lease it cannot trust either way), the transport
-    settings of its device (GPU placements: CUDA IPC reads, app.engine.vllm_nixl.GPU_SETTINGS)."""
-    from app.engine.vllm_nixl import lease_for_timeout, nixl_transfer_config
-
-    lease_s = cfg.kv_lease_duration or lease_for_timeout(cfg.limits.request_timeout_s)
-    return nixl_transfer_config(role, lease_s=lease_s, kv_buffer_device="cuda" if p.num_gpus else "cpu")
-
-
-def _prefill_deployments(cfg: AppConfig, plan: AppPlan, pool, metrics) -> dict:
-    from app.engine.async_engine import connector_config
-    from deployments.prefill import PrefillServer
-    from deployments.prefix_router import PrefixLocalityRouter
+def _prefill_deployments(cfg: AppConfig, plan: AppPlan, metrics) -> dict:
+    from deployments.replicas.prefill import PrefillServer
+    from deployments.routing.prefix_router import PrefixLocalityRouter
 
     prefill = {}
     for p in cfg.prefill_modules:
-        if cfg.handover == "vllm-nixl":
-            kv = _vllm_nixl_config(cfg, "producer", p.placement)
-        else:
-            kv = connector_config("producer", plan.module(p.name).module_id, pool, scope=p.name,
-                                  adapter_keys=bool(p.adapters))
+        link = ModuleLink(plan.module(p.name).module_id, p.name, adapter_keys=bool(p.adapters))
+        kv = plan.handover.transfer_config("producer", link, on_gpu=bool(p.placement.num_gpus))
         # a prefill engine caches prefixes in every mode: later prompts of a fan-out reuse the context
         ec = replace(engine_config(cfg, p.model, p.engine, p.placement, kv, p), enable_prefix_caching=True)
         alloc_conf.check(ec.extra_env, kv, ec.engine_kwargs, where=f"prefill_modules {p.name}")
         router = _router_config(PrefixLocalityRouter, cfg, max_tracked_prefixes=cfg.routing.max_tracked_prefixes)
         prefill[p.name] = PrefillServer.options(
             **engine_options(cfg, f"Prefill-{p.name}", p.placement, p.engine, request_router_config=router)
-        ).bind(p.name, ec, metrics)
+        ).bind(p.name, ec, plan.handover, metrics)
     return prefill
 
 
-def _decode_deployments(cfg: AppConfig, plan: AppPlan, pool, metrics) -> dict:
+def _decode_deployments(cfg: AppConfig, plan: AppPlan, metrics) -> dict:
     """{served name: its decode deployment}; a decode group serves each adapter's name through its one engine."""
-    from app.engine.async_engine import connector_config
-    from deployments.decode import DecodeServer
-    from deployments.node_router import NodeAffinityRouter
+    from deployments.replicas.decode import DecodeServer
+    from deployments.routing.node_router import NodeAffinityRouter
 
     decoders = {}
     for d in cfg.decoders:
         pl = d.placement
         served = [plan.decoder(n) for n in d.served_names]
         module = next((dp.prefill_module for dp in served if dp.prefill_module is not None), None)
+        # the plan checked compatibility (app.models.compat): a decoder without a module runs
+        # without a connector and prefills privately
+        handover = plan.handover if module is not None else None
         kv = None
-        if module is not None and cfg.handover == "vllm-nixl":
-            # the plan's compatibility check (app.models.compat) is the gate: vLLM's handshake no
-            # longer compares models (enforce_handshake_compat off)
-            kv = _vllm_nixl_config(cfg, "consumer", pl)
-        elif module is not None:  # the plan checked compatibility: the connector is told nothing more
-            kv = connector_config("consumer", plan.module(module).module_id, pool, scope=d.name,
-                                  adapter_keys=bool(cfg.prefill_module(module).adapters))
+        if handover is not None:
+            link = ModuleLink(plan.module(module).module_id, d.name,
+                              adapter_keys=bool(cfg.prefill_module(module).adapters))
+            kv = handover.transfer_config("consumer", link, on_gpu=bool(pl.num_gpus))
         # a replica on the prefill's node is preferred (the KV does not cross nodes); on one node
         # every replica is on it, and the router ranks by load alone
         extra = {"request_router_config": _router_config(NodeAffinityRouter, cfg)}
-        # a consumer's local cache could hold KV it computed itself after a fallback: off
         ec = engine_config(cfg, d.model, d.engine, pl, kv, d)
         alloc_conf.check(ec.extra_env, kv, ec.engine_kwargs, where=f"decoders {d.name}")
         if kv is not None:
+            # a consumer's local cache could hold KV it computed itself after a fallback: off
             ec = replace(ec, enable_prefix_caching=False)
         handle = DecodeServer.options(**engine_options(cfg, f"Decode-{d.name}", pl, d.engine, **extra)).bind(
-            d.name, ec, metrics)
+            d.name, ec, handover, metrics)
         for dp in served:
             decoders[dp.name] = handle
     return decoders
@@ -126,18 +111,17 @@ def _decode_deployments(cfg: AppConfig, plan: AppPlan, pool, metrics) -> dict:
 
 def build(cfg: AppConfig):
     """The Serve application (the Router ingress with everything bound beneath it)."""
+    from deployments.ingress.server import Router
     from deployments.metrics import MetricsServer
-    from deployments.orchestrator import Orchestrator
-    from deployments.router import Router
+    from deployments.path.orchestrator import Orchestrator
 
     plan = plan_app(cfg)
-    pool = pool_spec(cfg.pool)
     metrics = MetricsServer.options(
         num_replicas=1, ray_actor_options={"num_cpus": cfg.metrics.num_cpus},
         max_ongoing_requests=cfg.metrics.max_ongoing_requests,
-    ).bind(cfg.pool.path)
-    prefill = _prefill_deployments(cfg, plan, pool, metrics)
-    decoders = _decode_deployments(cfg, plan, pool, metrics)
+    ).bind(plan.handover.pool_path)
+    prefill = _prefill_deployments(cfg, plan, metrics)
+    decoders = _decode_deployments(cfg, plan, metrics)
     # one set of decode handles for both callers: the Router streams completions from them, the
     # Orchestrator streams agent runs' decoders
     orch = Orchestrator.options(**_small(cfg, cfg.orchestrator)).bind(plan, prefill, decoders, metrics)

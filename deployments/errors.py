@@ -7,7 +7,7 @@ turns it into an HTTP answer (or an in-band SSE error once a stream has started)
 types, Retry-After and which field of the route a failure names (:data:`INPUT_FIELD`); an agent
 run's result carries the code itself (:func:`failure_fields`). Client errors the Router finds
 itself are :class:`ApiError` with the field named. :class:`Shed` and :class:`Unreachable` are
-what the engine adapter (deployments/serve_engines.py) raises to the request path.
+what the engine adapter (deployments/path/serve_engines.py) raises to the request path.
 """
 from __future__ import annotations
 

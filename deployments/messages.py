@@ -37,7 +37,7 @@ class PrefillTicket:
     num_cached_tokens: int
     seconds: float
     node_id: str | None = None  # the Ray node whose pool holds the KV (decoders there read it locally)
-    # hand-over "vllm-nixl": per prompt, the Lease (app/engine/vllm_nixl_handover.py) its decoder pulls
+    # hand-over "vllm-nixl": per prompt, the Lease (app/engine/nixl/leases.py) its decoder pulls
     leases: tuple[Any, ...] = ()
 
 
@@ -47,7 +47,7 @@ class DecodeRequest:
     prompt_token_ids: tuple[int, ...]
     sampling: Sampling
     cache_salt: str | None = None
-    prefer_node: str | None = None  # the prefill's node: deployments/node_router.py routes there first
+    prefer_node: str | None = None  # the prefill's node: deployments/routing/node_router.py routes there first
     adapter: str | None = None  # the LoRA adapter of a decode group this request runs with
     lease: Any = None  # hand-over "vllm-nixl": the prefill's Lease this request pulls (None: private)
 

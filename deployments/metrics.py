@@ -23,7 +23,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disa
 from prometheus_client.core import Metric
 from ray import serve
 
-from app.engine.side_channel_auth import REFUSED_METRIC
+from app.engine.nixl.side_channel_auth import REFUSED_METRIC
 
 log = logging.getLogger("ray.serve")
 disable_created_metrics()  # no *_created series: they double every counter's lines for no use here
@@ -90,16 +90,10 @@ class PoolReader:
 
     def families(self) -> list[EngineFamily]:
         if self._pool is None:
-            from app.engine.kv_pool import KVPool
+            from app.engine.pool.kv_pool import KVPool
 
             self._pool = KVPool.attach(self.path)
         return pool_families(self._pool)
-
-
-def pool_path(engine_kv_transfer_config: dict | None) -> str | None:
-    """The pool an engine's project connector writes to or reads from (None: no pool, e.g. vllm-nixl)."""
-    extra = (engine_kv_transfer_config or {}).get("kv_connector_extra_config") or {}
-    return (extra.get("pool") or {}).get("path")
 
 
 ENGINE_PUSH_S = 2.0  # how often an engine replica sends its vllm:* samples
@@ -232,8 +226,20 @@ class AppMetrics:
                            ["deployment", "replica"], registry=r)
         self.prefill_seconds = Histogram("prefillshare_prefill_seconds", "Prefill call latency per module",
                                          ["module"], buckets=_LATENCY_BUCKETS, registry=r)
-        # the sharing factor: prompt tokens the decoders needed / prompt tokens the base computed
-        # (N for a fan-out to N agents whose prompts share all but their last tokens, 1 with nothing shared)
+        self._register_sharing(r)
+        self._module_tokens: dict[str, list[int]] = {}  # module -> [handed over, computed]
+        # hand-over "vllm-nixl" (app/engine/nixl/leases.py): vLLM's NIXL counters of each engine
+        # (num_kv_expired_reqs, num_notifications_after_expiry, ...) and the orchestration's own
+        # (pulls, fallback:<reason>), sent as increments by the replicas
+        self.vllm_nixl_events = Counter("prefillshare_vllm_nixl_events",
+                                        "vLLM NixlConnector hand-over counters by module and event",
+                                        ["module", "event"], registry=r)
+        self._lookup_total = 0
+        self._hit_total = 0
+
+    def _register_sharing(self, r: CollectorRegistry) -> None:
+        """The sharing factor: prompt tokens the decoders needed / prompt tokens the base computed
+        (N for a fan-out to N agents whose prompts share all but their last tokens, 1 with nothing shared)."""
         self.handed_over = Counter(
             "prefillshare_prefill_handed_over_tokens",
             "Prompt tokens whose KV a prefill module handed to decoders, summed over the decoders", ["module"],
@@ -246,15 +252,6 @@ class AppMetrics:
             "prefillshare_prefill_call_sharing_factor",
             "Per prefill call (one agent-run round or one completion): tokens handed over / tokens computed",
             ["module"], buckets=(1, 1.25, 1.5, 2, 3, 4, 6, 8, 12, 16, 32, 64), registry=r)
-        self._module_tokens: dict[str, list[int]] = {}  # module -> [handed over, computed]
-        # hand-over "vllm-nixl" (app/engine/vllm_nixl_handover.py): vLLM's NIXL counters of each engine
-        # (num_kv_expired_reqs, num_notifications_after_expiry, ...) and the orchestration's own
-        # (pulls, fallback:<reason>), sent as increments by the replicas
-        self.vllm_nixl_events = Counter("prefillshare_vllm_nixl_events",
-                                        "vLLM NixlConnector hand-over counters by module and event",
-                                        ["module", "event"], registry=r)
-        self._lookup_total = 0
-        self._hit_total = 0
 
     def request(self, rec: RequestRecord) -> None:
         self.requests.labels(rec.model, rec.route, "ok" if rec.ok else "error").inc()

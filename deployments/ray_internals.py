@@ -13,7 +13,7 @@ moves or reshapes one; after an upgrade, fix this module and that test, nothing 
   ``_record_queue_wait_time`` and ``_remove_pending_request_from_indices``: the base router hands
   a chosen replica to the request indexed under the routing request's internal id, which several
   calls made while serving one request share; a locality router's replica must go to the request
-  it was chosen for (deployments/safe_router.py, cause 1). :class:`ChosenReplicaRouter` overrides
+  it was chosen for (deployments/routing/safe_router.py, cause 1). :class:`ChosenReplicaRouter` overrides
   it and asks its subclass which request that is.
 - ``RequestRouter._deployment_id``: the deployment's name, for log lines and metrics labels.
 - ``DeploymentResponseGenerator._fetch_future_result_async()``: resolves once a replica has taken

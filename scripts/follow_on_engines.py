@@ -67,7 +67,8 @@ async def main(args) -> dict:
     import bench_follow_on_ttft as bench
 
     from app.config import load_config
-    from app.engine.async_engine import Engine, connector_config
+    from app.engine.async_engine import Engine
+    from app.engine.pool.handover import connector_config
     from app.engine_args import engine_config, pool_spec
     from app.plan import plan_app
 

@@ -13,7 +13,7 @@ Steps (``--steps``, in this order by default):
   beside a plain device copy, host slabs and a second process over CUDA IPC (the figures the
   device can give, without vLLM).
 - ``tokens``: ``python -m app.bench.nixl_probe`` with the app's own NIXL settings
-  (``app.engine.vllm_nixl.settings_for``: progress thread off, CUDA IPC reads on for GPUs): the
+  (``app.engine.nixl.config.settings_for``: progress thread off, CUDA IPC reads on for GPUs): the
   shipped base as producer and the shipped ``lookup`` decoder (other weights) as consumer, two
   engine processes; the decoder's greedy tokens on the pulled KV must equal
   ``app.reference.shared_greedy``, and every pull must bring the whole prompt.
@@ -269,7 +269,7 @@ def environment(args, results: dict, failures: list[str]) -> None:
                                   "--format=csv,noheader"])
         env["nvidia_smi_topo"] = _run(["nvidia-smi", "topo", "-m"])
         env["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
-    from app.engine import kv_transport
+    from app.engine.nixl import kv_transport
 
     env["rdma_devices"] = list(kv_transport.rdma_devices())
     results["environment"] = env
@@ -281,9 +281,9 @@ def environment(args, results: dict, failures: list[str]) -> None:
 # ---------------------------------------------------------------- the vllm-nixl hand-over
 
 def app_setting(device: str) -> str:
-    """The nixl_probe setting that is the app's own for ``device`` (app.engine.vllm_nixl.settings_for)."""
+    """The nixl_probe setting that is the app's own for ``device`` (app.engine.nixl.config.settings_for)."""
     from app.bench.nixl_probe import SETTINGS
-    from app.engine.vllm_nixl import settings_for
+    from app.engine.nixl.config import settings_for
 
     mine = settings_for(device)
     return next(name for name, s in SETTINGS.items() if s == mine)
@@ -329,8 +329,8 @@ def _common(args, setting: str) -> list[str]:
 
 
 def _record(name: str, res: dict, log: str, setting: str, device: str) -> dict:
-    from app.engine import kv_transport
-    from app.engine.vllm_nixl import settings_for
+    from app.engine.nixl import kv_transport
+    from app.engine.nixl.config import settings_for
 
     memory = "cuda" if device == "cuda" else "host"
     plan = kv_transport.plan(device, env=dict(res.get("settings", {}).get("ucx_env") or {}))

@@ -180,7 +180,7 @@ class AppLikeServer:
 
 
 def _simulate(body: dict, rounds: list[list[dict]]) -> tuple[list[dict], dict]:
-    """Events and final result the app would produce (shape of deployments/orchestrator.py)."""
+    """Events and final result the app would produce (shape of deployments/path/orchestrator.py)."""
     context = body["context"]
     events, results = [], []
     usage = {"prompt_tokens": 0, "completion_tokens": 0, "cached_tokens": 0, "shared_prefix_tokens": 0,

@@ -41,7 +41,7 @@ LONG_NEW = 240
 
 def _make_models(root: Path) -> dict[str, Path]:
     """Base + two compatible decoders + one incompatible (3 KV heads). alpha's manifest declares
-    the "json" tool-call format (deployments/tools.py); beta and gamma declare none."""
+    the "json" tool-call format (deployments/ingress/tools.py); beta and gamma declare none."""
     from dataclasses import replace
 
     from random_models import make_models

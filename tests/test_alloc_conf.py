@@ -5,7 +5,7 @@ import asyncio
 import pytest
 
 from app.engine import alloc_conf
-from app.engine.vllm_nixl import nixl_transfer_config
+from app.engine.nixl.config import nixl_transfer_config
 
 KV = nixl_transfer_config("producer", lease_s=30, kv_buffer_device="cuda")
 

@@ -1,14 +1,14 @@
-"""OpenAI answers built from the one accumulator (deployments/decode_call.py Output) and the one
+"""OpenAI answers built from the one accumulator (deployments/path/decode_call.py Output) and the one
 Failure -> HTTP / agent-result mapping (deployments/errors.py), without Ray or engines."""
 from __future__ import annotations
 
 import pytest
 
 from app.sampling import Sampling, TokenLogprob
-from deployments.decode_call import Output
 from deployments.errors import INPUT_FIELD, ApiError, ErrorCode, Failure, failure_fields
+from deployments.ingress.openai_format import Answer
 from deployments.messages import CompletionJob, DecodeChunk
-from deployments.openai_format import Answer
+from deployments.path.decode_call import Output
 
 
 def _feed(out: Output, *chunks: DecodeChunk) -> None:

@@ -361,9 +361,9 @@ def _chat_prompts(tmp_path, layout: str, n: int = 2):
     from app.bench.models import SMALL, random_models
     from app.bench.workload import agent_profiles
     from app.rendering import Renderer
-    from deployments.prompts import Prompter
-    from deployments.schemas import ChatBody
-    from deployments.tools import tools_line
+    from deployments.ingress.prompts import Prompter
+    from deployments.ingress.schemas import ChatBody
+    from deployments.ingress.tools import tools_line
 
     mset = random_models(tmp_path / "m", n, SMALL, TOKENIZER, "float32", lora_rank=8)
     dirs = {"shared_first": mset.shared_first, "system_first": mset.system_first}[layout]

@@ -7,8 +7,8 @@ import pytest
 import yaml
 
 from app.config import AppConfig, ConfigError, load_config
-from deployments.prefix_router import LocalityTable, choose, rendezvous_rank
-from deployments.prompts import common_prefix, locality_keys
+from deployments.ingress.prompts import common_prefix, locality_keys
+from deployments.routing.prefix_router import LocalityTable, choose, rendezvous_rank
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -76,8 +76,9 @@ def pool_dir():
 
 @pytest.fixture(scope="module")
 def stack(model_dirs, pool_dir):
-    from app.engine.async_engine import Engine, EngineConfig, PoolSpec, connector_config
-    from app.engine.kv_pool import KVPool
+    from app.engine.async_engine import Engine, EngineConfig, PoolSpec
+    from app.engine.pool.handover import connector_config
+    from app.engine.pool.kv_pool import KVPool
 
     spec = PoolSpec(path=pool_dir, capacity_bytes=256 << 20, lease_timeout_s=120)
     # The producer writes a crc32 per slot and decoder D checks it (the opt-in check mode);
@@ -165,7 +166,7 @@ def test_decoder_on_base_kv_matches_reference_concurrently(stack, hf):
 
 
 def test_one_prefill_fans_out_to_three_decoders(stack, hf):
-    from app.engine.kv_keys import shared_block_keys
+    from app.engine.pool.kv_keys import shared_block_keys
 
     loop, eng, pool = stack
     p = prompt(10, 173)
@@ -188,7 +189,7 @@ def test_one_prefill_fans_out_to_three_decoders(stack, hf):
 
 
 def test_missing_block_falls_back_to_private_prefill(stack, hf):
-    from app.engine.kv_keys import shared_block_keys
+    from app.engine.pool.kv_keys import shared_block_keys
 
     loop, eng, pool = stack
     p = prompt(20, 130)
@@ -204,7 +205,7 @@ def test_missing_block_falls_back_to_private_prefill(stack, hf):
 
 
 def test_damaged_block_falls_back_to_private_prefill(stack, hf):
-    from app.engine.kv_keys import shared_block_keys
+    from app.engine.pool.kv_keys import shared_block_keys
 
     loop, eng, pool = stack
     p = prompt(30, 140)
@@ -220,7 +221,7 @@ def test_damaged_block_falls_back_to_private_prefill(stack, hf):
 
 def test_torn_slot_of_a_producer_that_died_mid_save_falls_back_to_private_prefill(stack, hf):
     """A slot whose writer never published (generation left odd): no decoder loads it."""
-    from app.engine.kv_keys import shared_block_keys
+    from app.engine.pool.kv_keys import shared_block_keys
 
     loop, eng, pool = stack
     p = prompt(35, 120)
@@ -238,7 +239,7 @@ def test_torn_slot_of_a_producer_that_died_mid_save_falls_back_to_private_prefil
 
 
 def test_eviction_under_small_capacity_and_fanout_pins(stack, hf):
-    from app.engine.kv_keys import shared_block_keys
+    from app.engine.pool.kv_keys import shared_block_keys
 
     loop, eng, pool = stack
     x, y, z = prompt(40, 100), prompt(41, 100), prompt(42, 100)  # 4 blocks each (99 shared tokens)
@@ -305,7 +306,7 @@ def _misses(pool) -> dict[str, float]:
 
 
 def test_fan_out_evicted_between_prefill_and_decode_falls_back_for_every_decoder(stack, hf):
-    from app.engine.kv_keys import shared_block_keys
+    from app.engine.pool.kv_keys import shared_block_keys
 
     loop, eng, pool = stack
     p = prompt(80, 150)
@@ -324,7 +325,7 @@ def test_fan_out_evicted_between_prefill_and_decode_falls_back_for_every_decoder
 def test_pool_full_of_pinned_blocks_drops_a_new_fan_out_whose_decoders_prefill_privately(stack, hf):
     """Capacity holds one pinned fan-out: the next fan-out's save cannot evict it, its blocks
     are dropped, and all three of its decoders prefill privately; the pinned one still loads."""
-    from app.engine.kv_keys import shared_block_keys
+    from app.engine.pool.kv_keys import shared_block_keys
 
     loop, eng, pool = stack
     x, y = prompt(90, 120), prompt(91, 120)  # 4 blocks each

@@ -8,9 +8,9 @@ from types import SimpleNamespace as NS
 
 import pytest
 
-from app.engine.connector.metadata import ConnectorSettings
-from app.engine.connector.scheduler import ShareScheduler
-from app.engine.kv_keys import key_salt, shared_block_keys
+from app.engine.pool.connector.metadata import ConnectorSettings
+from app.engine.pool.connector.scheduler import ShareScheduler
+from app.engine.pool.kv_keys import key_salt, shared_block_keys
 from tests.kv_blocks import Block, put, temp_pool
 
 BS = 32
@@ -152,18 +152,14 @@ def test_per_adapter_keys_carry_the_lora_name(pool):
     assert scheduler(pool).get_num_new_matched_tokens(FakeRequest("x", toks, lora_request=lora), 0) == (0, False)
 
 
-def test_an_incompatible_decoder_and_another_layout_prefill_privately_with_their_reason(pool):
+def test_a_prompt_saved_in_another_layout_prefills_privately_with_its_reason(pool):
     toks = prompt(70, seed=5)
     store_prompt(pool, toks, layout="other-layout")
-    inc = scheduler(pool, incompatible="vocab differs")
-    req = FakeRequest("i", toks)
-    assert inc.get_num_new_matched_tokens(req, 0) == (0, False)
-    assert inc.request_finished(req)["prefillshare"]["fallback"] == "incompatible"
     s = scheduler(pool)
     req = FakeRequest("l", toks)
     assert s.get_num_new_matched_tokens(req, 0) == (0, False)
     assert s.request_finished(req)["prefillshare"]["detail"] == f"other-layout != {LAYOUT}"
-    assert pool.stats("dec").fallbacks == {"incompatible": 1, "layout": 1}
+    assert pool.stats("dec").fallbacks == {"layout": 1}
 
 
 def placed(pool, seed, block_ids):

@@ -8,10 +8,10 @@ from types import SimpleNamespace as NS
 import pytest
 import torch
 
-from app.engine.connector.metadata import ConnectorSettings, LoadSpec, PrefillShareMeta, SaveSpec
-from app.engine.connector.worker import ShareWorker
 from app.engine.cpu_layout import BlockLayout
-from app.engine.kv_keys import shared_block_keys
+from app.engine.pool.connector.metadata import ConnectorSettings, LoadSpec, PrefillShareMeta, SaveSpec
+from app.engine.pool.connector.worker import ShareWorker
+from app.engine.pool.kv_keys import shared_block_keys
 from tests.kv_blocks import temp_pool
 
 BS, HEADS, HEAD, LAYERS, NB = 16, 2, 32, 3, 8

@@ -69,10 +69,10 @@ def test_exception_names_are_unique_across_the_library():
 
 @pytest.mark.parametrize("module,name,builtin", [
     ("app.config", "ConfigError", ValueError),
-    ("app.engine.kv_pool", "BlockMissing", KeyError),
-    ("app.engine.kv_pool", "PoolMissing", FileNotFoundError),
-    ("app.engine.kv_auth", "KVAuthError", PermissionError),
-    ("app.engine.slab", "SlotOutOfRange", LookupError),
+    ("app.engine.pool.kv_pool", "BlockMissing", KeyError),
+    ("app.engine.pool.kv_pool", "PoolMissing", FileNotFoundError),
+    ("app.engine.nixl.kv_auth", "KVAuthError", PermissionError),
+    ("app.engine.pool.slab", "SlotOutOfRange", LookupError),
     ("app.rendering", "RenderError", ValueError),
     ("app.kube.render", "RayServiceRenderError", ValueError),
     ("deployments.errors", "Shed", Exception),

@@ -1,4 +1,4 @@
-"""The request path below the ingress (deployments/fanout.py, deployments/decode_call.py) with
+"""The request path below the ingress (deployments/path/fanout.py, deployments/path/decode_call.py) with
 fake engines: no Ray, no vLLM. What the Router runs for a completion and the Orchestrator for
 an agent round: grouping by prefill module, locality keys and the tenant's salt, the private
 fallback and its reasons, overload, node-affinity and adapters in the decode request, the
@@ -11,14 +11,14 @@ import time
 import pytest
 
 from app.config import LimitsConfig
-from app.handover import shared_length, split_prompt
 from app.plan import AppPlan, DecoderPlan, ModulePlan
+from app.prompt_split import shared_length, split_prompt
 from app.sampling import Sampling
-from deployments.decode_call import Output, Sequence
 from deployments.errors import ErrorCode, Shed, Unreachable
-from deployments.fanout import FanOut, Leg
+from deployments.ingress.prompts import locality_keys
 from deployments.messages import DecodeChunk, PrefillTicket
-from deployments.prompts import locality_keys
+from deployments.path.decode_call import Output, Sequence
+from deployments.path.fanout import FanOut, Leg
 
 BLOCK = 4
 PLAN = AppPlan(
@@ -285,12 +285,12 @@ def test_sequence_text_can_be_replaced_after_reading_a_tool_call():
 
 
 def test_the_request_path_library_imports_no_ray():
-    """Ray stays behind deployments/serve_engines.py: the library's own modules never import it."""
+    """Ray stays behind deployments/path/serve_engines.py: the library's own modules never import it."""
     import ast
     from pathlib import Path
 
-    root = Path(__file__).resolve().parent.parent / "deployments"
-    for name in ("fanout.py", "decode_call.py"):
+    root = Path(__file__).resolve().parent.parent / "deployments" / "path"
+    for name in ("fanout.py", "decode_call.py", "engines.py"):
         tree = ast.parse((root / name).read_text())
         imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
         imported |= {n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}

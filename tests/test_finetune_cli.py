@@ -14,7 +14,7 @@ from app.rendering import Renderer
 from app.training import tasks
 from app.training.data import read_records, render_records, truncate
 from app.training.tokenizer import load_tokenizer
-from deployments.prompts import Prompter
+from deployments.ingress.prompts import Prompter
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKENIZER = ROOT / "checkpoints" / "tokenizer"
@@ -77,8 +77,8 @@ def test_chat_data_any_agent_name_lora_exports_merged_and_adapter_with_rendering
     served = Prompter.from_config(cfg)
     # a line of the messages file sent as an OpenAI chat request (content as text parts) goes through the
     # Router's request parsing and turn extraction to the same ids training used for that line
-    from deployments.schemas import ChatBody, parse
-    from deployments.tools import turns
+    from deployments.ingress.schemas import ChatBody, parse
+    from deployments.ingress.tools import turns
 
     rows = [json.loads(line) for line in data.read_text(encoding="utf-8").splitlines()]
     for row, enc in zip([r for r in rows if r["task"] == AGENT], render_records(records, tok, renderer), strict=True):

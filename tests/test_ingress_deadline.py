@@ -10,9 +10,9 @@ import json
 import pytest
 
 from app.config import LimitsConfig
-from deployments.admission import Admission, LatencyLimit
 from deployments.errors import ApiError
-from deployments.router import Router
+from deployments.ingress.admission import Admission, LatencyLimit
+from deployments.ingress.server import Router
 
 
 class _Events:

@@ -16,10 +16,10 @@ import pytest
 from ray.serve._private.common import DeploymentHandleSource, DeploymentID, ReplicaID, RequestMetadata
 from ray.serve.request_router import PendingRequest
 
-from deployments import node_router
 from deployments.messages import DecodeRequest, PrefillRequest
-from deployments.node_router import preferred_node, rank_by_node
-from deployments.prefix_router import PrefixLocalityRouter
+from deployments.routing import node_router
+from deployments.routing.node_router import preferred_node, rank_by_node
+from deployments.routing.prefix_router import PrefixLocalityRouter
 
 
 def _decode_arg(node: str | None = "node-p") -> DecodeRequest:
@@ -166,12 +166,12 @@ def test_router_failovers_are_rendered_in_metrics():
 
 def test_a_router_as_serve_ships_it_tells_the_request_path_how_many_replicas_are_up():
     """Serve pickles a router's module by value (RequestRouterConfig): that must work (no registry in
-    the module's globals), and the router must register where deployments/serve_engines.py reads
-    (deployments/safe_router.py)."""
+    the module's globals), and the router must register where deployments/path/serve_engines.py reads
+    (deployments/routing/safe_router.py)."""
     from ray import cloudpickle
     from ray.serve.config import RequestRouterConfig
 
-    from deployments import safe_router
+    from deployments.routing import safe_router
 
     shipped = cloudpickle.loads(RequestRouterConfig(
         request_router_class=node_router.NodeAffinityRouter).get_serialized_request_router_cls())

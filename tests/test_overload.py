@@ -104,7 +104,7 @@ def test_a_stall_of_a_replicas_engine_stops_its_engine_core_not_the_replica():
 
 def test_fill_pool_pins_every_free_slot_until_the_deadline(tmp_path):
     from app.bench.faults import fill_pool
-    from app.engine.kv_pool import KVPool, PoolSpec
+    from app.engine.pool.kv_pool import KVPool, PoolSpec
 
     owner = KVPool(PoolSpec(path=str(tmp_path / "pool"), capacity_bytes=1 << 20))
     pinned = fill_pool(owner.path, hold_s=30, block_bytes=1 << 16)

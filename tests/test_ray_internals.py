@@ -12,7 +12,7 @@ from ray.serve.handle import DeploymentHandle, DeploymentResponse, DeploymentRes
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
 from deployments import ray_internals
-from deployments.safe_router import SafeRouter
+from deployments.routing.safe_router import SafeRouter
 
 ROOT = Path(__file__).resolve().parent.parent
 SOURCES = [p for d in ("app", "deployments", "agents", "scripts") for p in sorted((ROOT / d).rglob("*.py"))]

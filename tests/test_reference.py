@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from app.handover import split_prompt
 from app.models.checkpoint import load_model
 from app.models.shapes import save_random_model
+from app.prompt_split import split_prompt
 from app.reference import (
     batched_prompt_kv,
     greedy_from_kv,

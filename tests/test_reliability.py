@@ -13,8 +13,8 @@ import yaml
 
 from app.auth import AuthError, KeyRing, load_keyring, tenant_salt
 from app.config import ConfigError, LimitsConfig, load_config
-from deployments.admission import Admission, LatencyLimit, Slot, admission_for
-from deployments.prompts import locality_keys
+from deployments.ingress.admission import Admission, LatencyLimit, Slot, admission_for
+from deployments.ingress.prompts import locality_keys
 
 ROOT = Path(__file__).resolve().parent.parent
 KEY_A, KEY_B = "sk-unit-acme-00112233445566", "sk-unit-globex-778899aabbcc"
@@ -119,7 +119,7 @@ def test_every_admitted_request_is_counted_once_by_route_and_outcome():
 ])
 def test_parse_names_encoding_json_and_field_errors(raw, code, param):
     from deployments.errors import ApiError
-    from deployments.schemas import CompletionBody, parse
+    from deployments.ingress.schemas import CompletionBody, parse
 
     with pytest.raises(ApiError) as e:
         parse(raw, CompletionBody)
@@ -128,7 +128,7 @@ def test_parse_names_encoding_json_and_field_errors(raw, code, param):
 
 def test_openai_bodies_keep_unknown_fields_and_agent_bodies_reject_them():
     from deployments.errors import ApiError
-    from deployments.schemas import AgentRunBody, CompletionBody, parse
+    from deployments.ingress.schemas import AgentRunBody, CompletionBody, parse
 
     body = parse(b'{"model": "a", "prompt": "p", "user": "u1", "metadata": {}}', CompletionBody)
     assert body.model_extra == {"metadata": {}} and body.user == "u1"  # `user` is OpenAI's (no effect)
@@ -181,8 +181,8 @@ def test_serve_script_keeps_ray_token_auth_on_unless_told_otherwise():
 def test_openai_options_become_one_sampling_and_unimplemented_ones_are_refused():
     from app.config import LimitsConfig
     from deployments.errors import ApiError
-    from deployments.request_options import check_unsupported, sampling_from
-    from deployments.schemas import AgentBody, ChatBody, CompletionBody
+    from deployments.ingress.request_options import check_unsupported, sampling_from
+    from deployments.ingress.schemas import AgentBody, ChatBody, CompletionBody
 
     limits = LimitsConfig(max_tokens_default=8, max_tokens_cap=64)
     assert sampling_from(AgentBody(model="m", instruction="i"), limits, 2, 1000).max_tokens == 8

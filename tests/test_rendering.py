@@ -18,7 +18,7 @@ from app.models.manifest import (
 )
 from app.rendering import Renderer, RenderError, template_sha256
 from app.training.tasks import render_prompt
-from deployments.prompts import Prompter, common_prefix
+from deployments.ingress.prompts import Prompter, common_prefix
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKENIZER = ROOT / "checkpoints" / "tokenizer"

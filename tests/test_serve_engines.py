@@ -1,4 +1,4 @@
-"""deployments/serve_engines.py without a cluster: a decoder call's wait for a replica is bounded
+"""deployments/path/serve_engines.py without a cluster: a decoder call's wait for a replica is bounded
 only while its decoder has none running (Serve's handles and router faked)."""
 from __future__ import annotations
 
@@ -6,10 +6,11 @@ import asyncio
 
 import pytest
 
-from deployments import safe_router, serve_engines
 from deployments.errors import Unreachable
 from deployments.messages import DecodeChunk
-from deployments.serve_engines import ServeEngines
+from deployments.path import serve_engines
+from deployments.path.serve_engines import ServeEngines
+from deployments.routing import safe_router
 
 
 class FakeResponse:

@@ -41,7 +41,7 @@ def test_failed_request_counts_only_as_an_error():
 
 
 def test_pool_counters_are_exported_per_scope(tmp_path):
-    from app.engine.kv_pool import KVPool, PoolSpec
+    from app.engine.pool.kv_pool import KVPool, PoolSpec
 
     pool = KVPool(PoolSpec(str(tmp_path / "pool"), capacity_bytes=1 << 20))
     pool.add("alpha", {"hits": 3, "misses": 1, "bytes_moved": 4096, "fallback:missing": 1})
@@ -59,7 +59,7 @@ def test_pool_counters_are_exported_per_scope(tmp_path):
 def test_pools_of_other_nodes_arrive_from_their_engines_labelled_by_node(tmp_path, monkeypatch):
     """Every node has its own pool and the Metrics replica (the head's, on KubeRay) may have none:
     each node's engines send theirs, and a node silent too long drops out."""
-    from app.engine.kv_pool import KVPool, PoolMissing, PoolSpec
+    from app.engine.pool.kv_pool import KVPool, PoolMissing, PoolSpec
     from deployments import metrics
 
     late = metrics.PoolReader(str(tmp_path / "decode-node"))  # an engine's reader, before the pool exists
@@ -86,14 +86,6 @@ def test_pools_of_other_nodes_arrive_from_their_engines_labelled_by_node(tmp_pat
     s = _samples(m)
     assert "prefillshare_kv_pool_capacity_bytes{node=prefill-node,pool=/dev/shm/p}" not in s  # gone silent
     assert s["prefillshare_kv_pool_capacity_bytes{node=decode-node,pool=/dev/shm/p}"] == 2 << 20
-
-
-def test_an_engines_pool_is_the_one_its_connector_config_names():
-    from deployments.metrics import pool_path
-
-    assert pool_path({"kv_connector": "X", "kv_connector_extra_config": {"pool": {"path": "/dev/shm/p"}}}) == "/dev/shm/p"
-    assert pool_path({"kv_connector": "NixlConnector", "kv_role": "kv_both"}) is None
-    assert pool_path(None) is None
 
 
 def test_missing_pool_never_fails_a_scrape(tmp_path):

@@ -137,7 +137,7 @@ def _run_and_stop(tmp: Path, models: dict[str, Path], pool: str, kill_a_decoder:
 
 
 def test_serve_run_stopped_without_shutdown_leaves_no_process_and_only_a_reclaimable_pool(tmp_path, models):
-    from app.engine.kv_pool import KVPool, PoolSpec
+    from app.engine.pool.kv_pool import KVPool, PoolSpec
 
     pool = f"/dev/shm/ps-stop-{os.getpid()}"
     shm_before = _shm()

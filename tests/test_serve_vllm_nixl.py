@@ -13,7 +13,7 @@ shared-KV greedy tokens with every prompt token but the last pulled from the bas
 decoder); a lease that ran out before the decoder took its request must be answered with the
 private reference's tokens and counted on /metrics. API keys are on, so every prefill carries the
 tenant's cache salt, and so is the KV secret, so every NIXL handshake runs over CURVE
-(app/engine/side_channel_auth.py; tests/test_side_channel_auth.py refuses peers without it). Run through scripts/test.sh (loopback-only network namespace).
+(app/engine/nixl/side_channel_auth.py; tests/test_side_channel_auth.py refuses peers without it). Run through scripts/test.sh (loopback-only network namespace).
 """
 from __future__ import annotations
 
@@ -47,7 +47,7 @@ from serve_test_app import (
     wait_for_nixl_event,
 )
 
-from app.engine.kv_auth import KV_SECRET_ENV
+from app.engine.nixl.kv_auth import KV_SECRET_ENV
 
 pytestmark = [pytest.mark.serve, pytest.mark.engine]
 
@@ -57,7 +57,7 @@ LONG_NEW = 600  # node loss: decoding outlasts the removal of a node
 ENGINE = {**TEST_ENGINE, "max_model_len": 768}
 OUT = Path(__file__).resolve().parent.parent / "runs" / "multinode"
 EXPIRED = "vllm:nixl_num_kv_expired_reqs_total"  # vLLM's counter (nixl/stats.py), as its replica pushes it
-REFUSED = "prefillshare_nixl_refused_handshakes_total"  # the side channel's refusals (app.engine.vllm_nixl_connector)
+REFUSED = "prefillshare_nixl_refused_handshakes_total"  # the side channel's refusals (app.engine.nixl.connector)
 
 
 def _on(node: str, entry: dict, replicas: int = 1) -> dict:
@@ -187,7 +187,7 @@ def test_the_prefill_engines_side_channel_answers_only_holders_of_the_kv_secret(
     import zmq
     from side_channel_peer import ask, peer
 
-    from app.engine import side_channel_auth
+    from app.engine.nixl import side_channel_auth
     from deployments.messages import PrefillRequest
 
     tok, _ = nixl_reference

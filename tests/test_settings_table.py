@@ -226,9 +226,9 @@ def _library_fields() -> dict[str, Any]:
     import inspect
 
     from app.engine.async_engine import EngineConfig
-    from app.engine.kv_pool import PoolSpec
-    from deployments.node_router import NodeAffinityRouter
-    from deployments.prefix_router import LocalityTable, PrefixLocalityRouter
+    from app.engine.pool.kv_pool import PoolSpec
+    from deployments.routing.node_router import NodeAffinityRouter
+    from deployments.routing.prefix_router import LocalityTable, PrefixLocalityRouter
 
     out = {f"EngineConfig.{f.name}": f.default for f in dataclasses.fields(EngineConfig)
            if f.default is not dataclasses.MISSING}

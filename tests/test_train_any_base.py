@@ -141,7 +141,8 @@ def test_a_decoder_trained_on_a_float32_base_decodes_on_its_kv_in_vllm(tmp_path)
     import os
     import uuid
 
-    from app.engine.async_engine import Engine, EngineConfig, PoolSpec, Sampling, connector_config
+    from app.engine.async_engine import Engine, EngineConfig, PoolSpec, Sampling
+    from app.engine.pool.handover import connector_config
     from app.models.checkpoint import load_model
     from app.models.identity import prefill_module_id
     from app.reference import shared_greedy

@@ -14,17 +14,18 @@ from dataclasses import dataclass
 
 import pytest
 
-from app.engine import vllm_nixl_handover as ho
-from app.engine.vllm_nixl import (
+from app.bench.nixl_probe import decode, lend
+from app.engine.nixl import leases as ho
+from app.engine.nixl.config import (
     CPU_SETTINGS,
     GPU_SETTINGS,
     NixlSettings,
-    decoder_transfer_config,
     lease_for_timeout,
     nixl_transfer_config,
     settings_for,
     side_channel_env,
 )
+from app.engine.nixl.handover import NixlHandover
 from app.sampling import Sampling
 
 BASE = "checkpoints/base"
@@ -44,9 +45,9 @@ def test_producer_and_consumer_configs():
         assert cfg["kv_load_failure_policy"] == "recompute"
     assert c["kv_connector_extra_config"]["num_threads"] == 0
     # vLLM's connector class with the project's side-channel guard, whatever the settings
-    assert c["kv_connector_module_path"] == "app.engine.vllm_nixl_connector"
+    assert c["kv_connector_module_path"] == "app.engine.nixl.connector"
     polled = nixl_transfer_config("consumer", lease_s=40, settings=CPU_SETTINGS)
-    assert polled["kv_connector_module_path"] == "app.engine.vllm_nixl_connector"
+    assert polled["kv_connector_module_path"] == "app.engine.nixl.connector"
     assert polled["kv_connector_extra_config"]["progress_thread"] is False
     assert nixl_transfer_config("both", lease_s=6)["kv_role"] == "kv_both"
     from vllm.config import KVTransferConfig
@@ -100,7 +101,7 @@ def test_a_gpu_engine_reads_over_cuda_ipc_and_a_cpu_engine_keeps_ucxs_defaults()
 
 
 def test_the_connector_sets_its_ucx_variables_unless_the_operator_did(monkeypatch):
-    from app.engine.vllm_nixl_connector import apply_ucx_env
+    from app.engine.nixl.connector import apply_ucx_env
 
     monkeypatch.delenv("UCX_CUDA_IPC_ENABLE_GET_ZCOPY", raising=False)
     monkeypatch.setenv("UCX_TLS", "rc,cuda_ipc,cuda_copy,tcp")
@@ -116,7 +117,7 @@ def test_a_listener_port_is_never_one_an_outgoing_connection_can_take(monkeypatc
     import random
     import socket
 
-    from app.engine import vllm_nixl
+    from app.engine.nixl import config as vllm_nixl
 
     with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
         low = int(f.read().split()[0])
@@ -137,16 +138,6 @@ def test_a_listener_port_is_never_one_an_outgoing_connection_can_take(monkeypatc
         assert vllm_nixl.listen_port("127.0.0.1") > taken  # the held one was tried twice and skipped
     finally:
         held.close()
-
-
-def test_decoder_gate_is_the_projects_compat_check():
-    from app.models.identity import prefill_module_id
-
-    pid = prefill_module_id(BASE)
-    cfg, reasons = decoder_transfer_config(BASE, DECODER, pid, lease_s=30)
-    assert reasons == () and cfg["kv_role"] == "kv_consumer"
-    cfg, reasons = decoder_transfer_config(BASE, DECODER, "pm-someone-else", lease_s=30)
-    assert cfg is None and reasons
 
 
 # ---------------------------------------------------------------- lease rules with fake engines
@@ -191,37 +182,39 @@ class _FakeEngines:
 
 
 def test_first_prefill_runs_before_the_others_which_hit_the_prefix_cache():
-    eng, counters = _FakeEngines(), ho.HandoverCounters()
-    leases = asyncio.run(ho.prefill_leases(eng, list(range(100)), 3, lease_s=30, cache_salt="t", counters=counters))
+    eng = _FakeEngines()
+    leases = asyncio.run(lend(NixlHandover(30), eng, list(range(100)), 3, cache_salt="t"))
     starts = [t for k, t in eng.calls if k == "prefill-start"]
     first_end = next(t for k, t in eng.calls if k == "prefill-end")
     assert len(leases) == 3 and all(s >= first_end for s in starts[1:])
     assert [le.computed_tokens for le in leases] == [100, 1, 1]
-    assert counters.later_prefill_computed_tokens == 2 and counters.prefills == 3
 
 
 def test_decode_pulls_inside_the_lease_and_reports_its_own_cached_tokens():
-    eng, counters = _FakeEngines(), ho.HandoverCounters()
+    eng, handover = _FakeEngines(), NixlHandover(30)
+    side = handover.decode_side()
     ids = list(range(50))
-    (lease,) = asyncio.run(ho.prefill_leases(eng, ids, 1, lease_s=30))
-    out = asyncio.run(ho.decode(eng, ids, Sampling(max_tokens=1), lease, margin_s=5, counters=counters))
+    (lease,) = asyncio.run(lend(handover, eng, ids, 1))
+    out = asyncio.run(decode(side, eng, ids, Sampling(max_tokens=1), lease))
     sent = eng.calls[-1][1]
     assert sent["do_remote_prefill"] and "remote_prefill_cached_tokens" not in sent
     assert "remote_prefill_cached_tokens" in lease.params  # the lease itself is left as the producer sent it
-    assert out.num_cached_tokens == 49 and counters.pulls == 1 and counters.pulled_tokens == 49
+    assert out.num_cached_tokens == 49 and side.counters.pulls == 1 and side.counters.pulled_tokens == 49
 
 
 def test_decode_prefills_privately_when_the_lease_may_run_out():
-    eng, counters = _FakeEngines(), ho.HandoverCounters()
+    eng, side = _FakeEngines(), NixlHandover(30).decode_side()
     ids = list(range(50))
-    lease = ho.Lease({"do_remote_prefill": True, "remote_block_ids": [[1]]}, time.time() + 3, 50, 50, "r")
-    asyncio.run(ho.decode(eng, ids, Sampling(max_tokens=1), lease, margin_s=5, counters=counters))
+    lease = ho.Lease({"do_remote_prefill": True, "remote_block_ids": [[1]]}, time.time() + side.margin_s - 2,
+                     50, 50, "r")
+    asyncio.run(decode(side, eng, ids, Sampling(max_tokens=1), lease))
     assert eng.calls[-1] == ("complete", None)
-    asyncio.run(ho.decode(eng, ids, Sampling(max_tokens=1), None, margin_s=5, counters=counters))
+    asyncio.run(decode(side, eng, ids, Sampling(max_tokens=1), None))  # no prefill behind it: not counted
     lease = ho.Lease({"do_remote_prefill": True}, time.time() + 60, 50, 50, "r")  # no blocks kept
-    asyncio.run(ho.decode(eng, ids, Sampling(max_tokens=1), lease, margin_s=5, counters=counters))
-    assert counters.as_dict()["fallback:lease_expiring"] == 1
-    assert counters.as_dict()["fallback:no_lease"] == 2 and counters.pulls == 0
+    asyncio.run(decode(side, eng, ids, Sampling(max_tokens=1), lease))
+    assert eng.calls[-1] == ("complete", None)
+    assert side.counters.as_dict()["fallback:lease_expiring"] == 1
+    assert side.counters.as_dict()["fallback:no_lease"] == 1 and side.counters.pulls == 0
 
 
 def test_margin_covers_vllms_heartbeat_interval():
@@ -262,13 +255,14 @@ def test_nixl_lease_that_ran_out_is_answered_privately_and_counted():
                 side_channel_env()),
     })
     (ids,) = _prompts(1, (300,))
-    counters = ho.HandoverCounters()
+    handover = NixlHandover(lease)
+    side = handover.decode_side()
+    counters = side.counters
     try:
         async def late():
-            (le,) = await ho.prefill_leases(engines["producer"], ids, 1, lease_s=lease, counters=counters)
+            (le,) = await lend(handover, engines["producer"], ids, 1)
             await asyncio.sleep(lease + 2)  # a decoder queue longer than the lease
-            out = await ho.decode(engines["dec"], ids, Sampling(max_tokens=12), le,
-                                  margin_s=ho.default_margin(lease), counters=counters)
+            out = await decode(side, engines["dec"], ids, Sampling(max_tokens=12), le)
             expired = 0.0
             for _ in range(20):  # stats reach the producer's stat logger with its next outputs
                 await engines["producer"].complete(ids[:8], Sampling(max_tokens=1))

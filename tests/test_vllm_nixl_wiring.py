@@ -8,11 +8,13 @@ import time
 from pathlib import Path
 
 from app.config import load_config
-from app.engine import vllm_nixl_handover as ho
-from app.engine.vllm_nixl import lease_duration, lease_for_timeout, with_side_channel
-from app.handover import shared_length
-from deployments.fanout import FanOut
+from app.engine.nixl import leases as ho
+from app.engine.nixl.config import lease_for_timeout
+from app.engine.nixl.handover import NixlHandover
+from app.engine.pool.handover import PoolHandover
+from app.prompt_split import shared_length
 from deployments.messages import PrefillTicket
+from deployments.path.fanout import FanOut
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -35,18 +37,26 @@ def _engine_configs(handover: str, gpus: bool = False, **update):
     prefill, decoders = router.init_args[2], router.init_args[3]
     out = {f"prefill:{k}": a._bound_deployment.init_args[1] for k, a in prefill.items()}
     out.update({f"decode:{k}": a._bound_deployment.init_args[1] for k, a in decoders.items()})
-    return out, cfg
+    # every engine replica is given the plan's one hand-over
+    handovers = {a._bound_deployment.init_args[2] for a in [*prefill.values(), *decoders.values()]}
+    assert len(handovers) == 1, handovers
+    return out, cfg, handovers.pop()
+
+
+def _lease_s(ktc: dict) -> int:
+    return ktc["kv_connector_extra_config"]["kv_lease_duration"]
 
 
 def test_vllm_nixl_mode_gives_producers_and_consumers_nixl_configs_tied_to_the_timeout():
-    configs, cfg = _engine_configs("vllm-nixl")
+    configs, cfg, handover = _engine_configs("vllm-nixl")
     lease = lease_for_timeout(cfg.limits.request_timeout_s)
+    assert handover == NixlHandover(lease)
     assert any(k.startswith("prefill:") for k in configs) and any(k.startswith("decode:") for k in configs)
     for name, ec in configs.items():
         ktc = ec.kv_transfer_config
         assert ktc["kv_connector"] == "NixlConnector", name
         assert ktc["kv_role"] == ("kv_producer" if name.startswith("prefill:") else "kv_consumer"), name
-        assert lease_duration(ktc) == lease
+        assert _lease_s(ktc) == lease
         assert ec.prefix_caching is name.startswith("prefill:"), name  # decoders: off, explicitly
         assert ktc["kv_buffer_device"] == "cpu"  # the shipped config has no GPUs
 
@@ -54,36 +64,40 @@ def test_vllm_nixl_mode_gives_producers_and_consumers_nixl_configs_tied_to_the_t
 def test_gpu_engines_of_the_app_pull_over_cuda_ipc():
     """The app's GPU engines carry the CUDA IPC read setting in their connector config (their
     NixlConnector sets it before NIXL creates its UCX context); its CPU engines do not."""
-    configs, _ = _engine_configs("vllm-nixl", gpus=True)
+    configs, _, _ = _engine_configs("vllm-nixl", gpus=True)
     for name, ec in configs.items():
         ktc = ec.kv_transfer_config
         assert ktc["kv_buffer_device"] == "cuda", name
         assert ktc["kv_connector_extra_config"]["ucx_env"] == {"UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "y"}, name
         assert ktc["kv_connector_extra_config"]["progress_thread"] is False, name
-    cpu, _ = _engine_configs("vllm-nixl")
+    cpu, _, _ = _engine_configs("vllm-nixl")
     assert all(ec.kv_transfer_config["kv_connector_extra_config"]["ucx_env"] == {} for ec in cpu.values())
 
 
 def test_kv_lease_duration_sets_every_engines_lease():
     """kv_lease_duration (the GPU variant's 60 s) replaces the lease tied to the request timeout on
     producers and consumers alike (a Decode replica's lease margin follows its own config)."""
-    configs, _ = _engine_configs("vllm-nixl", gpus=True, kv_lease_duration=60)
-    assert {lease_duration(ec.kv_transfer_config) for ec in configs.values()} == {60}
+    configs, _, handover = _engine_configs("vllm-nixl", gpus=True, kv_lease_duration=60)
+    assert {_lease_s(ec.kv_transfer_config) for ec in configs.values()} == {60}
+    assert handover.lease_s == 60 and handover.decode_side().margin_s == ho.default_margin(60)
 
 
 def test_pool_mode_engines_keep_the_projects_connector():
-    configs, _ = _engine_configs("pool")
+    configs, cfg, handover = _engine_configs("pool")
+    assert isinstance(handover, PoolHandover) and handover.pool_path == cfg.pool.path
     for name, ec in configs.items():
         assert ec.kv_transfer_config["kv_connector"] == "PrefillShareConnector", name
-        assert lease_duration(ec.kv_transfer_config) is None
+        assert "kv_lease_duration" not in ec.kv_transfer_config["kv_connector_extra_config"]
         assert ec.prefix_caching is name.startswith("prefill:"), name
-        assert with_side_channel(ec, "10.0.0.7") is ec  # nothing to listen for
+        assert handover.on_node(ec, "10.0.0.7") is ec  # nothing to listen for
+    assert handover.prefill_params() == {"fanout": 1} and handover.leases([object()], 0.0) == ()
+    assert handover.decode_side().pull(None) is None  # the consumer's connector finds the KV itself
 
 
 def test_each_engine_started_in_vllm_nixl_mode_gets_its_own_handshake_port():
-    configs, _ = _engine_configs("vllm-nixl")
+    configs, _, handover = _engine_configs("vllm-nixl")
     ec = next(iter(configs.values()))
-    a, b = with_side_channel(ec, "127.0.0.1"), with_side_channel(ec, "127.0.0.1")
+    a, b = handover.on_node(ec, "127.0.0.1"), handover.on_node(ec, "127.0.0.1")
     assert a.extra_env["VLLM_NIXL_SIDE_CHANNEL_HOST"] == "127.0.0.1"
     assert a.extra_env["VLLM_NIXL_SIDE_CHANNEL_PORT"] != b.extra_env["VLLM_NIXL_SIDE_CHANNEL_PORT"]
     assert {k: v for k, v in a.extra_env.items() if not k.startswith("VLLM_NIXL_")} == ec.extra_env
@@ -133,3 +147,27 @@ def test_the_replicas_lease_check_pulls_or_counts_the_fallback():
     assert ho.count_decode(counters, "lease_expiring", 10, 0) == "fallback:lease_expiring"
     assert ho.count_decode(counters, None, 10, 0) == "fallback:pull_incomplete"  # vLLM recomputed
     assert counters.as_dict()["pulls"] == 1 and counters.as_dict()["fallback:pull_incomplete"] == 1
+
+
+def test_the_nixl_hand_over_lends_each_prompt_and_its_decode_side_keeps_the_lease_rule():
+    """What the Prefill and Decode replicas ask the plan's NixlHandover: a lease per prompt (none
+    for a one-token prompt), then per decoder request a pull or a counted private prefill."""
+    from types import SimpleNamespace as NS
+
+    from app.engine.handover import Pull
+
+    handover = NixlHandover(30)
+    assert handover.prefill_params() == {"do_remote_decode": True} and handover.pool_path is None
+    done = NS(kv_transfer_params={"remote_block_ids": [4]}, num_prompt_tokens=9, num_computed_tokens=9,
+              request_id="r-0")
+    lease, nothing = handover.leases([done, None], sent=1000.0)
+    assert lease.expires_at == 1030.0 and lease.params == {"remote_block_ids": [4]} and nothing is None
+    side = handover.decode_side()
+    assert side.pull(None) is None  # no prefill behind the request: nothing to pass or count
+    pull = side.pull(_lease(0, time.time() + 60))
+    assert pull.reason is None and pull.params["remote_block_ids"] == [0]
+    late = side.pull(_lease(1, time.time() + side.margin_s - 1))
+    assert late == Pull(None, "lease_expiring")
+    assert side.finished(pull, 10, 9)["pull"] == 1
+    assert side.finished(late, 10, 0)["fallback:lease_expiring"] == 1
+    assert side.counters.pulls == 1 and side.counters.fallbacks["lease_expiring"] == 1

@@ -168,7 +168,8 @@ async def _ttft(engine, ids, salt, params=None) -> tuple[float, int]:
 
 def _start_engines(cfg: BenchConfig, model: str, spec) -> list:
     """[producer, consumer, private decoder (or None)]: one engine per role, each on its own core list."""
-    from app.engine.async_engine import Engine, EngineConfig, connector_config
+    from app.engine.async_engine import Engine, EngineConfig
+    from app.engine.pool.handover import connector_config
 
     common = dict(model=model, dtype=cfg.dtype, kv_cache_memory_bytes=int(cfg.kv_space_gib * (1 << 30)),
                   max_model_len=cfg.max_model_len, block_size=cfg.block_size,
@@ -219,7 +220,7 @@ async def _run(cfg: BenchConfig, on_case=None) -> list[CaseResult]:
     from tqdm import tqdm
 
     from app.engine.async_engine import PoolSpec
-    from app.engine.kv_pool import KVPool
+    from app.engine.pool.kv_pool import KVPool
 
     work = tempfile.mkdtemp(prefix="ps-bench-")
     pool_dir = f"/dev/shm/ps-bench-{uuid.uuid4().hex[:8]}"

@@ -47,7 +47,8 @@ def _memory() -> dict:
 
 
 async def _child(args) -> dict:
-    from app.engine.async_engine import Engine, EngineConfig, PoolSpec, Sampling, connector_config
+    from app.engine.async_engine import Engine, EngineConfig, PoolSpec, Sampling
+    from app.engine.pool.handover import connector_config
     from app.models.identity import prefill_module_id
 
     base = str(PROJECT / "checkpoints" / "base")

@@ -2,7 +2,7 @@
 
 An agent run's tokens travel Decode -> Orchestrator -> caller: two Ray streams, because the
 Orchestrator merges its agents' streams. A single-decoder completion streams from the decoder
-to the Router directly: the Router runs its prefill itself (deployments/fanout.py). One app (one prefill module, one
+to the Router directly: the Router runs its prefill itself (deployments/path/fanout.py). One app (one prefill module, one
 decoder, the shipped checkpoints by default) is streamed three ways from the same driver,
 rotating the order each round so that machine load hits all alike, at each concurrency:
 
@@ -113,8 +113,8 @@ PATHS = ("decoder", "relay", "direct")
 
 async def _session(handles, path: str, spec: HopSpec, prompt: tuple[int, ...], sampling) -> tuple:
     """(tokens, chunks with tokens, first token time, last token time) of one streamed request."""
-    from deployments.fanout import Leg
     from deployments.messages import AgentRunRequest, AgentSpec, DecodeRequest
+    from deployments.path.fanout import Leg
 
     rid = f"hop-{uuid.uuid4().hex[:8]}"
     tokens = chunks = 0
@@ -191,8 +191,8 @@ async def _measure(spec: HopSpec, plan) -> list[dict]:
     """``plan``: the app's AppPlan (the Router's FanOut runs on it)."""
     from ray import serve
 
-    from deployments.fanout import FanOut
-    from deployments.serve_engines import ServeEngines
+    from deployments.path.fanout import FanOut
+    from deployments.path.serve_engines import ServeEngines
 
     engines = ServeEngines({"base": serve.get_deployment_handle("Prefill-base", APP)},
                            {spec.decoder: serve.get_deployment_handle(f"Decode-{spec.decoder}", APP)})

@@ -227,7 +227,7 @@ def shipped_models(root: str | Path, checkpoints: str | Path, n: int, dtype: str
 # The chat template of --driver chat's decoders and stock servers: the shipped chat suite's
 # ``role:\ncontent`` turns, a generation prompt, and a request's ``tools`` (which vLLM hands to
 # templates; the app does not) as a first system turn written the way the app writes a tools line
-# (deployments/tools.py ``tools_line``), so a stock server's prompt is the app's system-first prompt.
+# (deployments/ingress/tools.py ``tools_line``), so a stock server's prompt is the app's system-first prompt.
 BENCH_CHAT_TEMPLATE = (
     "{{- bos_token -}}"
     "{%- if tools -%}{{ 'system:\\ntools: ' }}{%- for t in tools -%}{%- set f = t['function'] -%}"

@@ -33,7 +33,7 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from app.engine.vllm_nixl import (
+from app.engine.nixl.config import (
     CPU_SETTINGS,
     GPU_SETTINGS,
     NixlSettings,
@@ -41,7 +41,7 @@ from app.engine.vllm_nixl import (
     nixl_transfer_config,
     side_channel_env,
 )
-from app.engine.vllm_nixl_handover import read_vllm_nixl_counters
+from app.engine.nixl.leases import read_vllm_nixl_counters
 
 # Named transport settings: NIXL's UCX threads (vLLM's ``num_threads``) and UCX variables.
 SETTINGS: dict[str, NixlSettings] = {
@@ -339,19 +339,42 @@ def engine_specs(cfg: ProbeConfig, base: str, decoder: str, max_len: int) -> tup
             "consumer": (cons, side_channel_env(cfg.ports[1]))}, lease
 
 
+async def lend(handover, engine, prompt_token_ids, n: int, cache_salt: str | None = None) -> list:
+    """N leases of one prompt, taken as the Prefill replica takes them (``handover``: the app's
+    NixlHandover): the first prefill alone, then N-1 together (they hit the prefix cache it filled)."""
+    ids = [int(t) for t in prompt_token_ids]
+    sent = time.time()
+    first = await engine.prefill(ids, None, cache_salt=cache_salt, kv_transfer_params=handover.prefill_params())
+    rest = await asyncio.gather(*(engine.prefill(ids, None, cache_salt=cache_salt,
+                                                 kv_transfer_params=handover.prefill_params()) for _ in range(n - 1)))
+    return list(handover.leases([first, *rest], sent))
+
+
+async def decode(side, engine, prompt_token_ids, sampling, lease, cache_salt: str | None = None,
+                 lora: str | None = None):
+    """A decoder request as the Decode replica makes it (``side``: the hand-over's decode side): a
+    pull of ``lease`` while it is safely inside the lease, else a private prefill; counted by ``side``."""
+    ids = [int(t) for t in prompt_token_ids]
+    pull = side.pull(lease)
+    out = await engine.complete(ids, sampling, None, cache_salt, pull.params if pull else None, lora)
+    if pull is not None:
+        side.finished(pull, len(ids), out.num_cached_tokens)
+    return out
+
+
 async def _cases(cfg: ProbeConfig, prod: EngineProcess, cons: EngineProcess, prompts, lease: int) -> dict:
-    from app.engine import vllm_nixl_handover as ho
+    from app.engine.nixl.handover import NixlHandover
     from app.sampling import Sampling
 
     lora = "agent" if cfg.lora else None
-    margin = ho.default_margin(lease)
-    counters = ho.HandoverCounters()
+    handover = NixlHandover(lease)  # the app's classes: the Prefill replica's leases, the Decode replica's pulls
+    side = handover.decode_side()
     out: dict = {"cases": []}
     # warm-up: the first pull makes the NIXL handshake and registers the peer
     warm = prompts[0][:128]
     t = time.perf_counter()
-    (le,) = await ho.prefill_leases(prod, warm, 1, lease_s=lease, lora=None)
-    w = await ho.decode(cons, warm, Sampling(max_tokens=2), le, margin_s=margin, lora=lora)
+    (le,) = await lend(handover, prod, warm, 1)
+    w = await decode(handover.decode_side(), cons, warm, Sampling(max_tokens=2), le, lora=lora)
     out["warmup"] = {"seconds": time.perf_counter() - t, "cached": w.num_cached_tokens}
     out["consumer_metrics_after_warmup"] = await cons.metrics()
     # idle: CPU the two engines burn with nothing to do (spinning progress threads show here)
@@ -364,20 +387,17 @@ async def _cases(cfg: ProbeConfig, prod: EngineProcess, cons: EngineProcess, pro
         salt = f"tenant-{i}"
         case: dict = {"L": len(ids)}
         t = time.perf_counter()
-        leases = await ho.prefill_leases(prod, ids, 2, lease_s=lease, cache_salt=salt, counters=counters)
+        leases = await lend(handover, prod, ids, 2, cache_salt=salt)
         case["prefills_s"] = time.perf_counter() - t
         case["prefill_computed"] = [le.computed_tokens for le in leases]
         t = time.perf_counter()
-        shared = await ho.decode(cons, ids, Sampling(max_tokens=cfg.max_tokens), leases[0], margin_s=margin,
-                                 cache_salt=salt, lora=lora, counters=counters)
+        shared = await decode(side, cons, ids, Sampling(max_tokens=cfg.max_tokens), leases[0], salt, lora)
         case["shared_s"] = time.perf_counter() - t
         t = time.perf_counter()
-        ttft = await ho.decode(cons, ids, Sampling(max_tokens=1), leases[1], margin_s=margin, cache_salt=salt,
-                               lora=lora, counters=counters)
+        ttft = await decode(side, cons, ids, Sampling(max_tokens=1), leases[1], salt, lora)
         case["ttft_shared_s"] = time.perf_counter() - t
         t = time.perf_counter()
-        private = await ho.decode(cons, ids, Sampling(max_tokens=1), None, margin_s=margin, cache_salt=salt,
-                                  lora=lora)
+        private = await decode(side, cons, ids, Sampling(max_tokens=1), None, salt, lora)
         case["ttft_private_s"] = time.perf_counter() - t
         case.update(shared_cached=shared.num_cached_tokens, ttft_shared_cached=ttft.num_cached_tokens,
                     private_cached=private.num_cached_tokens, shared_tokens=shared.token_ids)
@@ -386,7 +406,7 @@ async def _cases(cfg: ProbeConfig, prod: EngineProcess, cons: EngineProcess, pro
                           if k != "shared_tokens"}), flush=True)
     out["cases_s"] = time.perf_counter() - t_all
     out["cases_cpu_s"] = round(prod.cpu_seconds() + cons.cpu_seconds() - c0, 2)
-    out["handover_counters"] = counters.as_dict()
+    out["handover_counters"] = side.counters.as_dict()
     out["producer_metrics"] = await prod.metrics()
     out["consumer_metrics"] = await cons.metrics()
     return out

@@ -5,7 +5,7 @@ API (everything a server needs; nothing here knows about Ray):
     cfg = EngineConfig(model="checkpoints/base", dtype="float32", kv_cache_memory_bytes=1 << 30,
                        max_model_len=1024, block_size=32, max_num_batched_tokens=256,
                        extra_env={"VLLM_CPU_OMP_THREADS_BIND": "0"}, enforce_eager=True,
-                       kv_transfer_config=connector_config("producer", base_id, pool=PoolSpec(...)))
+                       kv_transfer_config=handover.transfer_config("producer", link))  # app.engine.handover
     engine = await Engine.start(cfg)              # or Engine(cfg) from sync code (blocks ~20-50 s)
     async for out in engine.generate(ids, Sampling(max_tokens=16), "req-1", cache_salt="tenant-a"):
         out.new_token_ids, out.new_text, out.num_generated_tokens, out.finish_reason, out.finished,
@@ -20,8 +20,8 @@ Errors: every failure of the engine (dead core, bad request, timeout) surfaces a
 :class:`EngineError` (``EngineRequestError`` for a rejected request), never as a hang: each
 request runs under ``request_timeout_s``.
 
-``connector_config(role, prefill_module_id, pool=...)`` builds the ``kv_transfer_config``
-dict that loads :mod:`app.engine.connector` as the engine's KV connector.
+An engine's ``kv_transfer_config`` (its KV connector) comes from the app's hand-over
+(:mod:`app.engine.handover`); this wrapper passes it to vLLM as is.
 """
 from __future__ import annotations
 
@@ -32,12 +32,12 @@ import os
 import threading
 import uuid
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import asdict, dataclass, field
-from typing import Any, Literal
+from dataclasses import dataclass, field
+from typing import Any
 
 from app.config import EngineSettings, LimitsConfig, LoRAGroup, default
-from app.engine import alloc_conf, compute_dtype, core_lifetime, kv_pool, niceness
-from app.engine.handover_mode import PREFILLSHARE
+from app.engine import alloc_conf, compute_dtype, core_lifetime, niceness
+from app.engine.pool import kv_pool
 from app.errors import PrefillShareLibraryError
 from app.sampling import Sampling, TokenLogprob, prompt_logprobs, token_logprobs
 
@@ -51,13 +51,8 @@ __all__ = [
     "EngineError",
     "EngineRequestError",
     "PoolSpec",
-    "connector_config",
-    "CONNECTOR_NAME",
-    "CONNECTOR_MODULE",
 ]
 
-CONNECTOR_NAME = PREFILLSHARE.connector
-CONNECTOR_MODULE = PREFILLSHARE.module_path
 
 _ENV_LOCK = threading.Lock()
 
@@ -149,9 +144,8 @@ class EngineConfig:
 
     @property
     def is_consumer(self) -> bool:
-        ktc = self.kv_transfer_config or {}
-        return (ktc.get("kv_connector") == CONNECTOR_NAME
-                and (ktc.get("kv_connector_extra_config") or {}).get("role") == "consumer")
+        """The engine reads another engine's KV (vLLM's own ``kv_role``, whatever the connector)."""
+        return (self.kv_transfer_config or {}).get("kv_role") == "kv_consumer"
 
     @property
     def prefix_caching(self) -> bool:
@@ -251,46 +245,6 @@ class PrefillResult:
 
 # The pool's one typed config lives with the pool (defaults, validation); re-exported here.
 PoolSpec = kv_pool.PoolSpec
-
-
-def connector_config(
-    role: Literal["producer", "consumer"],
-    prefill_module_id: str,
-    pool: PoolSpec,
-    *,
-    incompatible_reason: str | None = None,
-    scope: str | None = None,
-    adapter_keys: bool = False,
-) -> dict[str, Any]:
-    """``kv_transfer_config`` for a PrefillShare engine.
-
-    ``role``: "producer" on prefill engines (the base), "consumer" on decode engines.
-    ``prefill_module_id``: the base's id (a decoder takes it from its manifest, never from
-    its own model name). ``incompatible_reason``: set when the decoder must not load the base's
-    KV; the connector then always prefills privately and counts the reason.
-    ``scope``: label under which the pool keeps this engine's counters (e.g. the agent name).
-    ``adapter_keys``: KV is per LoRA adapter (a prefill engine holding the decoders' own adapters):
-    pool keys carry the request's adapter name, on the producer and its consumers alike.
-    """
-    if role not in ("producer", "consumer"):
-        raise ValueError(f"connector_config role: {role!r} is not 'producer' or 'consumer'")
-    if not prefill_module_id:
-        raise ValueError("connector_config prefill_module_id is required")
-    if not isinstance(pool, PoolSpec):
-        raise ValueError("connector_config pool must be a PoolSpec")
-    extra: dict[str, Any] = {
-        "role": role,
-        "prefill_module_id": prefill_module_id,
-        "pool": asdict(pool),
-    }
-    if incompatible_reason:
-        extra["incompatible_reason"] = incompatible_reason
-    if scope:
-        extra["scope"] = scope
-    if adapter_keys:
-        extra["adapter_keys"] = True
-    # A block found damaged while loading is recomputed (private prefill), never a failed request.
-    return PREFILLSHARE.transfer_config(role, extra)
 
 
 @contextlib.contextmanager

@@ -23,7 +23,7 @@ PROMPT_FORMATS = ("suite", "text", "chat_template")
 # as chat templates put it. Manifests without the field were trained system-first.
 LAYOUTS = ("shared_first", "system_first")
 ADAPTER_FORMATS = ("peft",)
-# How a decoder calls tools (deployments/tools.py): "json" = a JSON-schema-constrained
+# How a decoder calls tools (deployments/ingress/tools.py): "json" = a JSON-schema-constrained
 # {"name", "arguments"} object the app renders and reads back as OpenAI tool_calls.
 TOOL_CALL_FORMATS = ("json",)
 

@@ -1,6 +1,6 @@
 """Token-level examples, the padded batch, and the two losses on it: shared prefill and private prefill.
 
-A batch holds each example's prefix (prompt[:-1], the base's part under app/handover.py)
+A batch holds each example's prefix (prompt[:-1], the base's part under app/prompt_split.py)
 LEFT-padded and its own tokens (prompt[-1] + response[:-1]) right-padded, so every row's real
 tokens are contiguous: attention windows measured in cache slots (sliding-window models)
 see the same neighbours as the unpadded example, and positions come from the mask. A padded
@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from transformers import DynamicCache
 from transformers.cache_utils import Cache, DynamicLayer
 
-from app.handover import split_prompt
+from app.prompt_split import split_prompt
 from app.training import tasks
 
 

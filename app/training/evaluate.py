@@ -21,11 +21,11 @@ from pathlib import Path
 import torch
 from transformers import DynamicCache
 
-from app.handover import split_prompt
 from app.models import checkpoint
 from app.models.compat import check, check_configs
 from app.models.identity import CheckpointError, load_config_dict, prefill_module_id
 from app.models.manifest import read_manifest
+from app.prompt_split import split_prompt
 from app.reference import SharedKV, batched_greedy_from_kv
 from app.training import batches, tasks
 from app.training.tokenizer import load_tokenizer

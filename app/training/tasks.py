@@ -46,7 +46,7 @@ def render_prompt(context: str, instruction: str) -> str:
     """Prompt text of one agent request: the shared context, then the agent's instruction.
 
     Instructions end with a line naming a field (``...\ncity``): that last token is the one the
-    decoder runs itself (app/handover.py), and a field name on its own line is where the base
+    decoder runs itself (app/prompt_split.py), and a field name on its own line is where the base
     learned to look the field's value up, so the decoder starts from a working lookup.
     """
     return f"{context}\n{instruction}"

@@ -1,0 +1,94 @@
+"""The hand-over seam: how a prefill module's prompt KV reaches the decoders that read it.
+
+One :class:`Handover` per app, chosen once by the plan (``app.plan.handover_of``) from the config's
+``handover``; the engine deployments receive it whole and ask it what differs between modes:
+
+- the ``kv_transfer_config`` of each engine, by role (:meth:`Handover.transfer_config`);
+- what a replica adds to its engine's config on its own node (:meth:`Handover.on_node`);
+- the node's KV pool a replica reports on /metrics (:attr:`Handover.pool_path`);
+- a prefill call's ``kv_transfer_params`` and what its ticket carries (:meth:`Handover.prefill_params`,
+  :meth:`Handover.leases`);
+- a decode call's ``kv_transfer_params``, its lease rule and its counters (:meth:`Handover.decode_side`).
+
+Implementations: :class:`app.engine.pool.handover.PoolHandover` (the node's shared-memory KV pool,
+the project's connector) and :class:`app.engine.nixl.handover.NixlHandover` (vLLM's
+NixlConnector, a lease per decoder). Nothing here imports vLLM: configs are built where it is
+not installed. Hand-over convention (which tokens the base's KV covers): :mod:`app.prompt_split`.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+__all__ = ["Handover", "DecodeSide", "Pull", "ModuleLink", "Role"]
+
+Role = Literal["producer", "consumer"]
+
+
+@dataclass(frozen=True)
+class ModuleLink:
+    """What an engine's transfer config needs of the prefill module whose KV it writes or reads."""
+
+    module_id: str         # the base's identity (app.models.identity), never a served name
+    scope: str             # label of this engine's counters (module or decoder name)
+    adapter_keys: bool = False  # KV is per LoRA adapter (a prefill module serving adapters)
+
+
+@dataclass(frozen=True)
+class Pull:
+    """A decode request's hand-over: the engine's ``kv_transfer_params`` (None: a private
+    prefill) and why it is private, if it is (a fallback reason, counted once it finished)."""
+
+    params: dict[str, Any] | None
+    reason: str | None = None
+
+
+class DecodeSide:
+    """A decode replica's part of the hand-over (one per replica: it holds counters). The default
+    takes nothing per request: the engine's connector finds the KV itself."""
+
+    def pull(self, lease: Any) -> Pull | None:
+        """The request's hand-over, decided right before the engine takes it; None: nothing to
+        pass or count."""
+        return None
+
+    def finished(self, pull: Pull, num_prompt_tokens: int, num_cached_tokens: int) -> dict[str, float]:
+        """Count a finished request; the metric increments to send (empty: none)."""
+        return {}
+
+
+class Handover(ABC):
+    """How the base's prompt KV moves to a decoder (see the module doc). Instances are small,
+    frozen and picklable: Serve sends them to every engine replica."""
+
+    # AppMetrics channel of the decode side's increments (None: it sends none)
+    metrics_channel: str | None = None
+
+    @abstractmethod
+    def transfer_config(self, role: Role, link: ModuleLink, *, on_gpu: bool = False) -> dict[str, Any]:
+        """vLLM's ``kv_transfer_config`` of one engine: ``producer`` on a prefill module, ``consumer``
+        on a decoder or decode group that reads ``link``'s KV."""
+
+    def on_node(self, engine_config, host: str):
+        """``engine_config`` as the replica that starts it on ``host`` runs it (unchanged by default)."""
+        return engine_config
+
+    @property
+    def pool_path(self) -> str | None:
+        """The node's KV pool the engines of this mode write or read (None: no pool)."""
+        return None
+
+    @abstractmethod
+    def prefill_params(self) -> dict[str, Any]:
+        """``kv_transfer_params`` of one prompt's prefill (its KV is read by one decoder)."""
+
+    def leases(self, results: Sequence[Any], sent: float) -> tuple:
+        """What a prefill ticket carries per prompt for its decoder (``results``: PrefillResults or
+        None, prefilled from ``sent``, ``time.time()``); () when the decoder needs nothing."""
+        return ()
+
+    def decode_side(self) -> DecodeSide:
+        """A new decode replica's part."""
+        return DecodeSide()

@@ -1,0 +1,125 @@
+"""Prefill fan-out and decode planning: a request's path below the ingress, without Ray.
+
+A request names the decoders it needs and their prompts (:class:`Leg`). :class:`FanOut`
+groups the legs by the prefill module their decoder consumes and asks that module once per
+group to compute the shared context and each prompt but its last token; the prefill
+deployment's prefix router picks the replica from ``PrefillRequest.locality_keys``, salted by
+the tenant. Each leg then becomes a :class:`DecodePlan`: the decoder request (cache salt, the
+prefill's node to prefer, the LoRA adapter of a decode group) or the failure that ended it
+before decoding. Decoders without a compatible module prefill privately (their reason is
+counted); a prefill that fails, or that no replica takes within ``limits.prefill_wait_s``,
+degrades to private prefill; a prefill deployment that sheds the call (:class:`Shed`) fails
+its legs as ``overloaded``. A leg whose decoder has no replica running (it died and restarts)
+fails as ``decoder_unavailable`` before any prefill: the base's work and the caller's admission
+slot go to requests that can be answered. :meth:`FanOut.decode` streams a plan (deployments/path/decode_call.py).
+With hand-over "vllm-nixl" the prefill call makes one lease per prompt (a fan-out to N decoders
+takes N leases, the shared context computed first) and each decoder request carries its own.
+
+The Router runs it for a completion (one leg), the Orchestrator for each round of an agent
+run. The engines come in as :class:`Engines`: Ray Serve handles in the app
+(deployments/path/serve_engines.py), fakes in tests (tests/test_fanout.py).
+"""
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from app.plan import AppPlan
+from app.prompt_split import split_prompt
+from app.sampling import Sampling
+from deployments.errors import ErrorCode, Failure, Shed, Unreachable
+from deployments.ingress.prompts import common_prefix, locality_keys
+from deployments.messages import DecodeRequest, PrefillRequest, PrefillTicket
+from deployments.path.decode_call import DecodePlan, DecoderCall, Output
+from deployments.path.engines import Engines
+
+
+@dataclass(frozen=True)
+class Leg:
+    """One decoder's part of a request: which decoder runs which prompt, under which id."""
+
+    request_id: str  # the decoder request's id
+    model: str  # the served decoder name
+    prompt: tuple[int, ...]
+    sampling: Sampling
+    agent: str = ""  # "" for an OpenAI completion
+
+
+@dataclass
+class _Prefilled:
+    leg: Leg
+    ticket: PrefillTicket | None = None
+    error: Failure | None = None
+    index: int = 0  # this leg's prompt in its group's prefill call (its lease in the ticket, vllm-nixl)
+
+
+class FanOut:
+    def __init__(self, plan: AppPlan, engines: Engines):
+        self.plan, self.engines = plan, engines
+
+    async def prepare(self, legs: Sequence[Leg], request_id: str, route: str,
+                      salt: str | None) -> list[DecodePlan]:
+        """The decoder request of each leg (same order) after its prefill, shared or private.
+        ``request_id`` names the prefill calls (one per module: ``<request_id>-<module>``)."""
+        done = [_Prefilled(leg) for leg in legs]
+        groups: dict[str, list[_Prefilled]] = {}
+        for p in done:
+            dp = self.plan.decoder(p.leg.model)
+            if self.engines.decoder_down(p.leg.model):
+                p.error = Failure(ErrorCode.DECODER_UNAVAILABLE, f"decoder {p.leg.model}: no replica is running "
+                                  "(it is restarting)")
+            elif dp.prefill_module is None:
+                self.engines.fallback(dp.private_reason or "private")
+            elif p.leg.sampling.private_prefill_reason is not None:  # e.g. the decoder's own prompt logprobs
+                self.engines.fallback(p.leg.sampling.private_prefill_reason)
+            elif len(p.leg.prompt) > 1:  # a one-token prompt has nothing to hand over
+                groups.setdefault(dp.prefill_module, []).append(p)
+        await asyncio.gather(*[self._prefill_group(m, g, f"{request_id}-{m}", salt) for m, g in groups.items()])
+        return [self._decode_plan(p, route, salt) for p in done]
+
+    def decode(self, plan: DecodePlan, t0: float, output: Output | None = None) -> DecoderCall:
+        """A prepared plan's decoder call (accumulating into ``output`` when given); latencies
+        count from ``t0`` (the prefill included)."""
+        limits = self.plan.limits
+        return DecoderCall(self.engines, plan, t0, output, limits.decoder_wait_s, t0 + limits.request_timeout_s)
+
+    async def _prefill_group(self, module: str, group: list[_Prefilled], request_id: str,
+                             salt: str | None) -> None:
+        """One prefill call for every leg on ``module``: the shared context first, then each prompt."""
+        mp = self.plan.module(module)
+        prompts = [p.leg.prompt for p in group]
+        shared = common_prefix(prompts) if len(prompts) > 1 else []
+        # route on the shared context (for a single prompt: its handed-over part)
+        route_on = shared if shared else split_prompt(list(prompts[0]))[0]
+        req = PrefillRequest(
+            request_id=request_id,
+            prompts=tuple(tuple(p) for p in prompts),
+            shared_prefix=tuple(shared),
+            locality_keys=locality_keys(mp.module_id, route_on, mp.block_size, salt),
+            cache_salt=salt,
+            adapters=tuple(self.plan.decoder(p.leg.model).prefill_adapter for p in group),
+        )
+        try:
+            ticket = await self.engines.prefill(module, req, self.plan.limits.prefill_wait_s)
+        except Shed as e:
+            for p in group:
+                p.error = Failure(ErrorCode.OVERLOADED, f"prefill module {module}: {e}")
+            return
+        except Unreachable:
+            self.engines.fallback("prefill_unavailable")
+            return
+        except Exception:  # noqa: BLE001 - the decoders prefill privately instead
+            self.engines.fallback("prefill_error")
+            return
+        for i, p in enumerate(group):
+            p.ticket, p.index = ticket, i
+
+    def _decode_plan(self, p: _Prefilled, route: str, salt: str | None) -> DecodePlan:
+        leg, t = p.leg, p.ticket
+        dp = self.plan.decoder(leg.model)
+        req = DecodeRequest(request_id=leg.request_id, prompt_token_ids=tuple(leg.prompt), sampling=leg.sampling,
+                            cache_salt=salt, prefer_node=t.node_id if t is not None else None, adapter=dp.adapter,
+                            lease=t.leases[p.index] if t is not None and t.leases else None)
+        return DecodePlan(req, leg.model, leg.agent, route, ticket=t, kv_bytes_per_token=dp.kv_bytes_per_token,
+                          error=p.error)
