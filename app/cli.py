@@ -21,15 +21,13 @@ class Command:
     help: str
 
 
+# The benchmarks and load runs are `python -m bench ...` from a source checkout (bench/, not installed).
 COMMANDS: list[Command] = [
     Command("data", "app.training.commands:configure_data", "write the synthetic multi-agent task suite (JSONL)"),
     Command("train", "app.training.commands:configure_train", "pretrain the base / train decoders and baselines"),
     Command("eval", "app.training.commands:configure_eval", "score base, Full-FT, PrefillShare, naive reuse, layer-split"),
-    Command("bench", "app.bench.commands:configure", "benchmarks: `bench serve` (systems side by side), `bench engine`, `bench hops`"),
     Command("k8s", "app.kube.commands:configure", "render / validate the KubeRay RayService manifests, print a token Secret"),
     Command("capacity", "app.scaling:configure", "size prefill vs decode replicas, KV bandwidth and the bottleneck for a fan-out workload"),
-    Command("soak", "app.bench.soak:configure", "mixed fan-out/completion traffic for a fixed time: errors by code, p50/p95 per window, p95 drift"),
-    Command("overload", "app.bench.overload:configure", "open-loop traffic at 2x the saturation rate with faults (kill -9, stalls): nothing lost, recovery, drift, leaks"),
 ]
 
 

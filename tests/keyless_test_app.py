@@ -18,8 +18,9 @@ import os
 from pathlib import Path
 
 import pytest
-from random_models import make_models, serve_app, wait_app_ready
 from serve_test_app import TEST_ENGINE
+
+from bench.random_models import make_models, serve_app, wait_app_ready
 
 ROOT = Path(__file__).resolve().parent.parent
 TOKENIZER = ROOT / "checkpoints" / "tokenizer"
@@ -36,9 +37,9 @@ def keyless_models(tmp_path_factory):
     """The app's models, plus an adapter trained on another base ("foreign": refused by the build)."""
     from dataclasses import replace
 
-    from app.bench.models import random_adapter
     from app.models.manifest import read_manifest, write_manifest
     from app.rendering import TEMPLATE_FILE, Renderer
+    from bench.models import random_adapter
 
     root = tmp_path_factory.mktemp("keyless")
     paths = make_models(root, {"lookup": (1, {}), "tool_call": (2, {}), "verify": (3, {"num_key_value_heads": 3}),

@@ -25,7 +25,7 @@ class ServingCluster:
         ports); ``apps`` (name -> (application, route prefix)) run and ready. Returns the URL."""
         from ray import serve
 
-        from app.bench.local_cluster import free_port
+        from bench.local_cluster import free_port
 
         port = free_port()
         serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
@@ -43,7 +43,7 @@ def serving_cluster(tag: str, dirs: tuple[str, ...] = ()):
     import ray
     from ray import serve
 
-    from app.bench.local_cluster import start_local_cluster
+    from bench.local_cluster import start_local_cluster
 
     tmp = f"/tmp/r{tag}{os.getpid()}"
     os.environ["RAY_TMPDIR"] = tmp

@@ -44,9 +44,8 @@ def _make_models(root: Path) -> dict[str, Path]:
     the "json" tool-call format (deployments/ingress/tools.py); beta and gamma declare none."""
     from dataclasses import replace
 
-    from random_models import make_models
-
     from app.models.manifest import read_manifest, write_manifest
+    from bench.random_models import make_models
 
     paths = make_models(root, {"alpha": (1, {}), "beta": (2, {}), "gamma": (3, {"num_key_value_heads": 3})})
     write_manifest(paths["alpha"], replace(read_manifest(paths["alpha"]), tool_call_format="json"))
@@ -115,9 +114,8 @@ def _post(url: str, body: bytes | dict, timeout: float = 120, key: str | None = 
 @pytest.fixture(scope="package")
 def shared_app(tmp_path_factory):
     """The app, started once for the package that imports this fixture (tests/shared_app)."""
-    from random_models import serve_app
-
     from app.config import load_config
+    from bench.random_models import serve_app
 
     paths = _make_models(tmp_path_factory.mktemp("models"))
     pool_dir = f"/dev/shm/ps-test-{os.getpid()}"
@@ -135,7 +133,7 @@ def shared_app(tmp_path_factory):
 def app(shared_app):
     """The shared app as each module finds it: every engine answering /ready first, so that no
     module depends on what another one's fault tests did to it."""
-    from random_models import wait_app_ready
+    from bench.random_models import wait_app_ready
 
     wait_app_ready(shared_app["url"])
     return shared_app

@@ -18,8 +18,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-from random_models import serve_app
 from serve_test_app import _metric, _metrics
+
+from bench.random_models import serve_app
 
 ROOT = Path(__file__).resolve().parent.parent
 AGENTS = {  # served name -> the agent's own system prompt

@@ -1,4 +1,4 @@
-"""`prefillshare bench serve`: pure parts on made-up data, every system's app config, one short real run.
+"""`python -m bench serve`: pure parts on made-up data, every system's app config, one short real run.
 
 The real run deploys the three LoRA systems (tiny random model and adapters, N=2, L=128, one
 load point of a few seconds each; five engines in all) and checks that the outputs are
@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from app.bench.client import AgentTiming, SessionResult, request_body
-from app.bench.report import (
+from bench.client import AgentTiming, SessionResult, request_body
+from bench.report import (
     PhaseCosts,
     compare,
     comparison_table,
@@ -26,7 +26,7 @@ from app.bench.report import (
     summarize,
     throughput_bound,
 )
-from app.bench.workload import ContextMaker, WorkloadSpec, make_sessions, poisson_arrivals
+from bench.workload import ContextMaker, WorkloadSpec, make_sessions, poisson_arrivals
 
 ROOT = Path(__file__).resolve().parent.parent
 TOKENIZER = str(ROOT / "checkpoints" / "tokenizer")
@@ -86,7 +86,7 @@ def test_percentiles_bound_and_summary_accounting():
 def test_repeats_give_a_spread_and_a_reading():
     from dataclasses import replace
 
-    from app.bench.report import spread_verdict
+    from bench.report import spread_verdict
 
     spec = WorkloadSpec(256, 2, 4, 1)
 
@@ -117,7 +117,7 @@ def test_repeats_give_a_spread_and_a_reading():
 def test_report_remakes_tables_and_plots_of_a_saved_run(tmp_path):
     """``--report`` recomputes the comparisons from the saved points and costs (a damaged stored
     comparison is replaced) and draws every plot; a file that is not a run's JSON is refused by name."""
-    from app.bench.serve_bench import rerender
+    from bench.serve_bench import rerender
 
     saved = json.loads((ROOT / "docs/results/bench_serve_lora.json").read_text())
     damaged = json.loads(json.dumps(saved))
@@ -151,11 +151,11 @@ def test_report_remakes_tables_and_plots_of_a_saved_run(tmp_path):
 
 def test_every_system_is_a_valid_app_config(tmp_path):
     """The six systems' configs load and plan (adapters checked, per-adapter KV where it belongs); no engine starts."""
-    from app.bench.models import SMALL, random_models
-    from app.bench.stock_vllm import STOCK_SYSTEMS
-    from app.bench.systems import SYSTEMS, Topology, app_config
     from app.config import load_config
     from app.plan import plan_app
+    from bench.models import SMALL, random_models
+    from bench.stock_vllm import STOCK_SYSTEMS
+    from bench.systems import SYSTEMS, Topology, app_config
     from deployments.application import build
 
     mset = random_models(tmp_path / "m", 2, SMALL, TOKENIZER, "float32", lora_rank=8)
@@ -179,9 +179,9 @@ def test_short_run_of_the_lora_systems_is_well_formed(tmp_path):
     """a-lora (the app: shared base, one decode group) against c-lora (multi-LoRA engines), driven
     by the project's client. b-lora is left to test_every_system_is_a_valid_app_config and, for its
     per-adapter KV, tests/keyless_app/test_lora_groups.py: one app start less in CI."""
-    from app.bench.models import SMALL
-    from app.bench.serve_bench import ServeBenchConfig, run
-    from app.bench.systems import Topology
+    from bench.models import SMALL
+    from bench.serve_bench import ServeBenchConfig, run
+    from bench.systems import Topology
 
     systems = ("a-lora", "c-lora")
     cfg = ServeBenchConfig(
@@ -228,8 +228,8 @@ def test_vllm_client_sends_n_requests_per_shared_prefix_round_robin_without_igno
     from vllm.benchmarks.serve import add_cli_args
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-    from app.bench.vllm_client import SUFFIX_TOKENS, client_argv
     from app.training.tokenizer import load_tokenizer
+    from bench.vllm_client import SUFFIX_TOKENS, client_argv
 
     parser = FlexibleArgumentParser()
     add_cli_args(parser)
@@ -255,8 +255,8 @@ def test_vllm_client_sends_n_requests_per_shared_prefix_round_robin_without_igno
 
 
 def test_vllm_client_results_regroup_into_sessions():
-    from app.bench.report import summarize
-    from app.bench.vllm_client import sessions_of
+    from bench.report import summarize
+    from bench.vllm_client import sessions_of
 
     result = {"start_times": [10.0, 10.1, 20.0, 20.0], "ttfts": [0.5, 0.4, 0.3, 0.0], "latencies": [2.0, 3.0, 1.0, 0.0],
               "output_lens": [4, 4, 4, 0], "input_lens": [80, 80, 80, 80], "errors": ["", "", "", "HTTP 500"],
@@ -272,8 +272,8 @@ def test_vllm_client_results_regroup_into_sessions():
 def test_a_run_with_the_stock_servers_renders_tables_plots_and_their_comparisons(tmp_path):
     from dataclasses import replace
 
-    from app.bench.report import compare_all
-    from app.bench.serve_bench import render_markdown, write_outputs
+    from bench.report import compare_all
+    from bench.serve_bench import render_markdown, write_outputs
 
     spec = WorkloadSpec(64, 2, 4, 1)
     r = SessionResult(0, sent=0.0, scheduled=0.0, done=1.0, rounds_s=[1.0])
@@ -299,9 +299,9 @@ def test_stock_vllm_servers_parse_with_vllms_own_parser(tmp_path):
     from vllm.entrypoints.launchers.cli_args import make_arg_parser
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-    from app.bench.serve_bench import ServeBenchConfig
-    from app.bench.stock_vllm import as_prefillshare_counters, server_argv
-    from app.bench.systems import Topology
+    from bench.serve_bench import ServeBenchConfig
+    from bench.stock_vllm import as_prefillshare_counters, server_argv
+    from bench.systems import Topology
 
     topo = Topology(kv_cache_gib=0.125, lora_rank=8, max_model_len=512, dtype="float32")
     parser = make_arg_parser(FlexibleArgumentParser())
@@ -325,9 +325,9 @@ def test_stock_vllm_servers_parse_with_vllms_own_parser(tmp_path):
 def test_short_run_driven_by_vllms_client_against_the_app_and_a_stock_server(tmp_path):
     """a-lora (the app) and v-lora (stock vLLM, multi-LoRA with prefix caching), both driven by
     vLLM's client: every request answered, the ratio made of the measured throughputs."""
-    from app.bench.models import SMALL
-    from app.bench.serve_bench import ServeBenchConfig, run
-    from app.bench.systems import Topology
+    from bench.models import SMALL
+    from bench.serve_bench import ServeBenchConfig, run
+    from bench.systems import Topology
 
     systems = ("a-lora", "v-lora")
     cfg = ServeBenchConfig(
@@ -357,10 +357,10 @@ def test_short_run_driven_by_vllms_client_against_the_app_and_a_stock_server(tmp
 def _chat_prompts(tmp_path, layout: str, n: int = 2):
     """The app's prompt ids of one session's N agent requests, as a framework sends them, rendered by
     the bench's chat adapters of ``layout`` through the app's Prompter (what the Router calls)."""
-    from app.bench.client import chat_bodies
-    from app.bench.models import SMALL, random_models
-    from app.bench.workload import agent_profiles
     from app.rendering import Renderer
+    from bench.client import chat_bodies
+    from bench.models import SMALL, random_models
+    from bench.workload import agent_profiles
     from deployments.ingress.prompts import Prompter
     from deployments.ingress.schemas import ChatBody
     from deployments.ingress.tools import tools_line
@@ -378,8 +378,8 @@ def _chat_prompts(tmp_path, layout: str, n: int = 2):
 
 
 def test_agent_profiles_are_seeded_distinct_and_of_realistic_length():
-    from app.bench.client import chat_bodies
-    from app.bench.workload import agent_profiles
+    from bench.client import chat_bodies
+    from bench.workload import agent_profiles
 
     maker = ContextMaker(TOKENIZER)
     names = ["agent0", "agent1", "agent2", "agent3"]
@@ -409,9 +409,9 @@ def test_shared_first_agents_share_the_context_and_stock_vllm_renders_the_system
     system-first prompt token for token, so the three systems are asked the same thing."""
     from transformers import AutoTokenizer
 
-    from app.bench.models import BENCH_CHAT_TEMPLATE
     from app.models.manifest import read_manifest
     from app.sharing import common_prefix
+    from bench.models import BENCH_CHAT_TEMPLATE
 
     mset, session, bodies, sf = _chat_prompts(tmp_path, "shared_first")
     _, _, _, sys_first = _chat_prompts(tmp_path, "system_first")
@@ -436,10 +436,10 @@ def test_chat_session_reads_streams_and_the_agents_table(tmp_path):
 
     import httpx
 
-    from app.bench.client import run_chat_session
-    from app.bench.plots import agents_bars
-    from app.bench.report import agents_table
-    from app.bench.workload import AgentProfile
+    from bench.client import run_chat_session
+    from bench.plots import agents_bars
+    from bench.report import agents_table
+    from bench.workload import AgentProfile
 
     def chunk(delta=None, usage=None):
         return "data: " + json.dumps({"choices": [{"delta": delta}] if delta is not None else [], "usage": usage})
@@ -486,9 +486,9 @@ def test_chat_driver_config_and_stock_servers_with_the_chat_template(tmp_path):
     from vllm.entrypoints.launchers.cli_args import make_arg_parser
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-    from app.bench.serve_bench import ServeBenchConfig, _max_model_len, render_markdown
-    from app.bench.stock_vllm import server_argv
-    from app.bench.systems import Topology
+    from bench.serve_bench import ServeBenchConfig, _max_model_len, render_markdown
+    from bench.stock_vllm import server_argv
+    from bench.systems import Topology
 
     cfg = ServeBenchConfig(systems=("a-sf-lora", "a-sys-lora", "v-lora"), driver="chat", fanouts=(4,),
                            lengths=(2048,), concurrency=(1,), rates=())

@@ -57,9 +57,9 @@ def test_engines_built_at_once_in_one_process_do_not_collide_in_the_registry(tmp
     import time
 
     import vllm.v1.metrics.loggers as vllm_loggers
-    from random_models import make_models
 
     from app.engine.async_engine import EngineConfig, _prometheus_stat_logger
+    from bench.random_models import make_models
 
     base = make_models(tmp_path, {})["base"]
     vllm_config = EngineConfig(model=str(base), dtype="float32", kv_cache_memory_bytes=64 << 20, max_model_len=256,

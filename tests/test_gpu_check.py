@@ -1,4 +1,4 @@
-"""scripts/gpu_check.py, the GPU check, as CPU dry runs and against the lent box's limits.
+"""bench/gpu_check.py, the GPU check, as CPU dry runs and against the lent box's limits.
 
 On a GPU the same steps run vLLM's NixlConnector between two engines on the device with the app's
 own NIXL settings; here they check that the script runs end to end, that its JSON names the
@@ -19,7 +19,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _module():
-    spec = importlib.util.spec_from_file_location("gpu_check", os.path.join(ROOT, "scripts", "gpu_check.py"))
+    spec = importlib.util.spec_from_file_location("gpu_check", os.path.join(ROOT, "bench", "gpu_check.py"))
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
@@ -29,7 +29,7 @@ def test_its_time_limits_fit_one_call_of_seven_minutes():
     gc = _module()
     steps = sum(gc.STEPS[k][1] for k in gc.DEFAULT_STEPS)
     assert steps <= gc.BUDGET_S
-    wrapper = open(os.path.join(ROOT, "scripts", "gpu_check.sh")).read()
+    wrapper = open(os.path.join(ROOT, "bench", "gpu_check.sh")).read()
     bounds = [int(n) for n in re.findall(r"timeout (\d+)", wrapper)]  # the payload's unpacking, the steps
     assert len(bounds) == 2 and bounds[1] >= gc.BUDGET_S
     assert sum(bounds) <= 420, bounds
@@ -38,13 +38,13 @@ def test_its_time_limits_fit_one_call_of_seven_minutes():
 def test_its_payload_chunks_fit_the_carry_limit_beside_the_tree(tmp_path):
     """A chunk the 64 MiB carry limit cannot take beside the working tree is refused before any
     download."""
-    r = subprocess.run(["bash", "scripts/gpu_payload.sh", str(tmp_path / "p"), "64"], cwd=ROOT,
+    r = subprocess.run(["bash", "bench/gpu_payload.sh", str(tmp_path / "p"), "64"], cwd=ROOT,
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 1 and "does not fit beside the" in r.stderr, r.stderr
 
 
 def test_env_and_transport_steps_dry_run_on_cpu(tmp_path):
-    r = subprocess.run([sys.executable, "scripts/gpu_check.py", "--device", "cpu", "--steps", "env,transport",
+    r = subprocess.run([sys.executable, "bench/gpu_check.py", "--device", "cpu", "--steps", "env,transport",
                         "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     res = json.loads((tmp_path / "gpu_check.json").read_text())
@@ -65,7 +65,7 @@ def test_handover_steps_dry_run_on_cpu(tmp_path):
     """The vllm-nixl steps on the CPU with the app's CPU settings: the shipped base and a decoder
     with other weights, then a LoRA adapter consumer, one 300-token prompt each; then a toy dummy
     Llama's TTFT and GB/s against a copy of the same bytes (two engine processes per step)."""
-    r = subprocess.run([sys.executable, "scripts/gpu_check.py", "--device", "cpu", "--steps", "env,tokens,lora,speed",
+    r = subprocess.run([sys.executable, "bench/gpu_check.py", "--device", "cpu", "--steps", "env,tokens,lora,speed",
                         "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=1500)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     res = json.loads((tmp_path / "gpu_check.json").read_text())

@@ -52,7 +52,7 @@ def test_panels_cover_the_issue_and_query_documented_names():
 def test_the_plot_script_evaluates_every_panel_query():
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("plot_dashboard", ROOT / "scripts" / "plot_dashboard.py")
+    spec = importlib.util.spec_from_file_location("plot_dashboard", ROOT / "bench" / "plot_dashboard.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     a = (0.0, mod.parse('vllm:time_to_first_token_seconds_bucket{le="0.1",model_name="alpha"} 0\n'

@@ -1,9 +1,9 @@
-"""The layers import one way: deployments/ builds on app/, never the reverse.
+"""The layers import one way: bench/ and tests/ drive deployments/, which builds on app/.
 
 app/ is the library (config, plan, engine, models, training, rendering); deployments/ holds the
 Ray Serve classes. An import of deployments from app/ (even inside a function) would make the
-plan depend on the deployments it configures. The benchmark harness (app/bench) drives the
-deployed app end to end and is the one part of app/ that may start it.
+plan depend on the deployments it configures. bench/ (benchmarks and checks, not installed) and
+tests/ sit on top: nothing below them imports them, and nothing outside tests/ imports tests/.
 """
 from __future__ import annotations
 
@@ -11,7 +11,6 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-DRIVERS = ("app/bench/",)  # benchmark drivers: they start the Serve app and time its deployments
 
 
 def _imports(path: Path) -> list[tuple[int, str]]:
@@ -28,8 +27,6 @@ def test_app_imports_nothing_from_deployments():
     offenders = []
     for path in sorted((ROOT / "app").rglob("*.py")):
         rel = path.relative_to(ROOT).as_posix()
-        if rel.startswith(DRIVERS):
-            continue
         offenders += [f"{rel}:{line} imports {m}" for line, m in _imports(path)
                       if m == "deployments" or m.startswith("deployments.")]
     assert not offenders, offenders
@@ -80,7 +77,7 @@ def test_the_hand_over_mode_is_read_only_by_the_config_and_the_plan():
     for pkg in ("app", "deployments"):
         for path in sorted((ROOT / pkg).rglob("*.py")):
             rel = path.relative_to(ROOT).as_posix()
-            if rel in allowed or rel.startswith(DRIVERS):
+            if rel in allowed:
                 continue
             hits = _handover_mentions(path)
             if hits:
@@ -117,3 +114,19 @@ def test_no_function_is_longer_than_80_lines():
                 if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef) and n.end_lineno - n.lineno + 1 > 80:
                     long.append(f"{path.relative_to(ROOT).as_posix()}:{n.lineno} {n.name}")
     assert not long, long
+
+
+def test_nothing_below_bench_and_tests_imports_them():
+    """app/, deployments/ and the SDK never import bench/ or a tests/ module; bench/ and scripts/
+    never import a tests/ module (bench/random_models.py is where shared test-bed helpers live)."""
+    test_modules = {p.stem for p in (ROOT / "tests").rglob("*.py")} | {"tests"}
+    offenders = []
+    for pkg, banned in (("app", {"bench"}), ("deployments", {"bench"}), ("agents", {"bench"}), ("bench", set()),
+                        ("scripts", set())):
+        for path in sorted((ROOT / pkg).rglob("*.py")):
+            rel = path.relative_to(ROOT).as_posix()
+            for line, m in _imports(path):
+                top = m.split(".")[0]
+                if top in banned or top in test_modules:
+                    offenders.append(f"{rel}:{line} imports {m}")
+    assert not offenders, offenders

@@ -1,13 +1,13 @@
-"""`prefillshare overload`: the classification and the report's arithmetic (no app). The short run
+"""`python -m bench overload`: the classification and the report's arithmetic (no app). The short run
 against a real app, at twice its saturation with the Orchestrator killed (-9) under it, is
 tests/shared_app/test_serve_faults.py's last test."""
 from __future__ import annotations
 
 import pytest
 
-from app.bench.faults import FaultError, FaultSpec, replica_pids
-from app.bench.overload import Mix, OverloadSpec, Sample, classify_events, classify_response, completed_rate
-from app.bench.overload_report import render, summarize
+from bench.faults import FaultError, FaultSpec, replica_pids
+from bench.overload import Mix, OverloadSpec, Sample, classify_events, classify_response, completed_rate
+from bench.overload_report import render, summarize
 
 
 def test_fault_specs_parse_and_bad_ones_are_named():
@@ -37,7 +37,7 @@ def test_a_stall_of_another_applications_deployment_stops_then_resumes_its_repli
 
     import psutil
 
-    from app.bench.faults import inject
+    from bench.faults import inject
 
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "ray::ServeReplica:side:Sidecar"])
     try:
@@ -65,7 +65,7 @@ def test_a_stall_of_a_replicas_engine_stops_its_engine_core_not_the_replica():
 
     import psutil
 
-    from app.bench.faults import inject
+    from bench.faults import inject
 
     code = ("import subprocess, sys, time; "
             "c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)', 'VLLM::EngineCore']); "
@@ -103,8 +103,8 @@ def test_a_stall_of_a_replicas_engine_stops_its_engine_core_not_the_replica():
 
 
 def test_fill_pool_pins_every_free_slot_until_the_deadline(tmp_path):
-    from app.bench.faults import fill_pool
     from app.engine.pool.kv_pool import KVPool, PoolSpec
+    from bench.faults import fill_pool
 
     owner = KVPool(PoolSpec(path=str(tmp_path / "pool"), capacity_bytes=1 << 20))
     pinned = fill_pool(owner.path, hold_s=30, block_bytes=1 << 16)
@@ -191,18 +191,13 @@ def test_report_measures_recovery_drift_leaks_and_accounting():
 
 
 def test_the_multinode_runs_config_loads_and_places_engines_on_both_nodes():
-    """scripts/overload_multinode.py's app: serve_config.yaml's on hand-over vllm-nixl, its engines
+    """bench/overload_multinode.py's app: serve_config.yaml's on hand-over vllm-nixl, its engines
     split over the nodes."""
-    import importlib.util
-    from pathlib import Path
 
     from app.config import load_config
     from app.plan import plan_app
+    from bench import overload_multinode as mod
 
-    path = Path(__file__).resolve().parent.parent / "scripts" / "overload_multinode.py"
-    spec = importlib.util.spec_from_file_location("overload_multinode", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
     cfg = load_config(mod.app_config("t"))
     assert cfg.handover == "vllm-nixl" and cfg.pool.path == "/dev/shm/ps-ovmn-t"
     nodes = {d.name: next(iter(d.placement.placement_group_bundles[0])) for d in cfg.decoders}
@@ -214,15 +209,12 @@ def test_the_multinode_runs_config_loads_and_places_engines_on_both_nodes():
 
 
 def test_the_restart_runs_arms_differ_only_in_every_engines_serving_niceness(monkeypatch):
-    """scripts/restart_under_load.py: each arm is the multi-node run's app with ``serving_niceness``
+    """bench/restart_under_load.py: each arm is the multi-node run's app with ``serving_niceness``
     set on every engine, down to the EngineConfig the engines start from."""
-    from pathlib import Path
 
     from app.config import load_config
     from app.engine_args import engine_config
-
-    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent.parent / "scripts"))
-    import restart_under_load
+    from bench import restart_under_load
 
     arms = {n: load_config(restart_under_load.arm_config("t", n)) for n in (19, 0)}
     for n, cfg in arms.items():

@@ -25,10 +25,10 @@ import psutil
 import pytest
 import yaml
 from process_tracking import ProcessTracker, kill_all, title
-from random_models import free_port
 from serve_test_app import _get, _post
 
 from app.training import tasks
+from bench.random_models import free_port
 
 pytestmark = [pytest.mark.serve, pytest.mark.engine]
 

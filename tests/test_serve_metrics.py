@@ -99,7 +99,7 @@ def test_missing_pool_never_fails_a_scrape(tmp_path):
 def test_the_overload_report_sums_the_pool_gauges_over_nodes_and_the_admission_bounds(monkeypatch):
     import httpx
 
-    from app.bench.overload import app_gauges
+    from bench.overload import app_gauges
 
     def gauge(name, value):
         return (name, "", "gauge", [(name, {}, value)])

@@ -28,38 +28,15 @@ import psutil
 import pytest
 import yaml
 from process_tracking import ProcessTracker, is_running, kill_all, title
-from random_models import free_port, make_models
 
 from app.engine.niceness import niceness_of
+from bench.random_models import free_port, make_models, small_serve_config
 
 pytestmark = [pytest.mark.serve, pytest.mark.engine]
 
 ROOT = Path(__file__).resolve().parent.parent
 SERVE = str(ROOT / ".venv" / "bin" / "serve")
 MARKER = "PREFILLSHARE_STOP_TEST"
-
-
-def _serve_config(paths: dict[str, Path], pool: str, port: int) -> dict:
-    engine = {"dtype": "float32", "max_model_len": 128, "kv_cache_memory_bytes": "64MiB", "block_size": 32,
-              "max_num_seqs": 2, "threads_bind": "nobind"}
-    return {
-        "proxy_location": "HeadOnly",
-        "http_options": {"host": "127.0.0.1", "port": port},
-        "applications": [{"name": "stoptest", "route_prefix": "/", "import_path": "deployments.application:build_app",
-                          "args": {"config": {
-                              "tokenizer": str(paths["tokenizer"]),
-                              "pool": {"path": pool, "capacity_bytes": "64MiB"},
-                              "engine_env": {"VLLM_HOST_IP": "127.0.0.1"},
-                              "prefill_modules": [{"name": "base", "model": str(paths["base"]), "engine": engine,
-                                                   "placement": {"num_replicas": 1, "num_cpus": 0.25}}],
-                              # threads_bind "0": vLLM runs the decoder's model in a VLLM::Worker process
-                              # of its core (as on GPUs), which must not outlive the replica either;
-                              # serving_niceness: its core and worker yield to starting engines once up
-                              "decoders": [{"name": "alpha", "model": str(paths["alpha"]),
-                                            "engine": {**engine, "threads_bind": "0", "serving_niceness": 19},
-                                            "placement": {"num_cpus": 0.25}}],
-                          }}}],
-    }
 
 
 def _ready(url: str) -> bool:
@@ -84,7 +61,7 @@ def _run_and_stop(tmp: Path, models: dict[str, Path], pool: str, kill_a_decoder:
     tmp.mkdir()
     port = free_port()
     cfg = tmp / "serve.yaml"
-    cfg.write_text(yaml.safe_dump(_serve_config(models, pool, port)))
+    cfg.write_text(yaml.safe_dump(small_serve_config(models, pool, port)))
     marker = uuid.uuid4().hex
     ray_tmp = f"/tmp/rst{os.getpid()}{tmp.name[0]}"  # short: Ray's socket paths have a length limit
     env = dict(os.environ, RAY_TMPDIR=ray_tmp, **{MARKER: marker})

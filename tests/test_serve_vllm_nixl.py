@@ -7,7 +7,7 @@ worker groups place them. There is no pool and no block server in this mode: eac
 for NIXL handshakes on its own port, and a decoder pulls the blocks its lease names from the
 prefill engine on the other raylet.
 
-Random weights of the shipped shape (tests/random_models.py), float32 so that tokens compare with
+Random weights of the shipped shape (bench/random_models.py), float32 so that tokens compare with
 the transformers reference. Completions and a 2-agent fan-out must give ``app.reference``'s
 shared-KV greedy tokens with every prompt token but the last pulled from the base (one lease per
 decoder); a lease that ran out before the decoder took its request must be answered with the
@@ -85,10 +85,9 @@ def _app_config(paths, pool_dir: str, keys_file) -> dict:
 
 @pytest.fixture(scope="module")
 def nixl_app(tmp_path_factory):
-    from random_models import make_models
-
-    from app.bench.models import random_adapter
     from app.config import load_config
+    from bench.models import random_adapter
+    from bench.random_models import make_models
     from deployments.application import build
 
     root = tmp_path_factory.mktemp("models")

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from app.bench.soak import Sample, SoakSpec, percentile, render, summarize
+from bench.soak import Sample, SoakSpec, percentile, render, summarize
 
 
 def test_percentile_is_nearest_rank():

@@ -121,10 +121,10 @@ def test_chat_switches_and_continue_final_message():
 
 
 def test_chat_template_switches_render_through_the_decoders_template():
-    from random_models import TOKENIZER
     from transformers import AutoTokenizer
 
     from app.rendering import Renderer
+    from bench.random_models import TOKENIZER
 
     tok = AutoTokenizer.from_pretrained(str(TOKENIZER))
     template = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}{% if not (loop.last and continue_final_message"

@@ -14,7 +14,6 @@ from dataclasses import dataclass
 
 import pytest
 
-from app.bench.nixl_probe import decode, lend
 from app.engine.nixl import leases as ho
 from app.engine.nixl.config import (
     CPU_SETTINGS,
@@ -27,6 +26,7 @@ from app.engine.nixl.config import (
 )
 from app.engine.nixl.handover import NixlHandover
 from app.sampling import Sampling
+from bench.nixl_probe import decode, lend
 
 BASE = "checkpoints/base"
 DECODER = "checkpoints/decoders/lookup"
@@ -226,7 +226,7 @@ def test_margin_covers_vllms_heartbeat_interval():
 
 
 def _start(specs: dict):
-    from app.bench.nixl_probe import start_engines
+    from bench.nixl_probe import start_engines
 
     return start_engines(specs)
 

@@ -19,7 +19,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from random_models import post_json as _post
+
+from bench.random_models import post_json as _post
 
 pytestmark = [pytest.mark.serve, pytest.mark.engine]
 
@@ -319,11 +320,11 @@ def test_engines_vllm_metrics_are_exported_per_replica_and_feed_every_dashboard_
 
 def test_every_dashboard_panel_shows_data_from_a_real_run(app, tmp_path):
     """Traffic for a while, /metrics scraped meanwhile, each panel's queries evaluated on the scrapes
-    (scripts/plot_dashboard.py). PREFILLSHARE_DASHBOARD_PNG=docs/img/dashboard.png keeps the picture."""
+    (bench/plot_dashboard.py). PREFILLSHARE_DASHBOARD_PNG=docs/img/dashboard.png keeps the picture."""
     import importlib.util
     import threading
 
-    spec = importlib.util.spec_from_file_location("plot_dashboard", ROOT / "scripts" / "plot_dashboard.py")
+    spec = importlib.util.spec_from_file_location("plot_dashboard", ROOT / "bench" / "plot_dashboard.py")
     plot = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(plot)
     stop = threading.Event()

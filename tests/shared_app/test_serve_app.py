@@ -612,10 +612,10 @@ def test_keys_never_reach_logs_or_metrics(app):
 
 
 def test_soak_smoke_sends_mixed_traffic_without_errors_and_the_app_accounts_for_each(app, tmp_path):
-    """`prefillshare soak` for ~10 s (PREFILLSHARE_SOAK_S to change it) in two windows: a
+    """`python -m bench soak` for ~10 s (PREFILLSHARE_SOAK_S to change it) in two windows: a
     well-formed report, no errors, and the Router admitted and completed exactly what was sent.
     The command prints its report (see it with -s)."""
-    from app.cli import main
+    from bench.__main__ import main
 
     duration = float(os.environ.get("PREFILLSHARE_SOAK_S", "10"))
     report_file = tmp_path / "soak.json"

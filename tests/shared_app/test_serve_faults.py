@@ -379,14 +379,14 @@ def _replaced_and_sharing_again(app, reference, killed: str) -> None:
 
 
 def test_twice_saturation_with_the_orchestrator_killed_loses_nothing(app, tmp_path):
-    """`prefillshare overload`, the CI version: a short search (3 x 8 s), 45 s of open-loop arrivals
+    """`python -m bench overload`, the CI version: a short search (3 x 8 s), 45 s of open-loop arrivals
     at twice the saturation rate on alpha (fan-outs and completions, streamed or not, some clients
     hanging up, some bad input), the Orchestrator killed (-9) at 15 s. The settle outlasts the
-    pool's 30 s lease. The 10-minute run is scripts/overload_run.sh (docs/reliability.md)."""
-    from app.bench import overload
-    from app.bench.faults import FaultSpec
-    from app.bench.overload import Mix, OverloadSpec
-    from app.bench.overload_report import summarize, write
+    pool's 30 s lease. The 10-minute run is bench/overload_run.sh (docs/reliability.md)."""
+    from bench import overload
+    from bench.faults import FaultSpec
+    from bench.overload import Mix, OverloadSpec
+    from bench.overload_report import summarize, write
 
     spec = OverloadSpec(url=app["url"], app="ps", api_key=KEY_A, models=("alpha",), duration_s=45, search_start=1.0,
                         search_step_s=8, search_max_steps=3, drain_s=30, settle_s=32, timeout_s=120,

@@ -16,7 +16,7 @@ cache. UCX picks the transport per peer:
 
 :func:`plan` names what a placement should get and :func:`describe` is the line an engine logs
 when its connector starts; :func:`read_protocols` parses UCX's own protocol table
-(``UCX_PROTO_INFO=y``) to say what it did choose (scripts/gpu_check.py records both).
+(``UCX_PROTO_INFO=y``) to say what it did choose (bench/gpu_check.py records both).
 """
 from __future__ import annotations
 

@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# The 10-minute overload run of docs/reliability.md "Overload and faults", in one command:
+# serves the default app plus the shipped chat LoRA decode group (serve_config.yaml with its
+# commented group switched on) on a private loopback-only Ray cluster, runs
+# `python -m bench overload` at 2x the searched saturation rate with the faults below, then
+# stops the app and checks that nothing it started is left (processes, /dev/shm).
+#   bash bench/overload_run.sh [OUT_DIR] [DURATION_S]
+# Needs root for the network namespace (as scripts/test.sh); ~15 minutes on 2 cores.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT="${1:-runs/overload}"
+DURATION="${2:-600}"
+source scripts/netns.sh
+export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false RAY_AUTH_MODE=disabled VLLM_HOST_IP=127.0.0.1
+export RAY_TMPDIR="/tmp/ps-overload-$$"
+PY=.venv/bin/python
+mkdir -p "$OUT"
+CONFIG="$OUT/serve_config.yaml"
+POOL=/dev/shm/prefillshare-overload-$$
+"$PY" - "$CONFIG" "$POOL" <<'EOF'
+import sys, yaml
+cfg = yaml.safe_load(open("serve_config.yaml"))
+app = cfg["applications"][0]
+c = app["args"]["config"]
+c["pool"]["path"] = sys.argv[2]
+engine = c["decoders"][0]["engine"]
+placement = c["decoders"][0]["placement"]
+names = ("lookup", "tool_call", "reschedule", "route")
+c["decoders"].append({"name": "chat-group", "model": "checkpoints/base", "max_lora_rank": 8, "max_loras": 4,
+                      "adapters": [{"name": f"chat-{n}", "path": f"checkpoints/chat/adapters/{n}", "rank": 8}
+                                   for n in names],
+                      "placement": placement, "engine": engine})
+yaml.safe_dump(cfg, open(sys.argv[1], "w"), sort_keys=False)
+EOF
+APP=$("$PY" -c "import yaml,sys; print(yaml.safe_load(open(sys.argv[1]))['applications'][0]['name'])" "$CONFIG")
+shm_before=$(ls /dev/shm | sort)
+# serve run in its own process group with SIGINT restored (a background job ignores it), so
+# the stop below is Serve's graceful shutdown, as in scripts/serve.sh
+set -m
+"$PY" -c 'import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); os.execv(sys.argv[1], sys.argv[1:])' \
+  .venv/bin/serve run "$CONFIG" >"$OUT/serve.log" 2>&1 &
+SERVE_PID=$!
+set +m
+for _ in $(seq 1 300); do
+  "$PY" -c "import urllib.request,sys; sys.exit(0 if urllib.request.urlopen('http://127.0.0.1:8000/ready', timeout=10).status == 200 else 1)" 2>/dev/null && break
+  sleep 2
+done
+echo "app ready at $(date -u +%T); load average: $(cut -d' ' -f1-3 /proc/loadavg)" | tee "$OUT/run.log"
+t=$((DURATION / 6))
+.venv/bin/python -m bench overload --url http://127.0.0.1:8000 --app "$APP" --duration "$DURATION" --out "$OUT" \
+  --fault "$((t * 1)):kill:Prefill-base" --fault "$((t * 2)):kill:Decode-lookup" \
+  --fault "$((t * 3)):kill:Decode-chat-group" --fault "$((t * 4)):kill:Orchestrator" \
+  --fault "$((t * 5)):fill-pool:$POOL:30" 2>&1 | tee -a "$OUT/run.log"
+rc=${PIPESTATUS[0]}
+echo "load average at the end: $(cut -d' ' -f1-3 /proc/loadavg)" | tee -a "$OUT/run.log"
+kill -INT "$SERVE_PID" 2>/dev/null  # serve run's graceful stop (as Ctrl-C)
+for _ in $(seq 1 120); do kill -0 "$SERVE_PID" 2>/dev/null || break; sleep 1; done
+kill -0 "$SERVE_PID" 2>/dev/null && echo "serve run did not stop in 120 s: SIGKILL" | tee -a "$OUT/run.log"
+kill -KILL -- "-$SERVE_PID" 2>/dev/null
+wait "$SERVE_PID" 2>/dev/null
+sleep 5
+left=$(comm -13 <(echo "$shm_before") <(ls /dev/shm | sort))
+echo "/dev/shm entries left after the stop: ${left:-none}" | tee -a "$OUT/run.log"
+rm -rf "$RAY_TMPDIR"
+exit "$rc"
