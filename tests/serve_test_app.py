@@ -216,12 +216,16 @@ def prefill_call(app_name: str, module: str, make_request, timeout_s: float = 12
     """A Prefill replica's ticket for ``make_request(attempt)``, called from the test process
     through a fresh handle, bounded: a handle call that no replica answers within ``timeout_s``
     (a driver-side Serve router that never heard of the replica; once in CI it held a test
-    until pytest-timeout) is made once more through a new handle, with a new request id, and
-    then fails naming the call instead of hanging."""
+    until pytest-timeout) is made once more through a new handle (and router), with a new request
+    id, and then fails naming the call instead of hanging."""
     from ray import serve
+    from ray.serve.handle import DeploymentHandle
 
     for attempt in range(2):
-        handle = serve.get_deployment_handle(f"Prefill-{module}", app_name)
+        # serve.get_deployment_handle gives this process's cached handle (its router included):
+        # the second try builds a handle of its own, with a router of its own
+        name = f"Prefill-{module}"
+        handle = serve.get_deployment_handle(name, app_name) if attempt == 0 else DeploymentHandle(name, app_name)
         try:
             return handle.prefill.remote(make_request(attempt)).result(timeout_s=timeout_s)
         except TimeoutError:
