@@ -214,7 +214,7 @@ def _ingress_state(app) -> dict:
 
 def prefill_call(app_name: str, module: str, make_request, timeout_s: float = 120):
     """A Prefill replica's ticket for ``make_request(attempt)``, called from the test process
-    through a fresh handle, bounded: a handle call that no replica answers within ``timeout_s``
+    and bounded: a handle call that no replica answers within ``timeout_s``
     (a driver-side Serve router that never heard of the replica; once in CI it held a test
     until pytest-timeout) is made once more through a new handle (and router), with a new request
     id, and then fails naming the call instead of hanging."""
