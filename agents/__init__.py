@@ -1,16 +1,16 @@
 """Python agent SDK for the PrefillShare Serve app: clients, typed results, workflows.
 
-Imported as ``prefillshare_agents`` (pyproject.toml maps this agents/ folder to that name):
+Imported as ``prefillshare.agents`` (pyproject.toml maps this agents/ folder to that name):
 ``agents`` is the import name of OpenAI's Agents SDK (openai-agents).
 """
-if __name__ != "prefillshare_agents":  # e.g. `import agents` with the repository root on sys.path
+if __name__ != "prefillshare.agents":  # e.g. `import agents` with the repository root on sys.path
     raise ImportError(
-        f"{__file__} is PrefillShare's SDK, imported as `prefillshare_agents`, not `{__name__}`: the name "
+        f"{__file__} is PrefillShare's SDK, imported as `prefillshare.agents`, not `{__name__}`: the name "
         "`agents` belongs to OpenAI's Agents SDK (openai-agents). This folder was found only because the "
         "repository root is on sys.path (the current directory?); run from another directory, or import "
-        "prefillshare_agents")
+        "prefillshare.agents")
 
-from app.sampling import StructuredOutput
+from prefillshare.app.sampling import StructuredOutput
 
 from .errors import (
     AgentFailedError,

@@ -22,7 +22,7 @@ from typing import Any
 
 import httpx
 
-from app.sampling import StructuredOutput
+from prefillshare.app.sampling import StructuredOutput
 
 from .errors import (
     APIConnectionError,

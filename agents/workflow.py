@@ -16,13 +16,13 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from app.sampling import Sampling as _Sampling
-from app.sampling import SamplingError
+from prefillshare.app.sampling import Sampling as _Sampling
+from prefillshare.app.sampling import SamplingError
 
 from .errors import WorkflowError
 from .types import AgentResult
 
-# The config's name rule (app.config): letters of any script, digits, '_', '.', '-'.
+# The config's name rule (prefillshare.app.config): letters of any script, digits, '_', '.', '-'.
 _NAME = re.compile(r"^[^\W_][\w.\-]{0,62}$")
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import yaml
 
-from app.errors import PrefillShareLibraryError
+from prefillshare.app.errors import PrefillShareLibraryError
 
 _TENANT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,62}$")
 MIN_KEY_CHARS = 16

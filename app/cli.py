@@ -23,11 +23,11 @@ class Command:
 
 # The benchmarks and load runs are `python -m bench ...` from a source checkout (bench/, not installed).
 COMMANDS: list[Command] = [
-    Command("data", "app.training.commands:configure_data", "write the synthetic multi-agent task suite (JSONL)"),
-    Command("train", "app.training.commands:configure_train", "pretrain the base / train decoders and baselines"),
-    Command("eval", "app.training.commands:configure_eval", "score base, Full-FT, PrefillShare, naive reuse, layer-split"),
-    Command("k8s", "app.kube.commands:configure", "render / validate the KubeRay RayService manifests, print a token Secret"),
-    Command("capacity", "app.scaling:configure", "size prefill vs decode replicas, KV bandwidth and the bottleneck for a fan-out workload"),
+    Command("data", "prefillshare.app.training.commands:configure_data", "write the synthetic multi-agent task suite (JSONL)"),
+    Command("train", "prefillshare.app.training.commands:configure_train", "pretrain the base / train decoders and baselines"),
+    Command("eval", "prefillshare.app.training.commands:configure_eval", "score base, Full-FT, PrefillShare, naive reuse, layer-split"),
+    Command("k8s", "prefillshare.app.kube.commands:configure", "render / validate the KubeRay RayService manifests, print a token Secret"),
+    Command("capacity", "prefillshare.app.scaling:configure", "size prefill vs decode replicas, KV bandwidth and the bottleneck for a fan-out workload"),
 ]
 
 

@@ -23,7 +23,7 @@ from pydantic import (
     model_validator,
 )
 
-from app.errors import PrefillShareLibraryError
+from prefillshare.app.errors import PrefillShareLibraryError
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 # letters of any script (agent names such as "prüf-ágent"), digits, "_", ".", "-"
@@ -81,7 +81,7 @@ class EngineSettings(_Strict):
     is the one place they are translated (table: docs/serving.md, "Settings and where they go")."""
 
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
-        "auto", description="auto: bfloat16 on GPUs and CPUs with native bf16, else float32 (app.engine.compute_dtype)")
+        "auto", description="auto: bfloat16 on GPUs and CPUs with native bf16, else float32 (prefillshare.app.engine.compute_dtype)")
     max_model_len: int = Field(1024, ge=16)
     kv_cache_memory_bytes: Annotated[int, BeforeValidator(_bytes)] = Field(
         1 << 28, gt=0, description="KV cache per engine, CPU or GPU: bytes, or a size such as '256MiB'")

@@ -1,13 +1,13 @@
 """serve_config.yaml's engine, LoRA and pool settings -> what an engine and its connector take.
 
 The one translation point: :func:`engine_config` turns a deployment's ``engine`` settings (and
-its LoRA group) into an :class:`app.engine.async_engine.EngineConfig`, :func:`engine_env` gives
+its LoRA group) into an :class:`prefillshare.app.engine.async_engine.EngineConfig`, :func:`engine_env` gives
 the env vars of its replica, :func:`pool_spec` turns ``pool`` into the connector's PoolSpec.
 docs/serving.md's settings table lists where each setting goes (tests/test_settings_table.py).
 """
 from __future__ import annotations
 
-from app.config import AppConfig, ConfigError, EngineSettings, LoRAGroup, Placement, PoolConfig
+from prefillshare.app.config import AppConfig, ConfigError, EngineSettings, LoRAGroup, Placement, PoolConfig
 
 # vLLM on the CPU runs its worker in a third process unless this is off; inside EngineCore it
 # measured less memory and CPU per session (docs/benchmarks.md, "Engine footprint"). Only with
@@ -88,7 +88,7 @@ def engine_tokenizer(cfg: AppConfig, model: str) -> str:
 def engine_config(cfg: AppConfig, model: str, eng: EngineSettings, placement: Placement,
                   kv_transfer_config: dict | None, lora: LoRAGroup | None = None):
     """The EngineConfig of one engine deployment: ``eng``'s settings under their vLLM names, its LoRA group's."""
-    from app.engine.async_engine import EngineConfig
+    from prefillshare.app.engine.async_engine import EngineConfig
 
     adapters = tuple((a.name, str(cfg.path(a.path))) for a in lora.adapters) if lora is not None else ()
     return EngineConfig(
@@ -103,9 +103,9 @@ def engine_config(cfg: AppConfig, model: str, eng: EngineSettings, placement: Pl
 
 
 def pool_spec(pool: PoolConfig):
-    """The node's pool as the connector takes it (app.engine.pool.kv_pool.PoolSpec): producers write it,
+    """The node's pool as the connector takes it (prefillshare.app.engine.pool.kv_pool.PoolSpec): producers write it,
     consumers on the same node read it."""
-    from app.engine.pool.kv_pool import PoolSpec
+    from prefillshare.app.engine.pool.kv_pool import PoolSpec
 
     return PoolSpec(path=pool.path, capacity_bytes=pool.capacity_bytes, lease_timeout_s=pool.lease_timeout_s,
                     check=pool.check, persist=pool.persist)

@@ -23,12 +23,19 @@ import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from app.config import AdapterConfig, AppConfig, ConfigError, DecoderConfig, LimitsConfig, PrefillModuleConfig
-from app.engine import compute_dtype
-from app.engine.handover import Handover
-from app.engine_args import check_engine_kwargs
-from app.rendering import Renderer, RenderError
-from app.sharing import ModuleSharing, module_sharing
+from prefillshare.app.config import (
+    AdapterConfig,
+    AppConfig,
+    ConfigError,
+    DecoderConfig,
+    LimitsConfig,
+    PrefillModuleConfig,
+)
+from prefillshare.app.engine import compute_dtype
+from prefillshare.app.engine.handover import Handover
+from prefillshare.app.engine_args import check_engine_kwargs
+from prefillshare.app.rendering import Renderer, RenderError
+from prefillshare.app.sharing import ModuleSharing, module_sharing
 
 log = logging.getLogger("ray.serve")
 
@@ -102,7 +109,7 @@ class _Served:
 
 def _served(cfg: AppConfig) -> list[_Served]:
     """Every served name with its manifest, each manifest read once."""
-    from app.models.manifest import ManifestError, read_manifest
+    from prefillshare.app.models.manifest import ManifestError, read_manifest
 
     out = []
     for i, d in enumerate(cfg.decoders):
@@ -126,7 +133,7 @@ class _Tokenizer:
 
     def __call__(self):
         if self._tok is None:
-            from app.training.tokenizer import load_tokenizer
+            from prefillshare.app.training.tokenizer import load_tokenizer
 
             self._tok = load_tokenizer(self.path)
         return self._tok
@@ -155,8 +162,8 @@ def decoder_renderers(cfg: AppConfig) -> dict[str, Renderer]:
 
 def _check_adapter(s: _Served, group_id: str) -> None:
     """A decode group's adapter must run on the group's engine; ConfigError naming the field otherwise."""
-    from app.models import compat
-    from app.models.identity import CheckpointError
+    from prefillshare.app.models import compat
+    from prefillshare.app.models.identity import CheckpointError
 
     a, d, m = s.adapter, s.decoder, s.manifest
     if isinstance(m, Exception):
@@ -187,9 +194,9 @@ def _engine_mismatch(base: PrefillModuleConfig, d: DecoderConfig) -> list[str]:
 
 def _sharing(cfg: AppConfig, s: _Served, module_ids: dict[str, str]) -> tuple[str | None, str | None, str | None]:
     """(prefill module, prefill adapter, None) when ``s`` reads a module's KV, else (None, code, reason)."""
-    from app.models import compat
-    from app.models.identity import CheckpointError
-    from app.models.manifest import ManifestError
+    from prefillshare.app.models import compat
+    from prefillshare.app.models.identity import CheckpointError
+    from prefillshare.app.models.manifest import ManifestError
 
     d, m = s.decoder, s.manifest
     if d.prefill_module is None:
@@ -238,20 +245,20 @@ def _resolve(cfg: AppConfig, s: _Served, module_ids: dict[str, str], group_ids: 
 
 def handover_of(cfg: AppConfig) -> Handover:
     """The app's hand-over, from the config's ``handover``: the one place the mode is read."""
-    from app.engine_args import pool_spec
+    from prefillshare.app.engine_args import pool_spec
 
     if cfg.handover == "vllm-nixl":
-        from app.engine.nixl.handover import NixlHandover
+        from prefillshare.app.engine.nixl.handover import NixlHandover
 
         return NixlHandover.for_timeout(cfg.limits.request_timeout_s, cfg.kv_lease_duration)
-    from app.engine.pool.handover import PoolHandover
+    from prefillshare.app.engine.pool.handover import PoolHandover
 
     return PoolHandover(pool_spec(cfg.pool))
 
 
 def plan_app(cfg: AppConfig) -> AppPlan:
     """The resolved plan; raises ConfigError (or RenderError) naming the field before any engine starts."""
-    from app.models.identity import prefill_module_id
+    from prefillshare.app.models.identity import prefill_module_id
 
     cfg.check_paths()
     check_engine_kwargs(cfg)

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from app.prompt_split import split_prompt
+from prefillshare.app.prompt_split import split_prompt
 
 
 @torch.no_grad()

@@ -19,8 +19,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from app.errors import PrefillShareLibraryError
-from app.models.manifest import MANIFEST_NAME, DecodeManifest, PromptFormat, read_manifest
+from prefillshare.app.errors import PrefillShareLibraryError
+from prefillshare.app.models.manifest import MANIFEST_NAME, DecodeManifest, PromptFormat, read_manifest
 
 Messages = Sequence[tuple[str, str]]  # (role, content) text pairs
 TEMPLATE_FILE = "chat_template.jinja"
@@ -38,7 +38,7 @@ def template_sha256(text: str) -> str:
 
 
 def join_suite(context: str, instruction: str) -> str:
-    """The suite's prompt text (``app.training.tasks.render_prompt``)."""
+    """The suite's prompt text (``prefillshare.app.training.tasks.render_prompt``)."""
     return f"{context}\n{instruction}"
 
 

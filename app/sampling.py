@@ -13,7 +13,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from app.errors import PrefillShareLibraryError
+from prefillshare.app.errors import PrefillShareLibraryError
 
 INT64_MIN, INT64_MAX = -(2 ** 63), 2 ** 63 - 1
 _GREEDY = 1e-5  # vLLM treats a temperature below this as greedy

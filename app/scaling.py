@@ -24,7 +24,7 @@ import json
 import math
 from dataclasses import asdict, dataclass, replace
 
-from app.prompt_split import shared_length
+from prefillshare.app.prompt_split import shared_length
 
 SYSTEMS = ("prefillshare", "disagg", "colocated")
 

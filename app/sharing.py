@@ -13,8 +13,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 
-from app.prompt_split import split_prompt
-from app.rendering import Renderer
+from prefillshare.app.prompt_split import split_prompt
+from prefillshare.app.rendering import Renderer
 
 PROBE_CONTEXT = ("order\ncity: porto\nday: wed\nstatus: open\nqty: 4\nitem: lamp\ncolor: red\nname: yuki\n"
                  "note: leave it at the side door at noon, the customer works late on wednesdays")

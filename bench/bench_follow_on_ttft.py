@@ -123,9 +123,9 @@ def _breakdown(url: str) -> dict:
 def run_app(args) -> dict:
     """{"proxy": [runs], "direct": [runs], "breakdown": the app's own view}: one deployment, the
     client through each ingress ``--ingress`` names, alternating."""
-    from app.config import load_config
     from bench.random_models import serve_app  # starts a private cluster, waits for /ready
-    from deployments.ray_internals import direct_ingress_env, direct_ingress_urls
+    from prefillshare.app.config import load_config
+    from prefillshare.deployments.ray_internals import direct_ingress_env, direct_ingress_urls
 
     if args.ingress != "proxy":  # read by the cluster this process starts (README "Direct ingress")
         from bench.local_cluster import free_port
@@ -165,13 +165,13 @@ def _wait(url: str, proc: subprocess.Popen, timeout_s: float) -> None:
 
 def run_vllm(args) -> list[dict]:
     """Stock vLLM's OpenAI server on the base with prefix caching and the same adapters."""
-    from app.engine.compute_dtype import resolve
     from bench.local_cluster import free_port
+    from prefillshare.app.engine.compute_dtype import resolve
 
     port = free_port()
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
-    if args.stock_worker == "engine-core":  # as the app's CPU engines run (app.engine_args.CPU_ENGINE_ENV)
-        from app.engine_args import CPU_ENGINE_ENV
+    if args.stock_worker == "engine-core":  # as the app's CPU engines run (prefillshare.app.engine_args.CPU_ENGINE_ENV)
+        from prefillshare.app.engine_args import CPU_ENGINE_ENV
 
         env.update(CPU_ENGINE_ENV)
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(ROOT / "checkpoints" / "base"),

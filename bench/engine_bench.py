@@ -33,8 +33,8 @@ import time
 import uuid
 from dataclasses import asdict, dataclass, field, replace
 
-from app.engine import compute_dtype
 from bench.models import SMALL, ModelShape
+from prefillshare.app.engine import compute_dtype
 
 __all__ = ["BenchConfig", "CaseResult", "run_bench", "configure", "format_kv_table"]
 
@@ -157,7 +157,7 @@ def process_tree_cpu_seconds(include_self: bool = False) -> float:
 
 
 async def _ttft(engine, ids, salt, params=None) -> tuple[float, int]:
-    from app.engine.async_engine import Sampling
+    from prefillshare.app.engine.async_engine import Sampling
 
     t0 = time.perf_counter()
     async for out in engine.generate(ids, Sampling(max_tokens=1, ignore_eos=True), None, salt, params):
@@ -168,8 +168,8 @@ async def _ttft(engine, ids, salt, params=None) -> tuple[float, int]:
 
 def _start_engines(cfg: BenchConfig, model: str, spec) -> list:
     """[producer, consumer, private decoder (or None)]: one engine per role, each on its own core list."""
-    from app.engine.async_engine import Engine, EngineConfig
-    from app.engine.pool.handover import connector_config
+    from prefillshare.app.engine.async_engine import Engine, EngineConfig
+    from prefillshare.app.engine.pool.handover import connector_config
 
     common = dict(model=model, dtype=cfg.dtype, kv_cache_memory_bytes=int(cfg.kv_space_gib * (1 << 30)),
                   max_model_len=cfg.max_model_len, block_size=cfg.block_size,
@@ -219,8 +219,8 @@ def _print_case(r: CaseResult) -> None:
 async def _run(cfg: BenchConfig, on_case=None) -> list[CaseResult]:
     from tqdm import tqdm
 
-    from app.engine.async_engine import PoolSpec
-    from app.engine.pool.kv_pool import KVPool
+    from prefillshare.app.engine.async_engine import PoolSpec
+    from prefillshare.app.engine.pool.kv_pool import KVPool
 
     work = tempfile.mkdtemp(prefix="ps-bench-")
     pool_dir = f"/dev/shm/ps-bench-{uuid.uuid4().hex[:8]}"

@@ -26,7 +26,7 @@ from typing import Literal
 
 import psutil
 
-from app.errors import PrefillShareLibraryError
+from prefillshare.app.errors import PrefillShareLibraryError
 
 FaultKind = Literal["kill", "stall", "fill-pool"]
 FAULT_KINDS: tuple[FaultKind, ...] = ("kill", "stall", "fill-pool")
@@ -97,7 +97,7 @@ def fill_pool(path: str, hold_s: float, block_bytes: int = 1 << 16) -> int:
     The pins expire after ``hold_s`` (the pool's own deadline), so the pool recovers by itself."""
     import secrets
 
-    from app.engine.pool.kv_pool import KVPool, PoolMissing
+    from prefillshare.app.engine.pool.kv_pool import KVPool, PoolMissing
 
     try:
         pool = KVPool.attach(path)

@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 async def _first_token(engine, ids, rid, lora) -> float:
-    from app.sampling import Sampling
+    from prefillshare.app.sampling import Sampling
 
     t0 = time.perf_counter()
     async for out in engine.generate(ids, Sampling(max_tokens=8, temperature=0), rid, lora=lora):
@@ -43,7 +43,7 @@ async def _first_token(engine, ids, rid, lora) -> float:
 
 async def _idle_sweep(engine, names: list[str], requests: int, gaps=(0.0, 0.002, 0.01, 0.05, 0.15, 0.5)) -> dict:
     """Per idle gap (s): median first token and median later step (ms) of three-token answers."""
-    from app.sampling import Sampling
+    from prefillshare.app.sampling import Sampling
 
     out = {}
     for gap in gaps:
@@ -62,12 +62,12 @@ async def _idle_sweep(engine, names: list[str], requests: int, gaps=(0.0, 0.002,
 
 
 async def main(args) -> dict:
-    from app.config import load_config
-    from app.engine.async_engine import Engine
-    from app.engine.pool.handover import connector_config
-    from app.engine_args import engine_config, pool_spec
-    from app.plan import plan_app
     from bench import bench_follow_on_ttft as bench
+    from prefillshare.app.config import load_config
+    from prefillshare.app.engine.async_engine import Engine
+    from prefillshare.app.engine.pool.handover import connector_config
+    from prefillshare.app.engine_args import engine_config, pool_spec
+    from prefillshare.app.plan import plan_app
 
     pool_dir = f"/dev/shm/ps-follow-on-engines-{os.getpid()}"
     cfg = load_config(bench.app_config(pool_dir))

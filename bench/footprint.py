@@ -2,7 +2,7 @@
 
 vLLM runs an ``AsyncLLM`` on the CPU as three processes (caller, EngineCore, worker) unless
 ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` is in the engine's environment, which puts the worker inside
-EngineCore. This measures both with the app's own engines (app.engine.async_engine.Engine): a
+EngineCore. This measures both with the app's own engines (prefillshare.app.engine.async_engine.Engine): a
 producer on the base and a consumer decoder loading its KV through the PrefillShare connector,
 each mode in a fresh process, modes alternating. Per run: start-up seconds, resident memory of the
 engine processes (RSS and PSS), CPU seconds per session (one context of ``L`` tokens, ``N`` agent
@@ -47,9 +47,9 @@ def _memory() -> dict:
 
 
 async def _child(args) -> dict:
-    from app.engine.async_engine import Engine, EngineConfig, PoolSpec, Sampling
-    from app.engine.pool.handover import connector_config
-    from app.models.identity import prefill_module_id
+    from prefillshare.app.engine.async_engine import Engine, EngineConfig, PoolSpec, Sampling
+    from prefillshare.app.engine.pool.handover import connector_config
+    from prefillshare.app.models.identity import prefill_module_id
 
     base = str(PROJECT / "checkpoints" / "base")
     dec = str(PROJECT / "checkpoints" / "decoders" / "lookup")

@@ -13,10 +13,10 @@ Steps (``--steps``, in this order by default):
   beside a plain device copy, host slabs and a second process over CUDA IPC (the figures the
   device can give, without vLLM).
 - ``tokens``: ``python -m bench.nixl_probe`` with the app's own NIXL settings
-  (``app.engine.nixl.config.settings_for``: progress thread off, CUDA IPC reads on for GPUs): the
+  (``prefillshare.app.engine.nixl.config.settings_for``: progress thread off, CUDA IPC reads on for GPUs): the
   shipped base as producer and the shipped ``lookup`` decoder (other weights) as consumer, two
   engine processes; the decoder's greedy tokens on the pulled KV must equal
-  ``app.reference.shared_greedy``, and every pull must bring the whole prompt.
+  ``prefillshare.app.reference.shared_greedy``, and every pull must bring the whole prompt.
 - ``lora``: the same with a LoRA adapter consumer (the base + ``checkpoints/chat/adapters/lookup``).
 - ``speed``: a dummy Llama big enough that a private prefill costs more than a hand-over (8B
   shape on a GPU), a 4K prompt: decoder TTFT with the pulled KV vs a private prefill (a ratio,
@@ -46,7 +46,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from app.engine.cpu_layout import BlockLayout  # noqa: E402  (torch only)
+from prefillshare.app.engine.cpu_layout import BlockLayout  # noqa: E402  (torch only)
 
 # (layers, kv heads, head size, block size) of the transport step's cache shapes
 SHAPES = {"8B": (32, 8, 128, 16), "100M": (8, 4, 64, 32)}
@@ -269,7 +269,7 @@ def environment(args, results: dict, failures: list[str]) -> None:
                                   "--format=csv,noheader"])
         env["nvidia_smi_topo"] = _run(["nvidia-smi", "topo", "-m"])
         env["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
-    from app.engine.nixl import kv_transport
+    from prefillshare.app.engine.nixl import kv_transport
 
     env["rdma_devices"] = list(kv_transport.rdma_devices())
     results["environment"] = env
@@ -281,9 +281,9 @@ def environment(args, results: dict, failures: list[str]) -> None:
 # ---------------------------------------------------------------- the vllm-nixl hand-over
 
 def app_setting(device: str) -> str:
-    """The nixl_probe setting that is the app's own for ``device`` (app.engine.nixl.config.settings_for)."""
-    from app.engine.nixl.config import settings_for
+    """The nixl_probe setting that is the app's own for ``device`` (prefillshare.app.engine.nixl.config.settings_for)."""
     from bench.nixl_probe import SETTINGS
+    from prefillshare.app.engine.nixl.config import settings_for
 
     mine = settings_for(device)
     return next(name for name, s in SETTINGS.items() if s == mine)
@@ -329,8 +329,8 @@ def _common(args, setting: str) -> list[str]:
 
 
 def _record(name: str, res: dict, log: str, setting: str, device: str) -> dict:
-    from app.engine.nixl import kv_transport
-    from app.engine.nixl.config import settings_for
+    from prefillshare.app.engine.nixl import kv_transport
+    from prefillshare.app.engine.nixl.config import settings_for
 
     memory = "cuda" if device == "cuda" else "host"
     plan = kv_transport.plan(device, env=dict(res.get("settings", {}).get("ucx_env") or {}))

@@ -113,8 +113,8 @@ PATHS = ("decoder", "relay", "direct")
 
 async def _session(handles, path: str, spec: HopSpec, prompt: tuple[int, ...], sampling) -> tuple:
     """(tokens, chunks with tokens, first token time, last token time) of one streamed request."""
-    from deployments.messages import AgentRunRequest, AgentSpec, DecodeRequest
-    from deployments.path.fanout import Leg
+    from prefillshare.deployments.messages import AgentRunRequest, AgentSpec, DecodeRequest
+    from prefillshare.deployments.path.fanout import Leg
 
     rid = f"hop-{uuid.uuid4().hex[:8]}"
     tokens = chunks = 0
@@ -175,7 +175,7 @@ def _workload(spec: HopSpec, n: int) -> tuple[list[tuple[int, ...]], object]:
     end-of-sequence tokens past its answer, which stream as tokens without text)."""
     from transformers import AutoTokenizer
 
-    from app.sampling import Sampling
+    from prefillshare.app.sampling import Sampling
 
     tok = AutoTokenizer.from_pretrained(str(_checkpoints(spec) / "tokenizer"))
     words = ("maya", "lamp", "oslo", "teal", "noon", "rome", "lima", "kyiv", "doha", "pear", "fig", "desk")
@@ -191,8 +191,8 @@ async def _measure(spec: HopSpec, plan) -> list[dict]:
     """``plan``: the app's AppPlan (the Router's FanOut runs on it)."""
     from ray import serve
 
-    from deployments.path.fanout import FanOut
-    from deployments.path.serve_engines import ServeEngines
+    from prefillshare.deployments.path.fanout import FanOut
+    from prefillshare.deployments.path.serve_engines import ServeEngines
 
     engines = ServeEngines({"base": serve.get_deployment_handle("Prefill-base", APP)},
                            {spec.decoder: serve.get_deployment_handle(f"Decode-{spec.decoder}", APP)})
@@ -239,9 +239,9 @@ def run(spec: HopSpec) -> dict:
     import ray
     from ray import serve
 
-    from app.config import load_config
-    from app.plan import plan_app
-    from deployments.application import build
+    from prefillshare.app.config import load_config
+    from prefillshare.app.plan import plan_app
+    from prefillshare.deployments.application import build
 
     pool = f"/dev/shm/ps-hops-{os.getpid()}"
     cfg = load_config(app_config(spec, pool))

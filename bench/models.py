@@ -3,7 +3,7 @@
 Speed does not depend on weight values, so one random-weight Llama of realistic shape
 (~90M parameters by default) is written once (bf16 safetensors, cached by shape) and every
 model directory links to that one file. Directories differ in a config tag, which changes
-their prefill-module identity (app.models.identity), so KV pool keys of different "models"
+their prefill-module identity (prefillshare.app.models.identity), so KV pool keys of different "models"
 never collide. The EOS row of the (tied) embedding is zero: its logit is then 0 while the
 best random logit is positive, so greedy decoding never stops early and every agent
 generates exactly O tokens in every system.
@@ -22,8 +22,8 @@ import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from app.engine import compute_dtype
-from app.plan import kv_bytes_per_token
+from prefillshare.app.engine import compute_dtype
+from prefillshare.app.plan import kv_bytes_per_token
 
 TAG_KEY = "prefillshare_bench_model"
 
@@ -132,7 +132,7 @@ def _link_weights(src: Path, dst: Path) -> None:
 
 def _view(src: Path, dst: Path, tag: str, tokenizer_dir: Path) -> Path:
     """A model directory linking ``src``'s weights, with its own config tag."""
-    from app.models.checkpoint import copy_tokenizer
+    from prefillshare.app.models.checkpoint import copy_tokenizer
 
     _link_weights(src, dst)
     cfg = json.loads((src / "config.json").read_text())
@@ -164,7 +164,7 @@ class ModelSet:
 
 
 def _manifest(d: Path, agent: str, module_id: str, tok_hash: str) -> None:
-    from app.models.manifest import DecodeManifest, write_manifest
+    from prefillshare.app.models.manifest import DecodeManifest, write_manifest
 
     write_manifest(d, DecodeManifest(agent, module_id, tok_hash, {"method": "cache_conditioned",
                                                                   "note": "benchmark: random weights"}))
@@ -174,7 +174,7 @@ def random_models(root: str | Path, n: int, shape: ModelShape, tokenizer_dir: st
                   dtype: str = "auto", lora_rank: int = 16) -> ModelSet:
     """Base + n shared-prefill decoders + n own-prefill decoders over one random weight file,
     and n random LoRA adapters of the base (rank ``lora_rank``) for the *-lora systems."""
-    from app.models.identity import prefill_module_id, tokenizer_hash
+    from prefillshare.app.models.identity import prefill_module_id, tokenizer_hash
 
     root, tokenizer_dir = Path(root), Path(tokenizer_dir)
     src = _random_source(root, shape, tokenizer_dir)
@@ -206,7 +206,7 @@ def random_models(root: str | Path, n: int, shape: ModelShape, tokenizer_dir: st
 
 def shipped_models(root: str | Path, checkpoints: str | Path, n: int, dtype: str = "auto") -> ModelSet:
     """The shipped base and its first n decoders; system b gets own-identity views of them."""
-    from app.models.identity import prefill_module_id, tokenizer_hash
+    from prefillshare.app.models.identity import prefill_module_id, tokenizer_hash
 
     root, ck = Path(root), Path(checkpoints)
     base = ck / "base"
@@ -247,8 +247,8 @@ def chat_adapters(root: str | Path, adapters: tuple[str, ...], layout: str) -> t
     ``layout`` (shared_first / system_first) and JSON tool calls, as a trained chat decoder's would."""
     from dataclasses import replace
 
-    from app.models.manifest import read_manifest, write_manifest
-    from app.rendering import TEMPLATE_FILE, Renderer
+    from prefillshare.app.models.manifest import read_manifest, write_manifest
+    from prefillshare.app.rendering import TEMPLATE_FILE, Renderer
 
     fmt = Renderer.chat(BENCH_CHAT_TEMPLATE, layout=layout).fmt
     out = []
@@ -273,8 +273,8 @@ def random_adapter(out_dir: str | Path, base_dir: str | Path, agent: str, rank: 
     import torch
     from safetensors.torch import save_file
 
-    from app.models.identity import prefill_module_id, tokenizer_hash
-    from app.models.manifest import AdapterSpec, DecodeManifest, write_manifest
+    from prefillshare.app.models.identity import prefill_module_id, tokenizer_hash
+    from prefillshare.app.models.manifest import AdapterSpec, DecodeManifest, write_manifest
 
     out, base = Path(out_dir), Path(base_dir)
     cfg = json.loads((base / "config.json").read_text())

@@ -6,7 +6,7 @@ NixlConnector over ``kv_buffer_device: cpu``. Per prompt: a prefill request on t
 (``max_tokens=1``, ``do_remote_decode``), then the decoder's request with the returned
 ``kv_transfer_params`` (shared), and the same decoder request without them (private prefill).
 It records per-request wall times, the decoder's ``num_cached_tokens`` (L when it pulled the
-prompt: vLLM counts every prompt token and recomputes the last), its greedy tokens against ``app.reference.shared_greedy`` (shipped models) and vLLM's
+prompt: vLLM counts every prompt token and recomputes the last), its greedy tokens against ``prefillshare.app.reference.shared_greedy`` (shipped models) and vLLM's
 NIXL counters, under one named transport setting (:data:`SETTINGS`). Each setting starts fresh
 engines (UCX reads its variables at start-up). ``--device cuda`` puts both engines on the GPU
 (``kv_buffer_device: cuda``, a small share of its memory each, the app's GPU settings unless
@@ -33,7 +33,7 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from app.engine.nixl.config import (
+from prefillshare.app.engine.nixl.config import (
     CPU_SETTINGS,
     GPU_SETTINGS,
     NixlSettings,
@@ -41,7 +41,7 @@ from app.engine.nixl.config import (
     nixl_transfer_config,
     side_channel_env,
 )
-from app.engine.nixl.leases import read_vllm_nixl_counters
+from prefillshare.app.engine.nixl.leases import read_vllm_nixl_counters
 
 # Named transport settings: NIXL's UCX threads (vLLM's ``num_threads``) and UCX variables.
 SETTINGS: dict[str, NixlSettings] = {
@@ -95,7 +95,7 @@ def _engine_child(cfg, env: dict[str, str], conn) -> None:
 
 
 async def _serve(cfg, conn) -> None:
-    from app.engine.async_engine import Engine
+    from prefillshare.app.engine.async_engine import Engine
 
     t0 = time.perf_counter()
     try:
@@ -131,7 +131,7 @@ async def _serve(cfg, conn) -> None:
 
 
 class EngineProcess:
-    """An :class:`app.engine.async_engine.Engine` in a spawned process, with the same async
+    """An :class:`prefillshare.app.engine.async_engine.Engine` in a spawned process, with the same async
     ``complete`` / ``prefill``: one engine per process keeps vLLM's per-process metrics apart
     (its stat logger replaces the registry's vLLM metrics when another engine starts)."""
 
@@ -262,9 +262,9 @@ def _prompts(cfg: ProbeConfig, base: str) -> list[list[int]]:
 
 
 def _reference(base: str, decoder: str, lora: str | None, prompts, max_tokens: int) -> list[list[int]]:
-    """``app.reference.shared_greedy`` tokens, stopping at EOS as the engine does."""
-    from app.models.checkpoint import load_decoder, load_model
-    from app.reference import shared_greedy
+    """``prefillshare.app.reference.shared_greedy`` tokens, stopping at EOS as the engine does."""
+    from prefillshare.app.models.checkpoint import load_decoder, load_model
+    from prefillshare.app.reference import shared_greedy
 
     b = load_model(base)
     d = load_decoder(lora or decoder, base)
@@ -312,7 +312,7 @@ def engine_env(cfg: ProbeConfig, i: int) -> dict[str, str]:
 
 def engine_configs(cfg: ProbeConfig, base: str, decoder: str, max_len: int):
     """(producer EngineConfig, consumer EngineConfig, lease seconds) of this probe."""
-    from app.engine.async_engine import EngineConfig
+    from prefillshare.app.engine.async_engine import EngineConfig
 
     settings = SETTINGS[cfg.setting]
     lease = lease_for_timeout(cfg.request_timeout_s)
@@ -363,8 +363,8 @@ async def decode(side, engine, prompt_token_ids, sampling, lease, cache_salt: st
 
 
 async def _cases(cfg: ProbeConfig, prod: EngineProcess, cons: EngineProcess, prompts, lease: int) -> dict:
-    from app.engine.nixl.handover import NixlHandover
-    from app.sampling import Sampling
+    from prefillshare.app.engine.nixl.handover import NixlHandover
+    from prefillshare.app.sampling import Sampling
 
     lora = "agent" if cfg.lora else None
     handover = NixlHandover(lease)  # the app's classes: the Prefill replica's leases, the Decode replica's pulls

@@ -47,12 +47,12 @@ def main(out: Path, duration_s: float) -> int:
     import ray
     from ray import serve
 
-    from app.config import load_config
     from bench.local_cluster import free_port, start_local_cluster
     from bench.overload import FaultSpec, OverloadSpec, run
     from bench.overload_report import summarize, write
-    from deployments.application import build
-    from prefillshare_agents import Client
+    from prefillshare.agents import Client
+    from prefillshare.app.config import load_config
+    from prefillshare.deployments.application import build
 
     tag = str(os.getpid())
     os.environ["RAY_TMPDIR"] = tmp = f"/tmp/ps-ovmn-{tag}"

@@ -47,7 +47,7 @@ def serve_app(cfg, name: str, ray_tmp: str, pool_dir: str) -> Iterator[str]:
     import ray
     from ray import serve
 
-    from deployments.application import build
+    from prefillshare.deployments.application import build
 
     os.environ["RAY_TMPDIR"] = ray_tmp
     for attempt in range(5):  # the raylet has a fixed 30 s to register; a saturated 2-core box can miss it
@@ -74,7 +74,7 @@ def serve_app(cfg, name: str, ray_tmp: str, pool_dir: str) -> Iterator[str]:
 
 def wait_app_ready(url: str) -> None:
     """Until every engine of the app at ``url`` answers /ready (its start, or a replacement's)."""
-    from prefillshare_agents import Client
+    from prefillshare.agents import Client
 
     with Client(url, retries=5, backoff_s=0.5) as c:
         c.wait_ready(timeout_s=600, interval_s=2)  # waiting for engines to start, not a timing assertion
@@ -84,10 +84,10 @@ def make_models(root: Path, decoders: dict[str, tuple[int, dict]], base_seed: in
     """``decoders``: name -> (seed, config overrides). Returns paths of tokenizer, base, decoders."""
     from transformers import AutoTokenizer, LlamaForCausalLM
 
-    from app.models.checkpoint import save_model
-    from app.models.identity import prefill_module_id, tokenizer_hash
-    from app.models.manifest import DecodeManifest
-    from app.models.shapes import llama_config
+    from prefillshare.app.models.checkpoint import save_model
+    from prefillshare.app.models.identity import prefill_module_id, tokenizer_hash
+    from prefillshare.app.models.manifest import DecodeManifest
+    from prefillshare.app.models.shapes import llama_config
 
     # a private copy: the shipped tokenizer may be rebuilt while a test runs
     paths = {"tokenizer": root / "tokenizer"}
@@ -118,7 +118,7 @@ def small_serve_config(paths: dict[str, Path], pool: str, port: int) -> dict:
     return {
         "proxy_location": "HeadOnly",
         "http_options": {"host": "127.0.0.1", "port": port},
-        "applications": [{"name": "stoptest", "route_prefix": "/", "import_path": "deployments.application:build_app",
+        "applications": [{"name": "stoptest", "route_prefix": "/", "import_path": "prefillshare.deployments.application:build_app",
                           "args": {"config": {
                               "tokenizer": str(paths["tokenizer"]),
                               "pool": {"path": pool, "capacity_bytes": "64MiB"},

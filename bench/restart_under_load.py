@@ -44,7 +44,7 @@ def measure(url: str, rate: float, warmup_s: float, load_s: float, seed: int) ->
     from bench.faults import FaultSpec, inject
     from bench.overload import OverloadSpec, Traffic, models_of, open_loop
     from bench.report import percentile
-    from prefillshare_agents import APITimeoutError, Client
+    from prefillshare.agents import APITimeoutError, Client
 
     spec = OverloadSpec(url=url, app=APP, duration_s=load_s, rate=rate, seed=seed)
     traffic = Traffic(spec, models_of(spec))
@@ -92,10 +92,10 @@ def main() -> int:
     import ray
     from ray import serve
 
-    from app.config import load_config
     from bench.local_cluster import free_port, start_local_cluster
-    from deployments.application import build
-    from prefillshare_agents import Client
+    from prefillshare.agents import Client
+    from prefillshare.app.config import load_config
+    from prefillshare.deployments.application import build
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("out", nargs="?", default="runs/restart_under_load")

@@ -411,9 +411,9 @@ def _deployed(cfg: ServeBenchConfig, system: str, n: int, mset, topo, tokenizer:
         return
     from ray import serve
 
-    from app.config import load_config
     from bench.systems import app_config
-    from deployments.application import build
+    from prefillshare.app.config import load_config
+    from prefillshare.deployments.application import build
 
     pool = f"/dev/shm/ps-bench-{os.getpid()}-{system}"
     app_cfg = load_config(app_config(system, mset, n, topo, tokenizer, pool))

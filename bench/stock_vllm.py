@@ -31,7 +31,7 @@ STOCK_SYSTEMS = ("v-lora", "v-one")
 def server_argv(system: str, base: str, adapters: tuple[str, ...], n: int, topo: Topology, tokenizer: str,
                 port: int, chat_template: str | None = None) -> list[str]:
     """The command line of ``system``'s server on 127.0.0.1:``port`` (``chat_template``: --driver chat)."""
-    from app.engine import compute_dtype
+    from prefillshare.app.engine import compute_dtype
 
     if system not in STOCK_SYSTEMS:
         raise ValueError(f"not a stock vLLM system: {system!r}")

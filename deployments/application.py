@@ -11,18 +11,18 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from app.config import AppConfig, EngineSettings, Placement, config_from_args
-from app.engine import alloc_conf
-from app.engine.handover import ModuleLink
-from app.engine_args import engine_config, engine_env
-from app.plan import AppPlan, plan_app
+from prefillshare.app.config import AppConfig, EngineSettings, Placement, config_from_args
+from prefillshare.app.engine import alloc_conf
+from prefillshare.app.engine.handover import ModuleLink
+from prefillshare.app.engine_args import engine_config, engine_env
+from prefillshare.app.plan import AppPlan, plan_app
 
 
 def engine_options(cfg: AppConfig, name: str, p: Placement, eng: EngineSettings, **extra) -> dict[str, Any]:
     """Serve options of an engine deployment (prefill or decode alike)."""
     from ray.serve.config import BackpressureConfig
 
-    from deployments.ray_internals import REPLICA_ENV  # Serve's settings of a request-path replica
+    from prefillshare.deployments.ray_internals import REPLICA_ENV  # Serve's settings of a request-path replica
 
     actor: dict[str, Any] = {"num_cpus": p.num_cpus,
                              "runtime_env": {"env_vars": {**REPLICA_ENV, **engine_env(cfg, p, eng)}}}
@@ -43,7 +43,7 @@ def _small(cfg: AppConfig, d) -> dict[str, Any]:
     """Serve options of a deployment without an engine (Router, Orchestrator)."""
     from ray.serve.config import BackpressureConfig
 
-    from deployments.ray_internals import REPLICA_ENV
+    from prefillshare.deployments.ray_internals import REPLICA_ENV
 
     return dict(num_replicas=d.num_replicas,
                 ray_actor_options={"num_cpus": d.num_cpus, "runtime_env": {"env_vars": dict(REPLICA_ENV)}},
@@ -59,8 +59,8 @@ def _router_config(cls, cfg: AppConfig, **kwargs):
 
 
 def _prefill_deployments(cfg: AppConfig, plan: AppPlan, metrics) -> dict:
-    from deployments.replicas.prefill import PrefillServer
-    from deployments.routing.prefix_router import PrefixLocalityRouter
+    from prefillshare.deployments.replicas.prefill import PrefillServer
+    from prefillshare.deployments.routing.prefix_router import PrefixLocalityRouter
 
     prefill = {}
     for p in cfg.prefill_modules:
@@ -78,15 +78,15 @@ def _prefill_deployments(cfg: AppConfig, plan: AppPlan, metrics) -> dict:
 
 def _decode_deployments(cfg: AppConfig, plan: AppPlan, metrics) -> dict:
     """{served name: its decode deployment}; a decode group serves each adapter's name through its one engine."""
-    from deployments.replicas.decode import DecodeServer
-    from deployments.routing.node_router import NodeAffinityRouter
+    from prefillshare.deployments.replicas.decode import DecodeServer
+    from prefillshare.deployments.routing.node_router import NodeAffinityRouter
 
     decoders = {}
     for d in cfg.decoders:
         pl = d.placement
         served = [plan.decoder(n) for n in d.served_names]
         module = next((dp.prefill_module for dp in served if dp.prefill_module is not None), None)
-        # the plan checked compatibility (app.models.compat): a decoder without a module runs
+        # the plan checked compatibility (prefillshare.app.models.compat): a decoder without a module runs
         # without a connector and prefills privately
         handover = plan.handover if module is not None else None
         kv = None
@@ -111,9 +111,9 @@ def _decode_deployments(cfg: AppConfig, plan: AppPlan, metrics) -> dict:
 
 def build(cfg: AppConfig):
     """The Serve application (the Router ingress with everything bound beneath it)."""
-    from deployments.ingress.server import Router
-    from deployments.metrics import MetricsServer
-    from deployments.path.orchestrator import Orchestrator
+    from prefillshare.deployments.ingress.server import Router
+    from prefillshare.deployments.metrics import MetricsServer
+    from prefillshare.deployments.path.orchestrator import Orchestrator
 
     plan = plan_app(cfg)
     metrics = MetricsServer.options(

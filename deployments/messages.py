@@ -7,8 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from app.sampling import Sampling, TokenLogprob
-from deployments.errors import Failure
+from prefillshare.app.sampling import Sampling, TokenLogprob
+from prefillshare.deployments.errors import Failure
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disa
 from prometheus_client.core import Metric
 from ray import serve
 
-from app.engine.nixl.side_channel_auth import REFUSED_METRIC
+from prefillshare.app.engine.nixl.side_channel_auth import REFUSED_METRIC
 
 log = logging.getLogger("ray.serve")
 disable_created_metrics()  # no *_created series: they double every counter's lines for no use here
@@ -90,7 +90,7 @@ class PoolReader:
 
     def families(self) -> list[EngineFamily]:
         if self._pool is None:
-            from app.engine.pool.kv_pool import KVPool
+            from prefillshare.app.engine.pool.kv_pool import KVPool
 
             self._pool = KVPool.attach(self.path)
         return pool_families(self._pool)

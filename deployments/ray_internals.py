@@ -106,11 +106,11 @@ class ChosenReplicaRouter(RequestRouter):
             self._remove_pending_request_from_indices(pending)
 
 
-if __name__ == "__main__":  # scripts/serve.sh: `eval "$(python -m deployments.ray_internals direct-ingress-env PORT)"`
+if __name__ == "__main__":  # scripts/serve.sh: `eval "$(python -m prefillshare.deployments.ray_internals direct-ingress-env PORT)"`
     import shlex
     import sys
 
     if sys.argv[1:2] != ["direct-ingress-env"] or len(sys.argv) != 3:
-        sys.exit("usage: python -m deployments.ray_internals direct-ingress-env FIRST_PORT")
+        sys.exit("usage: python -m prefillshare.deployments.ray_internals direct-ingress-env FIRST_PORT")
     for k, v in direct_ingress_env(int(sys.argv[2])).items():
         print(f"export {k}={shlex.quote(v)}")

@@ -10,9 +10,9 @@ import os
 import random
 import sys
 
-from app.training.tasks import AGENTS as TASKS
-from app.training.tasks import Record
-from prefillshare_agents import Agent, Client, Sampling, one_line
+from prefillshare.agents import Agent, Client, Sampling, one_line
+from prefillshare.app.training.tasks import AGENTS as TASKS
+from prefillshare.app.training.tasks import Record
 
 # One order record; the shipped decoders were trained on this format (app/training/tasks.py),
 # so the task suite writes each agent's instruction and the answer it should give.

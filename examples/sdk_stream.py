@@ -10,9 +10,9 @@ import os
 import random
 import sys
 
-from app.training.tasks import AGENTS as TASKS
-from app.training.tasks import Record
-from prefillshare_agents import Agent, AsyncClient, Sampling, one_line
+from prefillshare.agents import Agent, AsyncClient, Sampling, one_line
+from prefillshare.app.training.tasks import AGENTS as TASKS
+from prefillshare.app.training.tasks import Record
 
 RECORD = Record((("item", "desk"), ("name", "omar"), ("city", "rome"), ("qty", "2"), ("day", "fri")),
                 ("fragile", "handle", "with", "care"))

@@ -10,7 +10,7 @@ import argparse
 import os
 import sys
 
-from prefillshare_agents import Agent, Client, Sampling, Workflow, one_line
+from prefillshare.agents import Agent, Client, Sampling, Workflow, one_line
 
 CONTEXT = "order\nname: lena\nitem: clock\nqty: 5\ncity: lima\nday: wed\nnote: leave at door"
 # Instruction templates in the task suite's format (app/training/tasks.py): a question, then

@@ -22,7 +22,7 @@ SERVE=.venv/bin/serve
 # Check the config and the shipped checkpoints before starting anything.
 if ! "$PY" - "$CONFIG" <<'EOF'
 import sys
-from app.config import ConfigError, load_config
+from prefillshare.app.config import ConfigError, load_config
 try:
     load_config(sys.argv[1]).check_paths()
 except ConfigError as e:
@@ -36,7 +36,7 @@ PORT=$("$PY" -c "import yaml,sys; print(yaml.safe_load(open(sys.argv[1]))['http_
 URL="http://127.0.0.1:${PORT}"
 DIRECT=""
 if [ "${RAY_SERVE_ENABLE_DIRECT_INGRESS:-0}" = 1 ]; then
-  DIRECT_ENV=$("$PY" -m deployments.ray_internals direct-ingress-env "$((PORT + 1))") || exit 1
+  DIRECT_ENV=$("$PY" -m prefillshare.deployments.ray_internals direct-ingress-env "$((PORT + 1))") || exit 1
   eval "$DIRECT_ENV"
   DIRECT="http://127.0.0.1:$((PORT + 1))"
 fi

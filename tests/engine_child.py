@@ -13,13 +13,13 @@ import time
 
 import pytest
 
-from app.engine_args import CPU_ENGINE_ENV
+from prefillshare.app.engine_args import CPU_ENGINE_ENV
 
 # A fixed KV space: vLLM's CPU worker otherwise reserves gpu_memory_utilization x the machine's
 # memory and refuses to start when other processes hold more than the rest.
 KV_CACHE_BYTES = 256 << 20
 # The env of an engine a test builds itself, as the app runs its CPU engines
-# (app.engine_args.CPU_ENGINE_ENV): vLLM's worker inside the engine core's process (and an offline
+# (prefillshare.app.engine_args.CPU_ENGINE_ENV): vLLM's worker inside the engine core's process (and an offline
 # LLM's engine core inside its own), not more processes that each import vLLM again.
 CPU_TEST_ENGINE_ENV = {**CPU_ENGINE_ENV, "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
 

@@ -37,9 +37,9 @@ def keyless_models(tmp_path_factory):
     """The app's models, plus an adapter trained on another base ("foreign": refused by the build)."""
     from dataclasses import replace
 
-    from app.models.manifest import read_manifest, write_manifest
-    from app.rendering import TEMPLATE_FILE, Renderer
     from bench.models import random_adapter
+    from prefillshare.app.models.manifest import read_manifest, write_manifest
+    from prefillshare.app.rendering import TEMPLATE_FILE, Renderer
 
     root = tmp_path_factory.mktemp("keyless")
     paths = make_models(root, {"lookup": (1, {}), "tool_call": (2, {}), "verify": (3, {"num_key_value_heads": 3}),
@@ -75,7 +75,7 @@ def keyless_config(paths: dict[str, Path], pool: str, group: dict | None = None)
 
 @pytest.fixture(scope="package")
 def keyless_app(keyless_models):
-    from app.config import load_config
+    from prefillshare.app.config import load_config
 
     pool_dir = f"/dev/shm/ps-keyless-{os.getpid()}"
     cfg = load_config(keyless_config(keyless_models, pool_dir))

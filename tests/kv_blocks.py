@@ -8,7 +8,7 @@ import uuid
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
-from app.engine.pool.kv_pool import BlockEntry, KVPool, PoolSpec
+from prefillshare.app.engine.pool.kv_pool import BlockEntry, KVPool, PoolSpec
 
 
 @dataclass(frozen=True)

@@ -44,8 +44,8 @@ def _make_models(root: Path) -> dict[str, Path]:
     the "json" tool-call format (deployments/ingress/tools.py); beta and gamma declare none."""
     from dataclasses import replace
 
-    from app.models.manifest import read_manifest, write_manifest
     from bench.random_models import make_models
+    from prefillshare.app.models.manifest import read_manifest, write_manifest
 
     paths = make_models(root, {"alpha": (1, {}), "beta": (2, {}), "gamma": (3, {"num_key_value_heads": 3})})
     write_manifest(paths["alpha"], replace(read_manifest(paths["alpha"]), tool_call_format="json"))
@@ -114,8 +114,8 @@ def _post(url: str, body: bytes | dict, timeout: float = 120, key: str | None = 
 @pytest.fixture(scope="package")
 def shared_app(tmp_path_factory):
     """The app, started once for the package that imports this fixture (tests/shared_app)."""
-    from app.config import load_config
     from bench.random_models import serve_app
+    from prefillshare.app.config import load_config
 
     paths = _make_models(tmp_path_factory.mktemp("models"))
     pool_dir = f"/dev/shm/ps-test-{os.getpid()}"
@@ -152,7 +152,7 @@ def reference(shared_app):
     import torch
     from transformers import AutoTokenizer
 
-    from app.models.checkpoint import load_model
+    from prefillshare.app.models.checkpoint import load_model
 
     tok = AutoTokenizer.from_pretrained(str(shared_app["paths"]["tokenizer"]))
     models = {k: load_model(p, torch.float32) for k, p in shared_app["paths"].items() if k != "tokenizer"}
@@ -160,7 +160,7 @@ def reference(shared_app):
 
 
 def _expected(reference, model: str, prompt_ids: list[int], private: bool = False) -> list[int]:
-    from app.reference import greedy_from_kv, prompt_kv, shared_greedy
+    from prefillshare.app.reference import greedy_from_kv, prompt_kv, shared_greedy
 
     tok, models = reference
     if private or model == "gamma":  # private prefill: the decoder computes its whole prompt

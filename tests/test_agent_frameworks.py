@@ -36,14 +36,14 @@ pytestmark = [pytest.mark.serve, pytest.mark.engine]
 
 def _context(seed: int, records: int = 12) -> str:
     """A shared conversation of ~350 tokens: order records one after another."""
-    from app.training import tasks
+    from prefillshare.app.training import tasks
 
     return "\n".join(e.context for e in tasks.make_examples(records, seed=seed)[::4])
 
 
 def _train(tmp: Path) -> dict[str, Path]:
     """One CLI run per agent (2 steps: sharing, not accuracy, is under test): merged + adapter."""
-    from app.training import recipe, tasks
+    from prefillshare.app.training import recipe, tasks
 
     template = tmp / "template.jinja"
     template.write_text(recipe.CHAT_TEMPLATE)
@@ -55,7 +55,7 @@ def _train(tmp: Path) -> dict[str, Path]:
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = {}
     for name in AGENTS:
-        subprocess.run([sys.executable, "-m", "app.cli", "train", "--base", str(ROOT / "checkpoints" / "base"),
+        subprocess.run([sys.executable, "-m", "prefillshare.app.cli", "train", "--base", str(ROOT / "checkpoints" / "base"),
                         "--data", str(data), "--agent", name, "--chat-template", str(template), "--lora",
                         "--lora-rank", "4", "--steps", "2", "--batch-size", "4", "--no-progress",
                         "--out", str(tmp / name)], check=True, cwd=ROOT, timeout=600)
@@ -65,7 +65,7 @@ def _train(tmp: Path) -> dict[str, Path]:
 
 @pytest.fixture(scope="module")
 def app_url(tmp_path_factory):
-    from app.config import load_config
+    from prefillshare.app.config import load_config
 
     tmp = tmp_path_factory.mktemp("frameworks")
     paths = _train(tmp)

@@ -4,8 +4,8 @@ import asyncio
 
 import pytest
 
-from app.engine import alloc_conf
-from app.engine.nixl.config import nixl_transfer_config
+from prefillshare.app.engine import alloc_conf
+from prefillshare.app.engine.nixl.config import nixl_transfer_config
 
 KV = nixl_transfer_config("producer", lease_s=30, kv_buffer_device="cuda")
 
@@ -21,7 +21,7 @@ def test_expandable_segments_beside_a_connector_is_a_typed_error():
 
 
 def test_an_engine_start_refuses_it_before_vllm_is_built():
-    from app.engine.async_engine import Engine, EngineConfig
+    from prefillshare.app.engine.async_engine import Engine, EngineConfig
 
     cfg = EngineConfig(model="checkpoints/base", kv_transfer_config=KV,
                        extra_env={"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"})
@@ -32,8 +32,8 @@ def test_an_engine_start_refuses_it_before_vllm_is_built():
 def test_the_app_refuses_it_when_built(tmp_path):
     from pathlib import Path
 
-    from app.config import load_config
-    from deployments.application import build
+    from prefillshare.app.config import load_config
+    from prefillshare.deployments.application import build
 
     root = Path(__file__).resolve().parent.parent
     cfg = load_config(root / "serve_config.yaml")

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from app.sampling import Sampling, TokenLogprob
-from deployments.errors import INPUT_FIELD, ApiError, ErrorCode, Failure, failure_fields
-from deployments.ingress.openai_format import Answer
-from deployments.messages import CompletionJob, DecodeChunk
-from deployments.path.decode_call import Output
+from prefillshare.app.sampling import Sampling, TokenLogprob
+from prefillshare.deployments.errors import INPUT_FIELD, ApiError, ErrorCode, Failure, failure_fields
+from prefillshare.deployments.ingress.openai_format import Answer
+from prefillshare.deployments.messages import CompletionJob, DecodeChunk
+from prefillshare.deployments.path.decode_call import Output
 
 
 def _feed(out: Output, *chunks: DecodeChunk) -> None:

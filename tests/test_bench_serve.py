@@ -151,12 +151,12 @@ def test_report_remakes_tables_and_plots_of_a_saved_run(tmp_path):
 
 def test_every_system_is_a_valid_app_config(tmp_path):
     """The six systems' configs load and plan (adapters checked, per-adapter KV where it belongs); no engine starts."""
-    from app.config import load_config
-    from app.plan import plan_app
     from bench.models import SMALL, random_models
     from bench.stock_vllm import STOCK_SYSTEMS
     from bench.systems import SYSTEMS, Topology, app_config
-    from deployments.application import build
+    from prefillshare.app.config import load_config
+    from prefillshare.app.plan import plan_app
+    from prefillshare.deployments.application import build
 
     mset = random_models(tmp_path / "m", 2, SMALL, TOKENIZER, "float32", lora_rank=8)
     topo = Topology(kv_cache_gib=0.125, prefill_replicas=1, lora_rank=8, colocated_replicas=1)
@@ -228,8 +228,8 @@ def test_vllm_client_sends_n_requests_per_shared_prefix_round_robin_without_igno
     from vllm.benchmarks.serve import add_cli_args
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-    from app.training.tokenizer import load_tokenizer
     from bench.vllm_client import SUFFIX_TOKENS, client_argv
+    from prefillshare.app.training.tokenizer import load_tokenizer
 
     parser = FlexibleArgumentParser()
     add_cli_args(parser)
@@ -357,13 +357,13 @@ def test_short_run_driven_by_vllms_client_against_the_app_and_a_stock_server(tmp
 def _chat_prompts(tmp_path, layout: str, n: int = 2):
     """The app's prompt ids of one session's N agent requests, as a framework sends them, rendered by
     the bench's chat adapters of ``layout`` through the app's Prompter (what the Router calls)."""
-    from app.rendering import Renderer
     from bench.client import chat_bodies
     from bench.models import SMALL, random_models
     from bench.workload import agent_profiles
-    from deployments.ingress.prompts import Prompter
-    from deployments.ingress.schemas import ChatBody
-    from deployments.ingress.tools import tools_line
+    from prefillshare.app.rendering import Renderer
+    from prefillshare.deployments.ingress.prompts import Prompter
+    from prefillshare.deployments.ingress.schemas import ChatBody
+    from prefillshare.deployments.ingress.tools import tools_line
 
     mset = random_models(tmp_path / "m", n, SMALL, TOKENIZER, "float32", lora_rank=8)
     dirs = {"shared_first": mset.shared_first, "system_first": mset.system_first}[layout]
@@ -409,9 +409,9 @@ def test_shared_first_agents_share_the_context_and_stock_vllm_renders_the_system
     system-first prompt token for token, so the three systems are asked the same thing."""
     from transformers import AutoTokenizer
 
-    from app.models.manifest import read_manifest
-    from app.sharing import common_prefix
     from bench.models import BENCH_CHAT_TEMPLATE
+    from prefillshare.app.models.manifest import read_manifest
+    from prefillshare.app.sharing import common_prefix
 
     mset, session, bodies, sf = _chat_prompts(tmp_path, "shared_first")
     _, _, _, sys_first = _chat_prompts(tmp_path, "system_first")

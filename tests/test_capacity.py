@@ -3,8 +3,8 @@ from dataclasses import replace
 
 import pytest
 
-from app.cli import main
-from app.scaling import CPU_MEASURED, H200_PAPER, PROFILES, Workload, size, work_ratio
+from prefillshare.app.cli import main
+from prefillshare.app.scaling import CPU_MEASURED, H200_PAPER, PROFILES, Workload, size, work_ratio
 
 
 @pytest.mark.parametrize("profile", list(PROFILES.values()), ids=list(PROFILES))

@@ -1,9 +1,9 @@
 """`dtype: auto` picks float32 on CPUs that only emulate bfloat16 (6x slower here), bf16 elsewhere."""
 import pytest
 
-from app.engine import compute_dtype
-from app.engine.async_engine import EngineConfig
-from app.plan import kv_bytes_per_token
+from prefillshare.app.engine import compute_dtype
+from prefillshare.app.engine.async_engine import EngineConfig
+from prefillshare.app.plan import kv_bytes_per_token
 
 AVX2 = "processor\t: 0\nflags\t\t: fpu sse2 avx avx2 fma\n"
 SAPPHIRE = "processor\t: 0\nflags\t\t: fpu avx2 avx512f avx512_bf16 amx_tile amx_bf16\n"

@@ -6,9 +6,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from app.config import AppConfig, ConfigError, load_config
-from deployments.ingress.prompts import common_prefix, locality_keys
-from deployments.routing.prefix_router import LocalityTable, choose, rendezvous_rank
+from prefillshare.app.config import AppConfig, ConfigError, load_config
+from prefillshare.deployments.ingress.prompts import common_prefix, locality_keys
+from prefillshare.deployments.routing.prefix_router import LocalityTable, choose, rendezvous_rank
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -62,7 +62,7 @@ def test_a_setting_of_the_retired_block_server_says_what_replaces_it(field):
 
 
 def test_prefill_wait_reaches_the_plan_and_must_be_positive():
-    from app.plan import plan_app
+    from prefillshare.app.plan import plan_app
 
     plan = plan_app(load_config(minimal(limits={"prefill_wait_s": 1.5})))
     assert plan.limits.prefill_wait_s == 1.5
@@ -71,7 +71,7 @@ def test_prefill_wait_reaches_the_plan_and_must_be_positive():
 
 
 def test_engine_settings_reach_the_engine_config_gpu_fraction_included():
-    from app.engine_args import engine_config
+    from prefillshare.app.engine_args import engine_config
 
     cfg = load_config(minimal(decoders=[{"name": "lookup", "model": "checkpoints/decoders/lookup",
                                          "engine": {"gpu_memory_utilization": 0.2, "kv_cache_memory_bytes": "0.5GiB"}}]))
@@ -94,7 +94,7 @@ def test_serve_config_yaml_is_valid_for_serve_and_for_the_app():
     ServeDeploySchema.model_validate(raw)
     assert raw["http_options"]["host"] == "127.0.0.1"
     app = raw["applications"][0]
-    assert app["import_path"] == "deployments.application:build_app"
+    assert app["import_path"] == "prefillshare.deployments.application:build_app"
     cfg = load_config(ROOT / "serve_config.yaml")
     assert isinstance(cfg, AppConfig)
     assert cfg.prefill_modules[0].placement.num_replicas == 1
@@ -113,7 +113,7 @@ def test_serve_config_yaml_is_valid_for_serve_and_for_the_app():
 def test_the_commented_lora_group_in_serve_config_yaml_plans_as_written():
     """The chat-format decode group that serve_config.yaml documents (commented out) is valid as
     written: uncommented, the app plans it with the shipped adapters (manifests, ranks, base), no engine."""
-    from app.plan import plan_app
+    from prefillshare.app.plan import plan_app
 
     lines = (ROOT / "serve_config.yaml").read_text().splitlines()
     start = next(i for i, x in enumerate(lines) if x.strip() == "# - name: chat-group")
@@ -132,8 +132,8 @@ def test_the_commented_lora_group_in_serve_config_yaml_plans_as_written():
 
 
 def test_cpu_engines_run_their_worker_inside_enginecore_unless_threads_are_pinned_or_on_gpu():
-    from app.config import EngineSettings, Placement
-    from app.engine_args import engine_env
+    from prefillshare.app.config import EngineSettings, Placement
+    from prefillshare.app.engine_args import engine_env
 
     cfg = load_config(minimal())
     flag = "VLLM_ENABLE_V1_MULTIPROCESSING"

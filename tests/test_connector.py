@@ -2,7 +2,7 @@
 
 One producer engine (base A) and three consumer engines (decoders B, C, D: same shapes, other
 weights) share one pool; every decoded token is checked against the transformers reference
-(app.reference). Prompts are longer than one prefill chunk (max_num_batched_tokens=64) and not
+(prefillshare.app.reference). Prompts are longer than one prefill chunk (max_num_batched_tokens=64) and not
 multiples of the block size (32), so chunked saves and partial-block hand-over are exercised.
 """
 from __future__ import annotations
@@ -76,9 +76,9 @@ def pool_dir():
 
 @pytest.fixture(scope="module")
 def stack(model_dirs, pool_dir):
-    from app.engine.async_engine import Engine, EngineConfig, PoolSpec
-    from app.engine.pool.handover import connector_config
-    from app.engine.pool.kv_pool import KVPool
+    from prefillshare.app.engine.async_engine import Engine, EngineConfig, PoolSpec
+    from prefillshare.app.engine.pool.handover import connector_config
+    from prefillshare.app.engine.pool.kv_pool import KVPool
 
     spec = PoolSpec(path=pool_dir, capacity_bytes=256 << 20, lease_timeout_s=120)
     # The producer writes a crc32 per slot and decoder D checks it (the opt-in check mode);
@@ -123,25 +123,25 @@ def prompt(seed: int, n: int) -> list[int]:
 
 
 def shared_ref(hf, base, dec, p):
-    from app.reference import shared_greedy
+    from prefillshare.app.reference import shared_greedy
 
     return shared_greedy(hf[base], hf[dec], p, N_NEW)
 
 
 def private_ref(hf, dec, p):
-    from app.reference import private_greedy
+    from prefillshare.app.reference import private_greedy
 
     return private_greedy(hf[dec], p, N_NEW)
 
 
 def decode(loop, engine, p, salt="tenant-1"):
-    from app.engine.async_engine import Sampling
+    from prefillshare.app.engine.async_engine import Sampling
 
     return loop.run(engine.complete(p, Sampling(max_tokens=N_NEW, ignore_eos=True), cache_salt=salt))
 
 
 def test_decoder_on_base_kv_matches_reference_concurrently(stack, hf):
-    from app.engine.async_engine import Sampling
+    from prefillshare.app.engine.async_engine import Sampling
 
     loop, eng, pool = stack
     prompts = [prompt(i, n) for i, n in enumerate((150, 77, 201, 97))]
@@ -166,7 +166,7 @@ def test_decoder_on_base_kv_matches_reference_concurrently(stack, hf):
 
 
 def test_one_prefill_fans_out_to_three_decoders(stack, hf):
-    from app.engine.pool.kv_keys import shared_block_keys
+    from prefillshare.app.engine.pool.kv_keys import shared_block_keys
 
     loop, eng, pool = stack
     p = prompt(10, 173)
@@ -176,7 +176,7 @@ def test_one_prefill_fans_out_to_three_decoders(stack, hf):
     assert r.kv_transfer_params["prefillshare"]["blocks"] == len(keys) == -(-(len(p) - 1) // BS)
 
     async def all_three():
-        from app.engine.async_engine import Sampling
+        from prefillshare.app.engine.async_engine import Sampling
 
         s = Sampling(max_tokens=N_NEW, ignore_eos=True)
         return await asyncio.gather(*[eng[n].complete(p, s, cache_salt="tenant-1") for n in "BCD"])
@@ -189,7 +189,7 @@ def test_one_prefill_fans_out_to_three_decoders(stack, hf):
 
 
 def test_missing_block_falls_back_to_private_prefill(stack, hf):
-    from app.engine.pool.kv_keys import shared_block_keys
+    from prefillshare.app.engine.pool.kv_keys import shared_block_keys
 
     loop, eng, pool = stack
     p = prompt(20, 130)
@@ -205,7 +205,7 @@ def test_missing_block_falls_back_to_private_prefill(stack, hf):
 
 
 def test_damaged_block_falls_back_to_private_prefill(stack, hf):
-    from app.engine.pool.kv_keys import shared_block_keys
+    from prefillshare.app.engine.pool.kv_keys import shared_block_keys
 
     loop, eng, pool = stack
     p = prompt(30, 140)
@@ -221,7 +221,7 @@ def test_damaged_block_falls_back_to_private_prefill(stack, hf):
 
 def test_torn_slot_of_a_producer_that_died_mid_save_falls_back_to_private_prefill(stack, hf):
     """A slot whose writer never published (generation left odd): no decoder loads it."""
-    from app.engine.pool.kv_keys import shared_block_keys
+    from prefillshare.app.engine.pool.kv_keys import shared_block_keys
 
     loop, eng, pool = stack
     p = prompt(35, 120)
@@ -239,7 +239,7 @@ def test_torn_slot_of_a_producer_that_died_mid_save_falls_back_to_private_prefil
 
 
 def test_eviction_under_small_capacity_and_fanout_pins(stack, hf):
-    from app.engine.pool.kv_keys import shared_block_keys
+    from prefillshare.app.engine.pool.kv_keys import shared_block_keys
 
     loop, eng, pool = stack
     x, y, z = prompt(40, 100), prompt(41, 100), prompt(42, 100)  # 4 blocks each (99 shared tokens)
@@ -280,7 +280,7 @@ def test_tenant_salt_isolates_kv(stack, hf):
 
 
 def test_engine_errors_surface(stack):
-    from app.engine.async_engine import EngineRequestError, Sampling
+    from prefillshare.app.engine.async_engine import EngineRequestError, Sampling
 
     loop, eng, _ = stack
     with pytest.raises(EngineRequestError, match="max_model_len"):
@@ -292,7 +292,7 @@ def test_engine_errors_surface(stack):
 
 def _fan_out(loop, eng, p):
     """Decoders B, C, D on one prompt at once."""
-    from app.engine.async_engine import Sampling
+    from prefillshare.app.engine.async_engine import Sampling
 
     async def three():
         s = Sampling(max_tokens=N_NEW, ignore_eos=True)
@@ -306,7 +306,7 @@ def _misses(pool) -> dict[str, float]:
 
 
 def test_fan_out_evicted_between_prefill_and_decode_falls_back_for_every_decoder(stack, hf):
-    from app.engine.pool.kv_keys import shared_block_keys
+    from prefillshare.app.engine.pool.kv_keys import shared_block_keys
 
     loop, eng, pool = stack
     p = prompt(80, 150)
@@ -325,7 +325,7 @@ def test_fan_out_evicted_between_prefill_and_decode_falls_back_for_every_decoder
 def test_pool_full_of_pinned_blocks_drops_a_new_fan_out_whose_decoders_prefill_privately(stack, hf):
     """Capacity holds one pinned fan-out: the next fan-out's save cannot evict it, its blocks
     are dropped, and all three of its decoders prefill privately; the pinned one still loads."""
-    from app.engine.pool.kv_keys import shared_block_keys
+    from prefillshare.app.engine.pool.kv_keys import shared_block_keys
 
     loop, eng, pool = stack
     x, y = prompt(90, 120), prompt(91, 120)  # 4 blocks each

@@ -8,9 +8,9 @@ from types import SimpleNamespace as NS
 
 import pytest
 
-from app.engine.pool.connector.metadata import ConnectorSettings
-from app.engine.pool.connector.scheduler import ShareScheduler
-from app.engine.pool.kv_keys import key_salt, shared_block_keys
+from prefillshare.app.engine.pool.connector.metadata import ConnectorSettings
+from prefillshare.app.engine.pool.connector.scheduler import ShareScheduler
+from prefillshare.app.engine.pool.kv_keys import key_salt, shared_block_keys
 from tests.kv_blocks import Block, put, temp_pool
 
 BS = 32

@@ -8,10 +8,10 @@ from types import SimpleNamespace as NS
 import pytest
 import torch
 
-from app.engine.cpu_layout import BlockLayout
-from app.engine.pool.connector.metadata import ConnectorSettings, LoadSpec, PrefillShareMeta, SaveSpec
-from app.engine.pool.connector.worker import ShareWorker
-from app.engine.pool.kv_keys import shared_block_keys
+from prefillshare.app.engine.cpu_layout import BlockLayout
+from prefillshare.app.engine.pool.connector.metadata import ConnectorSettings, LoadSpec, PrefillShareMeta, SaveSpec
+from prefillshare.app.engine.pool.connector.worker import ShareWorker
+from prefillshare.app.engine.pool.kv_keys import shared_block_keys
 from tests.kv_blocks import temp_pool
 
 BS, HEADS, HEAD, LAYERS, NB = 16, 2, 32, 3, 8

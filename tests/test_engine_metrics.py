@@ -1,11 +1,11 @@
 """The engines' vllm:* metrics on the app's /metrics, without Ray: what a replica sends
-(deployments.metrics.engine_samples) and how the Metrics deployment exports it."""
+(prefillshare.deployments.metrics.engine_samples) and how the Metrics deployment exports it."""
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
-from deployments import metrics
-from deployments.metrics import AppMetrics, engine_samples
+from prefillshare.deployments import metrics
+from prefillshare.deployments.metrics import AppMetrics, engine_samples
 
 
 def _engine_registry(path: str) -> CollectorRegistry:
@@ -58,8 +58,8 @@ def test_engines_built_at_once_in_one_process_do_not_collide_in_the_registry(tmp
 
     import vllm.v1.metrics.loggers as vllm_loggers
 
-    from app.engine.async_engine import EngineConfig, _prometheus_stat_logger
     from bench.random_models import make_models
+    from prefillshare.app.engine.async_engine import EngineConfig, _prometheus_stat_logger
 
     base = make_models(tmp_path, {})["base"]
     vllm_config = EngineConfig(model=str(base), dtype="float32", kv_cache_memory_bytes=64 << 20, max_model_len=256,

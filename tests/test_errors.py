@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from app.errors import PrefillShareLibraryError
+from prefillshare.app.errors import PrefillShareLibraryError
 
 REPO = Path(__file__).resolve().parent.parent
 ROOT = "PrefillShareLibraryError"
@@ -58,7 +58,7 @@ def test_the_scan_finds_the_library_exceptions():
 
 @pytest.mark.parametrize("name,module", [pytest.param(n, m, id=n) for n, m in EXCEPTIONS if not n.startswith("_")])
 def test_every_library_exception_derives_from_the_root(name, module):
-    assert ROOT in _ancestors(name), f"{module}.{name} does not derive from app.errors.{ROOT}"
+    assert ROOT in _ancestors(name), f"{module}.{name} does not derive from prefillshare.app.errors.{ROOT}"
 
 
 def test_exception_names_are_unique_across_the_library():
@@ -68,14 +68,14 @@ def test_exception_names_are_unique_across_the_library():
 
 
 @pytest.mark.parametrize("module,name,builtin", [
-    ("app.config", "ConfigError", ValueError),
-    ("app.engine.pool.kv_pool", "BlockMissing", KeyError),
-    ("app.engine.pool.kv_pool", "PoolMissing", FileNotFoundError),
-    ("app.engine.nixl.kv_auth", "KVAuthError", PermissionError),
-    ("app.engine.pool.slab", "SlotOutOfRange", LookupError),
-    ("app.rendering", "RenderError", ValueError),
-    ("app.kube.render", "RayServiceRenderError", ValueError),
-    ("deployments.errors", "Shed", Exception),
+    ("prefillshare.app.config", "ConfigError", ValueError),
+    ("prefillshare.app.engine.pool.kv_pool", "BlockMissing", KeyError),
+    ("prefillshare.app.engine.pool.kv_pool", "PoolMissing", FileNotFoundError),
+    ("prefillshare.app.engine.nixl.kv_auth", "KVAuthError", PermissionError),
+    ("prefillshare.app.engine.pool.slab", "SlotOutOfRange", LookupError),
+    ("prefillshare.app.rendering", "RenderError", ValueError),
+    ("prefillshare.app.kube.render", "RayServiceRenderError", ValueError),
+    ("prefillshare.deployments.errors", "Shed", Exception),
 ])
 def test_typed_subclasses_keep_their_builtin_base(module, name, builtin):
     cls = getattr(importlib.import_module(module), name)

@@ -7,13 +7,13 @@ from pathlib import Path
 
 import pytest
 
-from app.cli import main as cli
-from app.models.checkpoint import load_model, save_upper_layers
-from app.models.identity import prefill_module_id, tokenizer_hash
-from app.models.manifest import DecodeManifest, write_manifest
-from app.models.shapes import save_random_model
-from app.training import tasks
-from app.training.evaluate import METHODS
+from prefillshare.app.cli import main as cli
+from prefillshare.app.models.checkpoint import load_model, save_upper_layers
+from prefillshare.app.models.identity import prefill_module_id, tokenizer_hash
+from prefillshare.app.models.manifest import DecodeManifest, write_manifest
+from prefillshare.app.models.shapes import save_random_model
+from prefillshare.app.training import tasks
+from prefillshare.app.training.evaluate import METHODS
 
 TOKENIZER = Path(__file__).resolve().parents[1] / "checkpoints" / "tokenizer"
 AGENTS = ("lookup", "route")

@@ -10,15 +10,15 @@ import time
 
 import pytest
 
-from app.config import LimitsConfig
-from app.plan import AppPlan, DecoderPlan, ModulePlan
-from app.prompt_split import shared_length, split_prompt
-from app.sampling import Sampling
-from deployments.errors import ErrorCode, Shed, Unreachable
-from deployments.ingress.prompts import locality_keys
-from deployments.messages import DecodeChunk, PrefillTicket
-from deployments.path.decode_call import Output, Sequence
-from deployments.path.fanout import FanOut, Leg
+from prefillshare.app.config import LimitsConfig
+from prefillshare.app.plan import AppPlan, DecoderPlan, ModulePlan
+from prefillshare.app.prompt_split import shared_length, split_prompt
+from prefillshare.app.sampling import Sampling
+from prefillshare.deployments.errors import ErrorCode, Shed, Unreachable
+from prefillshare.deployments.ingress.prompts import locality_keys
+from prefillshare.deployments.messages import DecodeChunk, PrefillTicket
+from prefillshare.deployments.path.decode_call import Output, Sequence
+from prefillshare.deployments.path.fanout import FanOut, Leg
 
 BLOCK = 4
 PLAN = AppPlan(

@@ -6,15 +6,15 @@ from pathlib import Path
 
 import pytest
 
-from app.cli import main as cli
-from app.models.compat import check
-from app.models.manifest import read_manifest
-from app.models.shapes import save_random_model
-from app.rendering import Renderer
-from app.training import tasks
-from app.training.data import read_records, render_records, truncate
-from app.training.tokenizer import load_tokenizer
-from deployments.ingress.prompts import Prompter
+from prefillshare.app.cli import main as cli
+from prefillshare.app.models.compat import check
+from prefillshare.app.models.manifest import read_manifest
+from prefillshare.app.models.shapes import save_random_model
+from prefillshare.app.rendering import Renderer
+from prefillshare.app.training import tasks
+from prefillshare.app.training.data import read_records, render_records, truncate
+from prefillshare.app.training.tokenizer import load_tokenizer
+from prefillshare.deployments.ingress.prompts import Prompter
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKENIZER = ROOT / "checkpoints" / "tokenizer"
@@ -70,15 +70,15 @@ def test_chat_data_any_agent_name_lora_exports_merged_and_adapter_with_rendering
         assert tok.decode(enc.response).endswith("</s>")
     # the name goes into the app config as the served decoder's name; the Prompter the app builds
     # from it renders agent requests the way training rendered them
-    from app.config import load_config
+    from prefillshare.app.config import load_config
 
     cfg = load_config({"tokenizer": str(base), "prefill_modules": [{"name": "base", "model": str(base)}],
                        "decoders": [{"name": AGENT, "model": str(out)}]})
     served = Prompter.from_config(cfg)
     # a line of the messages file sent as an OpenAI chat request (content as text parts) goes through the
     # Router's request parsing and turn extraction to the same ids training used for that line
-    from deployments.ingress.schemas import ChatBody, parse
-    from deployments.ingress.tools import turns
+    from prefillshare.deployments.ingress.schemas import ChatBody, parse
+    from prefillshare.deployments.ingress.tools import turns
 
     rows = [json.loads(line) for line in data.read_text(encoding="utf-8").splitlines()]
     for row, enc in zip([r for r in rows if r["task"] == AGENT], render_records(records, tok, renderer), strict=True):
@@ -138,7 +138,7 @@ def test_prompt_completion_data_and_max_length_keep_the_last_token_and_answer(ba
 
 
 def read_manifest_prompt(fmt: str):
-    from app.models.manifest import PromptFormat
+    from prefillshare.app.models.manifest import PromptFormat
 
     return PromptFormat(fmt)
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import yaml
 
-from app.kube.helm import helm_binary
+from prefillshare.app.kube.helm import helm_binary
 
 ROOT = Path(__file__).resolve().parent.parent
 CHART = ROOT / "k8s" / "chart"

@@ -9,10 +9,10 @@ import json
 
 import pytest
 
-from app.config import LimitsConfig
-from deployments.errors import ApiError
-from deployments.ingress.admission import Admission, LatencyLimit
-from deployments.ingress.server import Router
+from prefillshare.app.config import LimitsConfig
+from prefillshare.deployments.errors import ApiError
+from prefillshare.deployments.ingress.admission import Admission, LatencyLimit
+from prefillshare.deployments.ingress.server import Router
 
 
 class _Events:
@@ -157,8 +157,8 @@ class _Late(_Call):
 def test_an_engine_queue_that_sheds_a_request_counts_as_too_slow():
     """A decoder call answered `overloaded` (its engine's queue was full) becomes 429 to the client
     and counts as past the target, as a timeout does: two such answers shrink the bound."""
-    from deployments.errors import ErrorCode, Failure
-    from deployments.messages import DecodeChunk
+    from prefillshare.deployments.errors import ErrorCode, Failure
+    from prefillshare.deployments.messages import DecodeChunk
 
     r = _router(5.0, Admission(8, LatencyLimit(8, 2, target_s=60.0, window=2)))
     shed = DecodeChunk("rq", "alpha", "", [], True, error=Failure(ErrorCode.OVERLOADED, "queue full"))

@@ -13,10 +13,10 @@ import pytest
 import yaml
 from ray.serve.schema import ServeDeploySchema
 
-from app.kube.capacity import check_capacity
-from app.kube.crd import CrdValidator, ManifestInvalid
-from app.kube.helm import helm_binary
-from app.kube.render import (
+from prefillshare.app.kube.capacity import check_capacity
+from prefillshare.app.kube.crd import CrdValidator, ManifestInvalid
+from prefillshare.app.kube.helm import helm_binary
+from prefillshare.app.kube.render import (
     API_KEYS_ENV,
     API_KEYS_SECRET_KEY,
     SERVE_PORT,
@@ -27,7 +27,7 @@ from app.kube.render import (
     render_rayservice,
     secret_manifest,
 )
-from app.kube.variant import VariantError, load_variant
+from prefillshare.app.kube.variant import VariantError, load_variant
 
 REPO = Path(__file__).resolve().parent.parent
 CRD_DIR = REPO / "tests" / "data" / "kuberay"  # KubeRay v1.7.0's CRDs, kept as data (its README: source, sums)
@@ -91,7 +91,7 @@ def test_drift_is_detected(tmp_path):
 
 
 def test_render_check_command_exits_zero_when_current():
-    out = subprocess.run([sys.executable, "-m", "app.kube", "render", "--check"], cwd=REPO,
+    out = subprocess.run([sys.executable, "-m", "prefillshare.app.kube", "render", "--check"], cwd=REPO,
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stdout + out.stderr
     assert out.stdout.count("up to date") == 2 * len(MANIFESTS), "each manifest and its Helm chart copy"
@@ -112,14 +112,14 @@ def test_serve_config_v2_valid_and_imports(path):
         for part in (attr or "app").split("."):
             target = getattr(target, part)
         assert callable(target), f"{app.import_path} is not an application builder"
-        from app.config import load_config
+        from prefillshare.app.config import load_config
 
         load_config(app.args["config"])  # the typed app config accepts what the variant produced
 
 
 def test_cpu_variant_models_are_in_the_repo():
     """The CPU image copies the repo to /app; every model path the manifest names must exist."""
-    from app.config import load_config
+    from prefillshare.app.config import load_config
 
     doc = _load(REPO / "k8s" / "rayservice-cpu.yaml")
     cfg = yaml.safe_load(doc["spec"]["serveConfigV2"])["applications"][0]["args"]["config"]
@@ -226,7 +226,7 @@ def test_gpu_prefill_and_decoders_share_multi_gpu_pods(gpu_manifest):
 def test_gpu_variant_is_sized_for_an_8b_model_at_4k_with_8_decoders(gpu_manifest):
     """docs/scaling.md "GPU KV space and lease": the prefill engine holds the unpulled 4K leases of
     an 8B model for a lease's time, a decoder its sequences' 4K contexts."""
-    from app.config import load_config
+    from prefillshare.app.config import load_config
 
     serve = yaml.safe_load(gpu_manifest["spec"]["serveConfigV2"])
     cfg = load_config(serve["applications"][0]["args"]["config"])
@@ -332,13 +332,13 @@ def test_models_volume_mounted_where_root_points(gpu_manifest):
 # ---- auth -------------------------------------------------------------------------------------
 
 def test_token_auth_uses_the_secret_the_cli_prints():
-    out = subprocess.run([sys.executable, "-m", "app.kube", "secret"], cwd=REPO,
+    out = subprocess.run([sys.executable, "-m", "prefillshare.app.kube", "secret"], cwd=REPO,
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     secret = yaml.safe_load(out.stdout)
     token = secret["stringData"]["auth_token"]
     assert len(token) >= 32
-    again = yaml.safe_load(subprocess.run([sys.executable, "-m", "app.kube", "secret"], cwd=REPO,
+    again = yaml.safe_load(subprocess.run([sys.executable, "-m", "prefillshare.app.kube", "secret"], cwd=REPO,
                                           capture_output=True, text=True, timeout=60).stdout)
     assert again["stringData"]["auth_token"] != token, "tokens are random, never a shipped constant"
     for path in MANIFESTS:
@@ -445,7 +445,7 @@ def test_helm_unknown_variant_fails_with_a_reason():
 @pytest.mark.parametrize("path", MANIFESTS, ids=lambda p: p.name)
 def test_manifests_require_api_keys_from_a_secret_in_every_pod(path):
     """Issue 7: keys at the ingress are on in the KubeRay manifests (off by default locally)."""
-    from app.config import load_config
+    from prefillshare.app.config import load_config
 
     doc = _load(path)
     for app in yaml.safe_load(doc["spec"]["serveConfigV2"])["applications"]:
@@ -460,8 +460,8 @@ def test_manifests_require_api_keys_from_a_secret_in_every_pod(path):
 
 
 def test_api_keys_command_prints_a_secret_the_app_reads(capsys):
-    from app.auth import load_keyring
-    from app.cli import main as cli
+    from prefillshare.app.auth import load_keyring
+    from prefillshare.app.cli import main as cli
 
     assert cli(["k8s", "api-keys", "team-a", "team-b", "--namespace", "ml"]) == 0
     secret = yaml.safe_load(capsys.readouterr().out)

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from app.kube.crd import CrdValidator
-from app.kube.helm import helm_binary
-from app.kube.render import KV_SECRET_ENV, KV_SECRET_KEY
+from prefillshare.app.kube.crd import CrdValidator
+from prefillshare.app.kube.helm import helm_binary
+from prefillshare.app.kube.render import KV_SECRET_ENV, KV_SECRET_KEY
 
 REPO = Path(__file__).resolve().parent.parent
 CHART = REPO / "k8s" / "chart"
@@ -87,7 +87,7 @@ def test_the_chart_secret_holds_a_random_kv_secret_and_the_policy_can_be_turned_
 
 def test_the_secret_command_prints_a_kv_secret_too():
     def secret():
-        out = subprocess.run([sys.executable, "-m", "app.kube", "secret"], cwd=REPO, capture_output=True,
+        out = subprocess.run([sys.executable, "-m", "prefillshare.app.kube", "secret"], cwd=REPO, capture_output=True,
                              text=True, timeout=60)
         assert out.returncode == 0, out.stderr
         return yaml.safe_load(out.stdout)["stringData"][KV_SECRET_KEY]

@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from app.config import load_config
-from app.kube.capacity import cluster_pools
+from prefillshare.app.config import load_config
+from prefillshare.app.kube.capacity import cluster_pools
 
 pytestmark = pytest.mark.serve
 

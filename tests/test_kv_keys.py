@@ -1,7 +1,7 @@
 """The KV key scheme: what changes a key and what does not."""
 import pytest
 
-from app.engine.pool.kv_keys import block_keys, key_salt, shared_block_keys
+from prefillshare.app.engine.pool.kv_keys import block_keys, key_salt, shared_block_keys
 
 TOKENS = list(range(3, 3 + 70))  # 2 full blocks of 32 + a partial block of 6
 

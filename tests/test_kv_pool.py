@@ -9,10 +9,10 @@ from dataclasses import asdict
 import pytest
 import torch
 
-from app.engine.cpu_layout import BlockLayout, joint_runs, slot_runs
-from app.engine.pool import kv_pool
-from app.engine.pool.kv_keys import block_keys
-from app.engine.pool.kv_pool import BlockDamaged, KVPool, PoolSpec, SlotReused, SlotTorn
+from prefillshare.app.engine.cpu_layout import BlockLayout, joint_runs, slot_runs
+from prefillshare.app.engine.pool import kv_pool
+from prefillshare.app.engine.pool.kv_keys import block_keys
+from prefillshare.app.engine.pool.kv_pool import BlockDamaged, KVPool, PoolSpec, SlotReused, SlotTorn
 from tests.kv_blocks import Block, put, read
 
 BLOCK = 4096
@@ -170,8 +170,8 @@ def test_counters_are_written_with_the_next_transaction(pool_dir):
 
 WRITER = """
 import sys
-from app.engine.pool.kv_keys import block_keys
-from app.engine.pool.kv_pool import KVPool, PoolSpec
+from prefillshare.app.engine.pool.kv_keys import block_keys
+from prefillshare.app.engine.pool.kv_pool import KVPool, PoolSpec
 from tests.kv_blocks import Block, put, read
 path, tag, size = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 pool = KVPool(PoolSpec(path))
@@ -207,8 +207,8 @@ def test_concurrent_processes_keep_the_pool_consistent(pool_dir):
 # -- the seqlock under fire: slow writers reuse slots while readers copy ---------------------
 SLOW_WRITER = """
 import sys, time
-from app.engine.pool.kv_keys import block_keys
-from app.engine.pool.kv_pool import KVPool, PoolSpec
+from prefillshare.app.engine.pool.kv_keys import block_keys
+from prefillshare.app.engine.pool.kv_pool import KVPool, PoolSpec
 path, tag, size, secs = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4])
 pool = KVPool(PoolSpec(path))
 pool.slab(size)
@@ -227,7 +227,7 @@ while time.time() < stop_at:  # blocks of one byte value, each written in two ha
 
 READER = """
 import sys, time
-from app.engine.pool.kv_pool import KVPool, PoolSpec, SlotReused, SlotTorn
+from prefillshare.app.engine.pool.kv_pool import KVPool, PoolSpec, SlotReused, SlotTorn
 path, size, secs = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
 pool = KVPool(PoolSpec(path))
 pool.slab(size)
@@ -277,7 +277,7 @@ def test_a_reader_never_accepts_a_reused_or_half_written_slot(pool_dir):
 # (copied from the real one once they are gone) moves past them
 DIE_MID_SAVE = """
 import os, sys
-from app.engine.pool.kv_pool import KVPool, PoolSpec
+from prefillshare.app.engine.pool.kv_pool import KVPool, PoolSpec
 pool = KVPool(PoolSpec(sys.argv[1], lease_timeout_s=30))
 res = pool.reserve([sys.argv[2]], int(sys.argv[3]), [4], "L", pins=2)
 pool.slab(int(sys.argv[3])).view(res.new[0].slot)[:10] = b"x" * 10
@@ -286,7 +286,7 @@ os._exit(0)  # never publishes
 
 DIE_HOLDING_LEASE = """
 import os, sys
-from app.engine.pool.kv_pool import KVPool, PoolSpec
+from prefillshare.app.engine.pool.kv_pool import KVPool, PoolSpec
 pool = KVPool(PoolSpec(sys.argv[1]))
 assert pool.fetch([sys.argv[2]], lease_s=30)[1]
 os._exit(0)
@@ -441,7 +441,7 @@ def test_capacity_grows_the_slab_for_every_process(pool_dir):
 
 
 def test_only_the_creator_sets_the_capacity_and_readers_never_create(pool_dir):
-    from app.engine.pool.kv_pool import PoolMissing
+    from prefillshare.app.engine.pool.kv_pool import PoolMissing
 
     with pytest.raises(PoolMissing):
         KVPool.attach(pool_dir)  # a reader (metrics) before any engine: no pool is made

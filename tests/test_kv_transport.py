@@ -1,7 +1,7 @@
 """Which transport a vllm-nixl pull should take (named per placement) and which one UCX chose
 (read from its protocol log); no engine, no GPU."""
-from app.engine.nixl import kv_transport
-from app.engine.nixl.config import GPU_SETTINGS
+from prefillshare.app.engine.nixl import kv_transport
+from prefillshare.app.engine.nixl.config import GPU_SETTINGS
 
 # UCX_PROTO_INFO=y output as UCX 1.2x prints it (shape of the tables in UCX's ucp_proto_debug)
 GPU_LOG = """\

@@ -14,13 +14,15 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def _imports(path: Path) -> list[tuple[int, str]]:
+    """(line, module) of each absolute import in ``path``, the project's own named by folder
+    (``prefillshare.app.plan`` -> ``app.plan``, as the tree lays it out)."""
     out = []
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
             out.append((node.lineno, node.module))
         elif isinstance(node, ast.Import):
             out += [(node.lineno, a.name) for a in node.names]
-    return out
+    return [(line, m.removeprefix("prefillshare.")) for line, m in out]
 
 
 def test_app_imports_nothing_from_deployments():
@@ -34,7 +36,7 @@ def test_app_imports_nothing_from_deployments():
 
 def test_the_scan_sees_imports_inside_functions(tmp_path):
     f = tmp_path / "m.py"
-    f.write_text("def f():\n    from deployments.ingress.server import Router\n    import deployments.messages\n")
+    f.write_text("def f():\n    from prefillshare.deployments.ingress.server import Router\n    import prefillshare.deployments.messages\n")
     assert [m for _, m in _imports(f)] == ["deployments.ingress.server", "deployments.messages"]
 
 
@@ -70,7 +72,7 @@ def _handover_mentions(path: Path) -> list[str]:
 
 
 def test_the_hand_over_mode_is_read_only_by_the_config_and_the_plan():
-    """The plan chooses the app's Handover once (app.plan.handover_of); replicas and everything else
+    """The plan chooses the app's Handover once (prefillshare.app.plan.handover_of); replicas and everything else
     ask that object and never re-derive the mode (issue 45)."""
     allowed = {"app/config.py", "app/plan.py"}
     found = {}

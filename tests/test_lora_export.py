@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from app.models.compat import check
-from app.training import tasks
-from app.training.tokenizer import load_tokenizer
-from app.training.trainer import TrainConfig, train_decoder
+from prefillshare.app.models.compat import check
+from prefillshare.app.training import tasks
+from prefillshare.app.training.tokenizer import load_tokenizer
+from prefillshare.app.training.trainer import TrainConfig, train_decoder
 from tests.engine_child import KV_CACHE_BYTES, run_in_child
 
 CKPT = Path(__file__).resolve().parents[1] / "checkpoints"
@@ -50,8 +50,8 @@ def test_merged_export_generates_the_adapter_models_greedy_tokens(tmp_path):
     tok = load_tokenizer(base_dir)
     prompts = [tok(e.prompt)["input_ids"] for e in tasks.make_examples(6, seed=9) if e.agent == "route"]
     adapted = _run(base_dir, prompts, tmp_path / "adapter")  # vLLM: the base + the PEFT adapter
-    from app.models.checkpoint import load_model
-    from app.reference import private_greedy
+    from prefillshare.app.models.checkpoint import load_model
+    from prefillshare.app.reference import private_greedy
 
     merged = load_model(out)  # the bf16 merged export, in transformers (the vLLM path is tested equal to it)
     assert adapted == [private_greedy(merged, p, MAX_NEW, tok.eos_token_id) for p in prompts]

@@ -1,4 +1,4 @@
-"""A replica's metrics events are batched into one Serve call per window (deployments.metrics.
+"""A replica's metrics events are batched into one Serve call per window (prefillshare.deployments.metrics.
 MetricsSender), in order, gauges coalesced to their last value; the Metrics deployment replays a
 batch onto its registry. Without Ray: a fake handle records the calls."""
 from __future__ import annotations
@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from deployments.metrics import MetricsSender, MetricsServer, RequestRecord
+from prefillshare.deployments.metrics import MetricsSender, MetricsServer, RequestRecord
 
 
 class _Handle:

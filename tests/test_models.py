@@ -9,10 +9,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from app.models.compat import check
-from app.models.identity import CheckpointError, prefill_module_id, tokenizer_hash, weights_digest
-from app.models.manifest import DecodeManifest, ManifestError, read_manifest, write_manifest
-from app.models.shapes import save_random_model
+from prefillshare.app.models.compat import check
+from prefillshare.app.models.identity import CheckpointError, prefill_module_id, tokenizer_hash, weights_digest
+from prefillshare.app.models.manifest import DecodeManifest, ManifestError, read_manifest, write_manifest
+from prefillshare.app.models.shapes import save_random_model
 
 TOKENIZER = Path(__file__).resolve().parents[1] / "checkpoints" / "tokenizer"
 
@@ -157,8 +157,8 @@ def _adapter_from(base: Path, out: Path, base_id: str | None = None, rank: int =
     """A real PEFT adapter on the base, exported the way `prefillshare train --lora` does."""
     from peft import LoraConfig, get_peft_model
 
-    from app.models.checkpoint import load_model, save_adapter
-    from app.models.manifest import AdapterSpec
+    from prefillshare.app.models.checkpoint import load_model, save_adapter
+    from prefillshare.app.models.manifest import AdapterSpec
 
     targets = ("q_proj", "v_proj")
     model = get_peft_model(load_model(base), LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=list(targets)))
@@ -206,7 +206,7 @@ def test_bad_adapter_or_prompt_block_names_the_field(base, tmp_path, edit, probl
 
 
 def test_adapter_files_that_disagree_with_the_manifest_fail(base, tmp_path):
-    from app.models.identity import CheckpointError
+    from prefillshare.app.models.identity import CheckpointError
 
     out = _adapter_from(base, tmp_path / "ad")
     cfg = json.loads((out / "adapter_config.json").read_text())

@@ -11,7 +11,7 @@ import time
 
 import psutil
 
-from app.engine.niceness import niceness_of, renice_tree
+from prefillshare.app.engine.niceness import niceness_of, renice_tree
 
 # a process with a second thread, and a child that has a second thread too
 _CHILD = """

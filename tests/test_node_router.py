@@ -16,10 +16,10 @@ import pytest
 from ray.serve._private.common import DeploymentHandleSource, DeploymentID, ReplicaID, RequestMetadata
 from ray.serve.request_router import PendingRequest
 
-from deployments.messages import DecodeRequest, PrefillRequest
-from deployments.routing import node_router
-from deployments.routing.node_router import preferred_node, rank_by_node
-from deployments.routing.prefix_router import PrefixLocalityRouter
+from prefillshare.deployments.messages import DecodeRequest, PrefillRequest
+from prefillshare.deployments.routing import node_router
+from prefillshare.deployments.routing.node_router import preferred_node, rank_by_node
+from prefillshare.deployments.routing.prefix_router import PrefixLocalityRouter
 
 
 def _decode_arg(node: str | None = "node-p") -> DecodeRequest:
@@ -156,7 +156,7 @@ def test_a_malformed_prefill_request_is_routed_by_default_and_counted():
 
 
 def test_router_failovers_are_rendered_in_metrics():
-    from deployments.metrics import AppMetrics
+    from prefillshare.deployments.metrics import AppMetrics
 
     m = AppMetrics()
     m.router_failover("Decode-x", "RuntimeError")
@@ -171,7 +171,7 @@ def test_a_router_as_serve_ships_it_tells_the_request_path_how_many_replicas_are
     from ray import cloudpickle
     from ray.serve.config import RequestRouterConfig
 
-    from deployments.routing import safe_router
+    from prefillshare.deployments.routing import safe_router
 
     shipped = cloudpickle.loads(RequestRouterConfig(
         request_router_class=node_router.NodeAffinityRouter).get_serialized_request_router_cls())

@@ -103,8 +103,8 @@ def test_a_stall_of_a_replicas_engine_stops_its_engine_core_not_the_replica():
 
 
 def test_fill_pool_pins_every_free_slot_until_the_deadline(tmp_path):
-    from app.engine.pool.kv_pool import KVPool, PoolSpec
     from bench.faults import fill_pool
+    from prefillshare.app.engine.pool.kv_pool import KVPool, PoolSpec
 
     owner = KVPool(PoolSpec(path=str(tmp_path / "pool"), capacity_bytes=1 << 20))
     pinned = fill_pool(owner.path, hold_s=30, block_bytes=1 << 16)
@@ -194,9 +194,9 @@ def test_the_multinode_runs_config_loads_and_places_engines_on_both_nodes():
     """bench/overload_multinode.py's app: serve_config.yaml's on hand-over vllm-nixl, its engines
     split over the nodes."""
 
-    from app.config import load_config
-    from app.plan import plan_app
     from bench import overload_multinode as mod
+    from prefillshare.app.config import load_config
+    from prefillshare.app.plan import plan_app
 
     cfg = load_config(mod.app_config("t"))
     assert cfg.handover == "vllm-nixl" and cfg.pool.path == "/dev/shm/ps-ovmn-t"
@@ -212,9 +212,9 @@ def test_the_restart_runs_arms_differ_only_in_every_engines_serving_niceness(mon
     """bench/restart_under_load.py: each arm is the multi-node run's app with ``serving_niceness``
     set on every engine, down to the EngineConfig the engines start from."""
 
-    from app.config import load_config
-    from app.engine_args import engine_config
     from bench import restart_under_load
+    from prefillshare.app.config import load_config
+    from prefillshare.app.engine_args import engine_config
 
     arms = {n: load_config(restart_under_load.arm_config("t", n)) for n in (19, 0)}
     for n, cfg in arms.items():

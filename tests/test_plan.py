@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from app.config import load_config
-from app.rendering import Renderer
+from prefillshare.app.config import load_config
+from prefillshare.app.rendering import Renderer
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -26,9 +26,9 @@ def shipped_with_group():
 
 
 def test_each_manifest_is_read_once_and_each_rendering_checked_once(shipped_with_group, monkeypatch):
-    from app.models import compat, manifest
-    from app.plan import plan_app
-    from deployments.ingress.prompts import Prompter
+    from prefillshare.app.models import compat, manifest
+    from prefillshare.app.plan import plan_app
+    from prefillshare.deployments.ingress.prompts import Prompter
 
     reads: Counter[str] = Counter()
     real = manifest.read_manifest
@@ -39,7 +39,7 @@ def test_each_manifest_is_read_once_and_each_rendering_checked_once(shipped_with
 
     monkeypatch.setattr(manifest, "read_manifest", counting)
     monkeypatch.setattr(compat, "read_manifest", counting)
-    monkeypatch.setattr("app.rendering.read_manifest", counting)
+    monkeypatch.setattr("prefillshare.app.rendering.read_manifest", counting)
     checks: Counter[str] = Counter()
     real_check = Renderer.check
 
@@ -64,7 +64,7 @@ def test_each_manifest_is_read_once_and_each_rendering_checked_once(shipped_with
 
 
 def test_the_plan_carries_the_limits_once(shipped_with_group):
-    from app.plan import AppPlan, plan_app
+    from prefillshare.app.plan import AppPlan, plan_app
 
     plan = plan_app(shipped_with_group)
     assert plan.limits is shipped_with_group.limits
@@ -75,6 +75,6 @@ def test_the_shipped_app_binds_without_a_cluster():
     """serve_config.yaml's app goes through the plan and binds every deployment (no engine starts)."""
     from ray.serve import Application
 
-    from deployments.application import build
+    from prefillshare.deployments.application import build
 
     assert isinstance(build(load_config(ROOT / "serve_config.yaml")), Application)

@@ -11,16 +11,16 @@ import uuid
 
 import pytest
 
-from app.engine.pool.kv_keys import block_keys
-from app.engine.pool.kv_pool import KVPool, PoolSpec
+from prefillshare.app.engine.pool.kv_keys import block_keys
+from prefillshare.app.engine.pool.kv_pool import KVPool, PoolSpec
 from tests.kv_blocks import Block, put
 
 BLOCK = 4096
 
 OWNER = """
 import os, sys
-from app.engine.pool.kv_keys import block_keys
-from app.engine.pool.kv_pool import KVPool, PoolSpec
+from prefillshare.app.engine.pool.kv_keys import block_keys
+from prefillshare.app.engine.pool.kv_pool import KVPool, PoolSpec
 from tests.kv_blocks import Block, put
 path, how, persist = sys.argv[1], sys.argv[2], sys.argv[3] == "1"
 pool = KVPool(PoolSpec(path, capacity_bytes=8 * 4096, persist=persist))

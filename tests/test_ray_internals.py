@@ -11,8 +11,8 @@ from pathlib import Path
 from ray.serve.handle import DeploymentHandle, DeploymentResponse, DeploymentResponseGenerator
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
-from deployments import ray_internals
-from deployments.routing.safe_router import SafeRouter
+from prefillshare.deployments import ray_internals
+from prefillshare.deployments.routing.safe_router import SafeRouter
 
 ROOT = Path(__file__).resolve().parent.parent
 SOURCES = [p for d in ("app", "deployments", "agents", "scripts") for p in sorted((ROOT / d).rglob("*.py"))]
@@ -134,8 +134,8 @@ def test_the_replica_env_names_are_the_ones_serve_reads():
 
 
 def test_request_path_replicas_get_the_replica_env_and_an_engines_own_env_wins():
-    from app.config import load_config
-    from deployments.application import _small, engine_options
+    from prefillshare.app.config import load_config
+    from prefillshare.deployments.application import _small, engine_options
 
     cfg = load_config(ROOT / "serve_config.yaml")
     dec = cfg.decoders[0]

@@ -7,10 +7,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from app.models.checkpoint import load_model
-from app.models.shapes import save_random_model
-from app.prompt_split import split_prompt
-from app.reference import (
+from prefillshare.app.models.checkpoint import load_model
+from prefillshare.app.models.shapes import save_random_model
+from prefillshare.app.prompt_split import split_prompt
+from prefillshare.app.reference import (
     batched_prompt_kv,
     greedy_from_kv,
     kv_from_bytes,
@@ -19,8 +19,8 @@ from app.reference import (
     shared_greedy,
     shared_greedy_batch,
 )
-from app.training import tasks
-from app.training.tokenizer import load_tokenizer
+from prefillshare.app.training import tasks
+from prefillshare.app.training.tokenizer import load_tokenizer
 
 TOKENIZER = Path(__file__).resolve().parents[1] / "checkpoints" / "tokenizer"
 

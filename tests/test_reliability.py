@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from app.auth import AuthError, KeyRing, load_keyring, tenant_salt
-from app.config import ConfigError, LimitsConfig, load_config
-from deployments.ingress.admission import Admission, LatencyLimit, Slot, admission_for
-from deployments.ingress.prompts import locality_keys
+from prefillshare.app.auth import AuthError, KeyRing, load_keyring, tenant_salt
+from prefillshare.app.config import ConfigError, LimitsConfig, load_config
+from prefillshare.deployments.ingress.admission import Admission, LatencyLimit, Slot, admission_for
+from prefillshare.deployments.ingress.prompts import locality_keys
 
 ROOT = Path(__file__).resolve().parent.parent
 KEY_A, KEY_B = "sk-unit-acme-00112233445566", "sk-unit-globex-778899aabbcc"
@@ -118,8 +118,8 @@ def test_every_admitted_request_is_counted_once_by_route_and_outcome():
     (b'{"model": "a", "prompt": "p", "stop": 3}', "invalid_value", "stop"),
 ])
 def test_parse_names_encoding_json_and_field_errors(raw, code, param):
-    from deployments.errors import ApiError
-    from deployments.ingress.schemas import CompletionBody, parse
+    from prefillshare.deployments.errors import ApiError
+    from prefillshare.deployments.ingress.schemas import CompletionBody, parse
 
     with pytest.raises(ApiError) as e:
         parse(raw, CompletionBody)
@@ -127,8 +127,8 @@ def test_parse_names_encoding_json_and_field_errors(raw, code, param):
 
 
 def test_openai_bodies_keep_unknown_fields_and_agent_bodies_reject_them():
-    from deployments.errors import ApiError
-    from deployments.ingress.schemas import AgentRunBody, CompletionBody, parse
+    from prefillshare.deployments.errors import ApiError
+    from prefillshare.deployments.ingress.schemas import AgentRunBody, CompletionBody, parse
 
     body = parse(b'{"model": "a", "prompt": "p", "user": "u1", "metadata": {}}', CompletionBody)
     assert body.model_extra == {"metadata": {}} and body.user == "u1"  # `user` is OpenAI's (no effect)
@@ -179,10 +179,10 @@ def test_serve_script_keeps_ray_token_auth_on_unless_told_otherwise():
 
 
 def test_openai_options_become_one_sampling_and_unimplemented_ones_are_refused():
-    from app.config import LimitsConfig
-    from deployments.errors import ApiError
-    from deployments.ingress.request_options import check_unsupported, sampling_from
-    from deployments.ingress.schemas import AgentBody, ChatBody, CompletionBody
+    from prefillshare.app.config import LimitsConfig
+    from prefillshare.deployments.errors import ApiError
+    from prefillshare.deployments.ingress.request_options import check_unsupported, sampling_from
+    from prefillshare.deployments.ingress.schemas import AgentBody, ChatBody, CompletionBody
 
     limits = LimitsConfig(max_tokens_default=8, max_tokens_cap=64)
     assert sampling_from(AgentBody(model="m", instruction="i"), limits, 2, 1000).max_tokens == 8
@@ -207,7 +207,7 @@ def test_openai_options_become_one_sampling_and_unimplemented_ones_are_refused()
 
 
 def test_every_error_code_has_one_http_shape_used_for_json_and_streams():
-    from deployments.errors import HTTP, INPUT_FIELD, ApiError, ErrorCode, Failure
+    from prefillshare.deployments.errors import HTTP, INPUT_FIELD, ApiError, ErrorCode, Failure
 
     assert set(HTTP) == set(ErrorCode)
     for (code, shape), route in zip(HTTP.items(), itertools.cycle(INPUT_FIELD)):

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from app.config import load_config
-from app.models.manifest import (
+from prefillshare.app.config import load_config
+from prefillshare.app.models.manifest import (
     MANIFEST_NAME,
     DecodeManifest,
     ManifestError,
@@ -16,9 +16,9 @@ from app.models.manifest import (
     read_manifest,
     write_manifest,
 )
-from app.rendering import Renderer, RenderError, template_sha256
-from app.training.tasks import render_prompt
-from deployments.ingress.prompts import Prompter, common_prefix
+from prefillshare.app.rendering import Renderer, RenderError, template_sha256
+from prefillshare.app.training.tasks import render_prompt
+from prefillshare.deployments.ingress.prompts import Prompter, common_prefix
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKENIZER = ROOT / "checkpoints" / "tokenizer"

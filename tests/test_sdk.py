@@ -7,7 +7,7 @@ import socket
 
 import pytest
 
-from prefillshare_agents import (
+from prefillshare.agents import (
     Agent,
     AgentDelta,
     AgentDone,
@@ -334,7 +334,7 @@ def test_workflows_stream_and_async(server, client):
 # ---- per-agent OpenAI options ---------------------------------------------------------------
 
 def test_agent_options_are_sent_as_the_apps_fields(server, client):
-    from prefillshare_agents import StructuredOutput
+    from prefillshare.agents import StructuredOutput
 
     schema = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
     agent = Agent("lookup", "Find it", sampling=Sampling(max_tokens=8, temperature=0.5, stop=["\n", "."], n=2,

@@ -27,8 +27,8 @@ import yaml
 from process_tracking import ProcessTracker, kill_all, title
 from serve_test_app import _get, _post
 
-from app.training import tasks
 from bench.random_models import free_port
+from prefillshare.app.training import tasks
 
 pytestmark = [pytest.mark.serve, pytest.mark.engine]
 

@@ -6,11 +6,11 @@ import asyncio
 
 import pytest
 
-from deployments.errors import Unreachable
-from deployments.messages import DecodeChunk
-from deployments.path import serve_engines
-from deployments.path.serve_engines import ServeEngines
-from deployments.routing import safe_router
+from prefillshare.deployments.errors import Unreachable
+from prefillshare.deployments.messages import DecodeChunk
+from prefillshare.deployments.path import serve_engines
+from prefillshare.deployments.path.serve_engines import ServeEngines
+from prefillshare.deployments.routing import safe_router
 
 
 class FakeResponse:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from deployments.metrics import AppMetrics, PrefillRecord, RequestRecord
+from prefillshare.deployments.metrics import AppMetrics, PrefillRecord, RequestRecord
 
 
 def _samples(m: AppMetrics) -> dict[str, float]:
@@ -41,7 +41,7 @@ def test_failed_request_counts_only_as_an_error():
 
 
 def test_pool_counters_are_exported_per_scope(tmp_path):
-    from app.engine.pool.kv_pool import KVPool, PoolSpec
+    from prefillshare.app.engine.pool.kv_pool import KVPool, PoolSpec
 
     pool = KVPool(PoolSpec(str(tmp_path / "pool"), capacity_bytes=1 << 20))
     pool.add("alpha", {"hits": 3, "misses": 1, "bytes_moved": 4096, "fallback:missing": 1})
@@ -59,8 +59,8 @@ def test_pool_counters_are_exported_per_scope(tmp_path):
 def test_pools_of_other_nodes_arrive_from_their_engines_labelled_by_node(tmp_path, monkeypatch):
     """Every node has its own pool and the Metrics replica (the head's, on KubeRay) may have none:
     each node's engines send theirs, and a node silent too long drops out."""
-    from app.engine.pool.kv_pool import KVPool, PoolMissing, PoolSpec
-    from deployments import metrics
+    from prefillshare.app.engine.pool.kv_pool import KVPool, PoolMissing, PoolSpec
+    from prefillshare.deployments import metrics
 
     late = metrics.PoolReader(str(tmp_path / "decode-node"))  # an engine's reader, before the pool exists
     with pytest.raises(PoolMissing):

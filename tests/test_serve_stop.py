@@ -29,8 +29,8 @@ import pytest
 import yaml
 from process_tracking import ProcessTracker, is_running, kill_all, title
 
-from app.engine.niceness import niceness_of
 from bench.random_models import free_port, make_models, small_serve_config
+from prefillshare.app.engine.niceness import niceness_of
 
 pytestmark = [pytest.mark.serve, pytest.mark.engine]
 
@@ -114,7 +114,7 @@ def _run_and_stop(tmp: Path, models: dict[str, Path], pool: str, kill_a_decoder:
 
 
 def test_serve_run_stopped_without_shutdown_leaves_no_process_and_only_a_reclaimable_pool(tmp_path, models):
-    from app.engine.pool.kv_pool import KVPool, PoolSpec
+    from prefillshare.app.engine.pool.kv_pool import KVPool, PoolSpec
 
     pool = f"/dev/shm/ps-stop-{os.getpid()}"
     shm_before = _shm()

@@ -8,7 +8,7 @@ for NIXL handshakes on its own port, and a decoder pulls the blocks its lease na
 prefill engine on the other raylet.
 
 Random weights of the shipped shape (bench/random_models.py), float32 so that tokens compare with
-the transformers reference. Completions and a 2-agent fan-out must give ``app.reference``'s
+the transformers reference. Completions and a 2-agent fan-out must give ``prefillshare.app.reference``'s
 shared-KV greedy tokens with every prompt token but the last pulled from the base (one lease per
 decoder); a lease that ran out before the decoder took its request must be answered with the
 private reference's tokens and counted on /metrics. API keys are on, so every prefill carries the
@@ -47,7 +47,7 @@ from serve_test_app import (
     wait_for_nixl_event,
 )
 
-from app.engine.nixl.kv_auth import KV_SECRET_ENV
+from prefillshare.app.engine.nixl.kv_auth import KV_SECRET_ENV
 
 pytestmark = [pytest.mark.serve, pytest.mark.engine]
 
@@ -57,7 +57,7 @@ LONG_NEW = 600  # node loss: decoding outlasts the removal of a node
 ENGINE = {**TEST_ENGINE, "max_model_len": 768}
 OUT = Path(__file__).resolve().parent.parent / "runs" / "multinode"
 EXPIRED = "vllm:nixl_num_kv_expired_reqs_total"  # vLLM's counter (nixl/stats.py), as its replica pushes it
-REFUSED = "prefillshare_nixl_refused_handshakes_total"  # the side channel's refusals (app.engine.nixl.connector)
+REFUSED = "prefillshare_nixl_refused_handshakes_total"  # the side channel's refusals (prefillshare.app.engine.nixl.connector)
 
 
 def _on(node: str, entry: dict, replicas: int = 1) -> dict:
@@ -85,10 +85,10 @@ def _app_config(paths, pool_dir: str, keys_file) -> dict:
 
 @pytest.fixture(scope="module")
 def nixl_app(tmp_path_factory):
-    from app.config import load_config
     from bench.models import random_adapter
     from bench.random_models import make_models
-    from deployments.application import build
+    from prefillshare.app.config import load_config
+    from prefillshare.deployments.application import build
 
     root = tmp_path_factory.mktemp("models")
     paths = make_models(root, {"alpha": (1, {}), "beta": (2, {})})
@@ -114,7 +114,7 @@ def nixl_reference(nixl_app):
     from peft import PeftModel
     from transformers import AutoTokenizer
 
-    from app.models.checkpoint import load_model
+    from prefillshare.app.models.checkpoint import load_model
 
     paths = nixl_app["paths"]
     tok = AutoTokenizer.from_pretrained(str(paths["tokenizer"]))
@@ -136,7 +136,7 @@ def test_prefill_and_decoders_run_on_their_nodes(nixl_app):
 
 
 def test_completions_pull_the_bases_kv_and_match_the_shared_reference(nixl_app, nixl_reference):
-    from app.training.tasks import render_prompt
+    from prefillshare.app.training.tasks import render_prompt
 
     tok, _ = nixl_reference
     prompt = render_prompt(CONTEXT, "what is the city?")
@@ -157,7 +157,7 @@ def test_completions_pull_the_bases_kv_and_match_the_shared_reference(nixl_app, 
 
 
 def test_fan_out_takes_one_lease_per_decoder_and_matches_the_shared_reference(nixl_app, nixl_reference):
-    from app.training.tasks import render_prompt
+    from prefillshare.app.training.tasks import render_prompt
 
     tok, _ = nixl_reference
     url = nixl_app["url"]
@@ -186,8 +186,8 @@ def test_the_prefill_engines_side_channel_answers_only_holders_of_the_kv_secret(
     import zmq
     from side_channel_peer import ask, peer
 
-    from app.engine.nixl import side_channel_auth
-    from deployments.messages import PrefillRequest
+    from prefillshare.app.engine.nixl import side_channel_auth
+    from prefillshare.deployments.messages import PrefillRequest
 
     tok, _ = nixl_reference
     url = nixl_app["url"]
@@ -222,9 +222,9 @@ def test_a_lease_that_ran_out_is_answered_privately_and_counted(nixl_app, nixl_r
     with its other vllm:* metrics, shows them on /metrics."""
     from ray import serve
 
-    from app.sampling import Sampling
-    from app.training.tasks import render_prompt
-    from deployments.messages import DecodeRequest, PrefillRequest
+    from prefillshare.app.sampling import Sampling
+    from prefillshare.app.training.tasks import render_prompt
+    from prefillshare.deployments.messages import DecodeRequest, PrefillRequest
 
     tok, _ = nixl_reference
     url = nixl_app["url"]
@@ -307,7 +307,7 @@ def test_losing_the_prefill_node_falls_back_to_private_prefill_until_it_is_back(
     most ``prefill_wait_s`` for a prefill replica. Once a new node offers ``prefill_node`` the group
     is placed there and prompts are shared again (every prompt token but the last pulled from the
     new prefill engine, a new NIXL handshake)."""
-    from app.training.tasks import render_prompt
+    from prefillshare.app.training.tasks import render_prompt
 
     tok, _ = nixl_reference
     cluster, url = nixl_app["cluster"], nixl_app["url"]
@@ -386,7 +386,7 @@ def _promised_status(error: dict) -> int:
     """The one status docs/reliability.md ("Errors") promises for a failure of a request in flight when
     its decode node goes: 503 ``engine_error`` (the decoder unavailable) or 504 ``timeout`` (its retry
     outlived limits.request_timeout_s). Anything else, a 500 or 502 among them, fails the test."""
-    from deployments.errors import HTTP, ErrorCode
+    from prefillshare.deployments.errors import HTTP, ErrorCode
 
     promised = {HTTP[c].code: HTTP[c].status for c in (ErrorCode.DECODER_UNAVAILABLE, ErrorCode.ENGINE_ERROR,
                                                         ErrorCode.TIMEOUT)}
@@ -406,7 +406,7 @@ def test_losing_the_decode_node_fails_in_flight_requests_clearly_then_recovers(n
     lost. While no node offers ``decode_node`` alpha and the LoRA group cannot be placed and /ready says so; once a new node offers it Serve places them there and new requests
     succeed. Beta's requests may go to its replica on the prefill node and complete throughout.
     """
-    from app.training.tasks import render_prompt
+    from prefillshare.app.training.tasks import render_prompt
 
     tok, _ = nixl_reference
     cluster, url = nixl_app["cluster"], nixl_app["url"]

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import yaml
 
-from app.config import EngineSettings, LoRAGroup, Placement, PoolConfig, load_config
+from prefillshare.app.config import EngineSettings, LoRAGroup, Placement, PoolConfig, load_config
 
 ROOT = Path(__file__).resolve().parent.parent
 BASE = {"prefill_modules": [{"name": "base", "model": "checkpoints/base"}],
@@ -110,8 +110,8 @@ def _lookup(obj: Any, path: str) -> Any:
 
 def _arrived(setting: str, target: str, monkeypatch) -> list[Any]:
     """The values found at ``target`` once ``setting`` is probed (one per place that target names)."""
-    from app.engine_args import engine_config, engine_env, pool_spec
-    from deployments.application import engine_options
+    from prefillshare.app.engine_args import engine_config, engine_env, pool_spec
+    from prefillshare.deployments.application import engine_options
 
     over, _ = PROBES[setting]
     if setting in LIMITS:
@@ -131,7 +131,7 @@ def _arrived(setting: str, target: str, monkeypatch) -> list[Any]:
         if name == "*":
             return [{k: getattr(args, k) for k in over["engine_kwargs"]}]
         return [getattr(args, name)]
-    if target.startswith("EngineConfig."):  # the project's own engine settings, applied by app.engine
+    if target.startswith("EngineConfig."):  # the project's own engine settings, applied by prefillshare.app.engine
         return [getattr(engine_config(cfg, d.model, d.engine, d.placement, None, d), target.removeprefix("EngineConfig."))]
     if target.startswith("env"):
         env = engine_env(cfg, d.placement, d.engine)
@@ -162,8 +162,8 @@ def test_a_row_naming_the_wrong_target_fails(monkeypatch):
     ({"no_such_argument": 1}, "decoders[0].engine.engine_kwargs.no_such_argument: not a vLLM engine argument"),
 ])
 def test_engine_kwargs_are_checked_against_vllm_when_the_app_is_planned(engine_kwargs, field):
-    from app.config import ConfigError
-    from app.engine_args import check_engine_kwargs
+    from prefillshare.app.config import ConfigError
+    from prefillshare.app.engine_args import check_engine_kwargs
 
     cfg = load_config({**BASE, "decoders": [{"name": "lookup", "model": "checkpoints/decoders/lookup",
                                              "engine": {"engine_kwargs": engine_kwargs}}]})
@@ -177,7 +177,7 @@ def test_engine_kwargs_are_checked_against_vllm_when_the_app_is_planned(engine_k
     ("pool", "fan_out_ttl_s", "lease_timeout_s"),
 ])
 def test_a_renamed_setting_fails_naming_the_new_name(section, old, new):
-    from app.config import ConfigError
+    from prefillshare.app.config import ConfigError
 
     cfg = dict(BASE)
     if section == "engine":
@@ -195,7 +195,7 @@ def test_an_engine_loads_the_models_own_tokenizer_only_when_it_is_the_apps(tmp_p
     tokenizer files equal the app's byte for byte, else the app's tokenizer folder."""
     import shutil
 
-    from app.engine_args import engine_tokenizer
+    from prefillshare.app.engine_args import engine_tokenizer
 
     tok, model = tmp_path / "tok", tmp_path / "model"
     shutil.copytree(ROOT / "checkpoints" / "tokenizer", tok)
@@ -210,7 +210,7 @@ def test_an_engine_loads_the_models_own_tokenizer_only_when_it_is_the_apps(tmp_p
 
 
 def _size(v: Any) -> Any:
-    from app.config import _bytes
+    from prefillshare.app.config import _bytes
 
     return _bytes(v) if isinstance(v, str) and v[-1:] == "B" and v[:1].isdigit() else v
 
@@ -225,10 +225,10 @@ def _library_fields() -> dict[str, Any]:
     import dataclasses
     import inspect
 
-    from app.engine.async_engine import EngineConfig
-    from app.engine.pool.kv_pool import PoolSpec
-    from deployments.routing.node_router import NodeAffinityRouter
-    from deployments.routing.prefix_router import LocalityTable, PrefixLocalityRouter
+    from prefillshare.app.engine.async_engine import EngineConfig
+    from prefillshare.app.engine.pool.kv_pool import PoolSpec
+    from prefillshare.deployments.routing.node_router import NodeAffinityRouter
+    from prefillshare.deployments.routing.prefix_router import LocalityTable, PrefixLocalityRouter
 
     out = {f"EngineConfig.{f.name}": f.default for f in dataclasses.fields(EngineConfig)
            if f.default is not dataclasses.MISSING}
@@ -254,7 +254,7 @@ def test_engines_and_pools_built_without_a_config_take_the_configs_default(setti
 
 
 def test_the_request_routers_take_the_routing_defaults():
-    from app.config import RoutingConfig, default
+    from prefillshare.app.config import RoutingConfig, default
 
     lib = _library_fields()
     assert lib["PrefixLocalityRouter.imbalance_threshold"] == lib["NodeAffinityRouter.imbalance_threshold"] \
@@ -267,7 +267,7 @@ def test_vllms_legacy_kv_space_env_is_neither_set_by_the_suite_nor_seen_by_an_en
     """VLLM_CPU_KVCACHE_SPACE would override kv_cache_memory_bytes; engines drop it from their env."""
     import os
 
-    from app.engine.async_engine import EngineConfig, _engine_env
+    from prefillshare.app.engine.async_engine import EngineConfig, _engine_env
 
     assert "VLLM_CPU_KVCACHE_SPACE" not in (ROOT / "scripts" / "test.sh").read_text()
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "4")

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from app.config import ConfigError, load_config
-from app.models.manifest import MANIFEST_NAME
-from app.sharing import fanout_cost, prefix_tree_tokens
-from deployments.metrics import AppMetrics, PrefillRecord
+from prefillshare.app.config import ConfigError, load_config
+from prefillshare.app.models.manifest import MANIFEST_NAME
+from prefillshare.app.sharing import fanout_cost, prefix_tree_tokens
+from prefillshare.deployments.metrics import AppMetrics, PrefillRecord
 
 ROOT = Path(__file__).resolve().parent.parent
 ADAPTER = ROOT / "checkpoints" / "chat" / "adapters" / "lookup"
@@ -37,7 +37,7 @@ def _config(tmp: Path, layouts: dict[str, str], require: bool = False):
 
 
 def test_the_plan_names_a_system_first_decoder_and_counts_what_a_fanout_costs(tmp_path, caplog):
-    from app.plan import plan_app
+    from prefillshare.app.plan import plan_app
 
     caplog.set_level(logging.INFO, logger="ray.serve")
     plan = plan_app(_config(tmp_path, {"a": "shared_first", "b": "shared_first", "old": "system_first"}))
@@ -57,7 +57,7 @@ def test_the_plan_names_a_system_first_decoder_and_counts_what_a_fanout_costs(tm
 
 
 def test_sharing_require_fails_the_build_naming_the_decoder(tmp_path):
-    from app.plan import plan_app
+    from prefillshare.app.plan import plan_app
 
     with pytest.raises(ConfigError, match=r"decoders\[0\]\.adapters\[1\]: decoder old .*sharing.require is on"):
         plan_app(_config(tmp_path, {"a": "shared_first", "old": "system_first"}, require=True))

@@ -5,9 +5,9 @@ from pathlib import Path
 
 import pytest
 
-from app.models.compat import check
-from app.models.manifest import read_manifest
-from app.training import tasks
+from prefillshare.app.models.compat import check
+from prefillshare.app.models.manifest import read_manifest
+from prefillshare.app.training import tasks
 from tests.engine_child import KV_CACHE_BYTES, run_in_child
 
 CKPT = Path(__file__).resolve().parents[1] / "checkpoints"
@@ -25,8 +25,8 @@ def test_shipped_layout_manifests_and_size():
 
 def test_shipped_chat_adapters_render_their_template_and_share_the_base():
     """checkpoints/chat: the chat-format suite's LoRA adapters (decoders and Full-FT baselines)."""
-    from app.rendering import Renderer
-    from app.training.tokenizer import load_tokenizer
+    from prefillshare.app.rendering import Renderer
+    from prefillshare.app.training.tokenizer import load_tokenizer
 
     tok = load_tokenizer(CKPT / "base")
     systems = set()
@@ -58,9 +58,9 @@ def _vllm_greedy(model: str, prompts: list[str], queue) -> None:
 @pytest.mark.engine
 def test_vllm_loads_a_shipped_decoder_and_matches_transformers():
     """Private prefill in vLLM (float32) answers like the transformers path does."""
-    from app.models.checkpoint import load_model
-    from app.reference import private_greedy
-    from app.training.tokenizer import load_tokenizer
+    from prefillshare.app.models.checkpoint import load_model
+    from prefillshare.app.reference import private_greedy
+    from prefillshare.app.training.tokenizer import load_tokenizer
 
     path = CKPT / "decoders" / "lookup"
     examples = [e for e in tasks.read_jsonl(CKPT / "data" / "test.jsonl") if e.agent == "lookup"][:4]

@@ -1,4 +1,4 @@
-"""vLLM's own NIXL handshake listener behind the KV secret (app.engine.nixl.side_channel_auth).
+"""vLLM's own NIXL handshake listener behind the KV secret (prefillshare.app.engine.nixl.side_channel_auth).
 
 The listener is vLLM's (``NixlBaseConnectorScheduler._nixl_handshake_listener``), run in a thread
 as the engine runs it, on loopback, with the project's CURVE ``zmq_ctx`` installed where vLLM looks
@@ -15,9 +15,9 @@ import pytest
 import zmq
 from side_channel_peer import ask, peer
 
-from app.engine.nixl import kv_auth
-from app.engine.nixl import side_channel_auth as sca
-from app.engine.nixl.kv_auth import KV_SECRET_ENV, KVAuthError
+from prefillshare.app.engine.nixl import kv_auth
+from prefillshare.app.engine.nixl import side_channel_auth as sca
+from prefillshare.app.engine.nixl.kv_auth import KV_SECRET_ENV, KVAuthError
 
 SECRET = "k" * 32
 METADATA = b"agent metadata of rank 0"
@@ -139,7 +139,7 @@ def _prom_metrics():
 
     from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-    from app.engine.nixl.connector import NixlConnector
+    from prefillshare.app.engine.nixl.connector import NixlConnector
 
     reg = CollectorRegistry()
     types = {cls: functools.partial(cls, registry=reg) for cls in (Counter, Gauge, Histogram)}
@@ -153,7 +153,7 @@ def test_refusals_reach_the_engines_prometheus_counter_through_vllms_stats_merge
     worker half's stats (Scheduler.update_from_output) and hands the dict to the frontend's metrics."""
     from vllm.distributed.kv_transfer.kv_connector.v1.nixl.stats import NixlKVConnectorStats
 
-    from app.engine.nixl.connector import GuardedNixlStats, NixlConnector
+    from prefillshare.app.engine.nixl.connector import GuardedNixlStats, NixlConnector
 
     monkeypatch.setattr(sca, "REFUSED", sca._Refusals())
     scheduler_half = object.__new__(NixlConnector)  # its worker half lives elsewhere (None here)

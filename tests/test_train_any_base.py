@@ -15,12 +15,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from app.cli import main as cli
-from app.models.checkpoint import TOKENIZER_FILES, save_model, stored_dtype
-from app.models.compat import check
-from app.models.identity import config_hash_material
-from app.models.manifest import read_manifest
-from app.training import tasks
+from prefillshare.app.cli import main as cli
+from prefillshare.app.models.checkpoint import TOKENIZER_FILES, save_model, stored_dtype
+from prefillshare.app.models.compat import check
+from prefillshare.app.models.identity import config_hash_material
+from prefillshare.app.models.manifest import read_manifest
+from prefillshare.app.training import tasks
 from tests.engine_child import CPU_TEST_ENGINE_ENV, KV_CACHE_BYTES
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -108,7 +108,7 @@ def test_layer_split_baseline_stores_its_layers_in_the_base_dtype(tmp_path):
 def test_examples_are_cut_to_the_bases_positions_by_default(tmp_path, capsys):
     base = make_base(tmp_path / "base", torch.float32, positions=32)
     data = _chat_data(tmp_path / "chat.jsonl")
-    from app.training.tokenizer import load_tokenizer
+    from prefillshare.app.training.tokenizer import load_tokenizer
 
     tok = load_tokenizer(base)
     users = [json.loads(line)["messages"][0]["content"] for line in data.read_text().splitlines()]
@@ -141,12 +141,12 @@ def test_a_decoder_trained_on_a_float32_base_decodes_on_its_kv_in_vllm(tmp_path)
     import os
     import uuid
 
-    from app.engine.async_engine import Engine, EngineConfig, PoolSpec, Sampling
-    from app.engine.pool.handover import connector_config
-    from app.models.checkpoint import load_model
-    from app.models.identity import prefill_module_id
-    from app.reference import shared_greedy
-    from app.training.tokenizer import load_tokenizer
+    from prefillshare.app.engine.async_engine import Engine, EngineConfig, PoolSpec, Sampling
+    from prefillshare.app.engine.pool.handover import connector_config
+    from prefillshare.app.models.checkpoint import load_model
+    from prefillshare.app.models.identity import prefill_module_id
+    from prefillshare.app.reference import shared_greedy
+    from prefillshare.app.training.tokenizer import load_tokenizer
 
     base = make_base(tmp_path / "base", torch.float32, seed=1, init=0.1)  # peaked logits: no greedy ties
     data = _chat_data(tmp_path / "chat.jsonl")

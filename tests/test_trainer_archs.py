@@ -12,9 +12,9 @@ import pytest
 import torch
 from transformers import DynamicCache, Gemma2Config, LlamaConfig, MistralConfig, Qwen2Config, TrainingArguments
 
-from app.training import batches, tasks
-from app.training.tokenizer import load_tokenizer
-from app.training.trainer import enable_checkpointing_with_prefix
+from prefillshare.app.training import batches, tasks
+from prefillshare.app.training.tokenizer import load_tokenizer
+from prefillshare.app.training.trainer import enable_checkpointing_with_prefix
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKENIZER = ROOT / "checkpoints" / "tokenizer"
@@ -97,7 +97,7 @@ def test_right_padding_the_prefix_would_change_a_sliding_window_models_loss(tok,
 def test_one_copy_lora_base_kv_is_bit_identical_and_only_adapters_train(arch, tok, encoded, tmp_path):
     from peft import LoraConfig, get_peft_model
 
-    from app.training.trainer import CacheConditionedTrainer
+    from prefillshare.app.training.trainer import CacheConditionedTrainer
 
     base = build(arch, len(tok))
     peft_model = get_peft_model(copy.deepcopy(base), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],

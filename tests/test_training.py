@@ -8,14 +8,14 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from app.cli import main as cli
-from app.models.checkpoint import load_decoder, load_model
-from app.models.compat import check
-from app.models.manifest import read_manifest
-from app.models.shapes import save_random_model
-from app.training import batches, tasks
-from app.training.tokenizer import load_tokenizer
-from app.training.trainer import TrainConfig, train_decoder
+from prefillshare.app.cli import main as cli
+from prefillshare.app.models.checkpoint import load_decoder, load_model
+from prefillshare.app.models.compat import check
+from prefillshare.app.models.manifest import read_manifest
+from prefillshare.app.models.shapes import save_random_model
+from prefillshare.app.training import batches, tasks
+from prefillshare.app.training.tokenizer import load_tokenizer
+from prefillshare.app.training.trainer import TrainConfig, train_decoder
 
 TOKENIZER = Path(__file__).resolve().parents[1] / "checkpoints" / "tokenizer"
 FAST = dict(steps=3, batch_size=4, lr=5e-3, warmup=1)

@@ -5,12 +5,18 @@ from __future__ import annotations
 
 import pytest
 
-from app.config import LimitsConfig
-from app.sampling import Sampling, TokenLogprob, TopLogprob
-from deployments.errors import ApiError
-from deployments.ingress.prompt_options import cache_salt, chat_switches, chat_turns, prompt_logprobs_of, truncated
-from deployments.ingress.request_options import check_unsupported, sampling_from
-from deployments.ingress.schemas import AgentBody, ChatBody, CompletionBody
+from prefillshare.app.config import LimitsConfig
+from prefillshare.app.sampling import Sampling, TokenLogprob, TopLogprob
+from prefillshare.deployments.errors import ApiError
+from prefillshare.deployments.ingress.prompt_options import (
+    cache_salt,
+    chat_switches,
+    chat_turns,
+    prompt_logprobs_of,
+    truncated,
+)
+from prefillshare.deployments.ingress.request_options import check_unsupported, sampling_from
+from prefillshare.deployments.ingress.schemas import AgentBody, ChatBody, CompletionBody
 
 LIMITS = LimitsConfig(max_tokens_default=8, max_tokens_cap=64)
 EOS = 2
@@ -123,8 +129,8 @@ def test_chat_switches_and_continue_final_message():
 def test_chat_template_switches_render_through_the_decoders_template():
     from transformers import AutoTokenizer
 
-    from app.rendering import Renderer
     from bench.random_models import TOKENIZER
+    from prefillshare.app.rendering import Renderer
 
     tok = AutoTokenizer.from_pretrained(str(TOKENIZER))
     template = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}{% if not (loop.last and continue_final_message"
@@ -141,9 +147,9 @@ def test_chat_template_switches_render_through_the_decoders_template():
 
 
 def test_answer_shapes_token_ids_and_echoed_prompt_logprobs():
-    from deployments.ingress.openai_format import Answer
-    from deployments.messages import CompletionJob, DecodeChunk
-    from deployments.path.decode_call import Output
+    from prefillshare.deployments.ingress.openai_format import Answer
+    from prefillshare.deployments.messages import CompletionJob, DecodeChunk
+    from prefillshare.deployments.path.decode_call import Output
 
     job = CompletionJob("cmpl-1", "m", (1, 5, 6), Sampling(max_tokens=2))
     plp = [None, TokenLogprob(5, "a", -1.0, (TopLogprob(5, "a", -1.0, 1),), 1),
@@ -165,9 +171,9 @@ def test_answer_shapes_token_ids_and_echoed_prompt_logprobs():
 def test_streamed_chunks_carry_token_ids_and_the_prompt_ids_once():
     import json
 
-    from deployments.ingress.openai_format import Answer
-    from deployments.messages import CompletionJob, DecodeChunk
-    from deployments.path.decode_call import Output
+    from prefillshare.deployments.ingress.openai_format import Answer
+    from prefillshare.deployments.messages import CompletionJob, DecodeChunk
+    from prefillshare.deployments.path.decode_call import Output
 
     job = CompletionJob("c", "m", (1, 5), Sampling(max_tokens=2))
     for chat in (False, True):

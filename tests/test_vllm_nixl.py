@@ -14,8 +14,9 @@ from dataclasses import dataclass
 
 import pytest
 
-from app.engine.nixl import leases as ho
-from app.engine.nixl.config import (
+from bench.nixl_probe import decode, lend
+from prefillshare.app.engine.nixl import leases as ho
+from prefillshare.app.engine.nixl.config import (
     CPU_SETTINGS,
     GPU_SETTINGS,
     NixlSettings,
@@ -24,9 +25,8 @@ from app.engine.nixl.config import (
     settings_for,
     side_channel_env,
 )
-from app.engine.nixl.handover import NixlHandover
-from app.sampling import Sampling
-from bench.nixl_probe import decode, lend
+from prefillshare.app.engine.nixl.handover import NixlHandover
+from prefillshare.app.sampling import Sampling
 
 BASE = "checkpoints/base"
 DECODER = "checkpoints/decoders/lookup"
@@ -45,9 +45,9 @@ def test_producer_and_consumer_configs():
         assert cfg["kv_load_failure_policy"] == "recompute"
     assert c["kv_connector_extra_config"]["num_threads"] == 0
     # vLLM's connector class with the project's side-channel guard, whatever the settings
-    assert c["kv_connector_module_path"] == "app.engine.nixl.connector"
+    assert c["kv_connector_module_path"] == "prefillshare.app.engine.nixl.connector"
     polled = nixl_transfer_config("consumer", lease_s=40, settings=CPU_SETTINGS)
-    assert polled["kv_connector_module_path"] == "app.engine.nixl.connector"
+    assert polled["kv_connector_module_path"] == "prefillshare.app.engine.nixl.connector"
     assert polled["kv_connector_extra_config"]["progress_thread"] is False
     assert nixl_transfer_config("both", lease_s=6)["kv_role"] == "kv_both"
     from vllm.config import KVTransferConfig
@@ -101,7 +101,7 @@ def test_a_gpu_engine_reads_over_cuda_ipc_and_a_cpu_engine_keeps_ucxs_defaults()
 
 
 def test_the_connector_sets_its_ucx_variables_unless_the_operator_did(monkeypatch):
-    from app.engine.nixl.connector import apply_ucx_env
+    from prefillshare.app.engine.nixl.connector import apply_ucx_env
 
     monkeypatch.delenv("UCX_CUDA_IPC_ENABLE_GET_ZCOPY", raising=False)
     monkeypatch.setenv("UCX_TLS", "rc,cuda_ipc,cuda_copy,tcp")
@@ -117,7 +117,7 @@ def test_a_listener_port_is_never_one_an_outgoing_connection_can_take(monkeypatc
     import random
     import socket
 
-    from app.engine.nixl import config as vllm_nixl
+    from prefillshare.app.engine.nixl import config as vllm_nixl
 
     with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
         low = int(f.read().split()[0])
@@ -240,9 +240,9 @@ def _prompts(n: int, lengths=(90, 257, 410)):
 
 @pytest.mark.engine
 def test_nixl_lease_that_ran_out_is_answered_privately_and_counted():
-    from app.engine.async_engine import EngineConfig
-    from app.models.checkpoint import load_decoder
-    from app.reference import private_greedy
+    from prefillshare.app.engine.async_engine import EngineConfig
+    from prefillshare.app.models.checkpoint import load_decoder
+    from prefillshare.app.reference import private_greedy
 
     lease = 6  # the smallest lease vLLM renews (every lease // 6 = 1 s)
     common = dict(dtype="float32", kv_cache_memory_bytes=268435456, max_model_len=1024, block_size=32, request_timeout_s=60)
@@ -284,7 +284,7 @@ def test_nixl_lease_that_ran_out_is_answered_privately_and_counted():
 
 
 def test_handover_mode_is_one_config_field():
-    from app.config import AppConfig
+    from prefillshare.app.config import AppConfig
 
     cfg = {"decoders": [{"name": "lookup", "model": DECODER}], "prefill_modules": []}
     assert AppConfig.model_validate(cfg).handover == "pool"
@@ -296,7 +296,7 @@ def test_handover_mode_is_one_config_field():
 def test_expiry_counters_reach_the_apps_metrics():
     from prometheus_client import CollectorRegistry, Counter
 
-    from deployments.metrics import AppMetrics
+    from prefillshare.deployments.metrics import AppMetrics
 
     engine_registry = CollectorRegistry()  # what vLLM's stat logger registers in an engine's process
     expired = Counter("vllm:nixl_num_kv_expired_reqs", "expired", registry=engine_registry)

@@ -7,14 +7,14 @@ import asyncio
 import time
 from pathlib import Path
 
-from app.config import load_config
-from app.engine.nixl import leases as ho
-from app.engine.nixl.config import lease_for_timeout
-from app.engine.nixl.handover import NixlHandover
-from app.engine.pool.handover import PoolHandover
-from app.prompt_split import shared_length
-from deployments.messages import PrefillTicket
-from deployments.path.fanout import FanOut
+from prefillshare.app.config import load_config
+from prefillshare.app.engine.nixl import leases as ho
+from prefillshare.app.engine.nixl.config import lease_for_timeout
+from prefillshare.app.engine.nixl.handover import NixlHandover
+from prefillshare.app.engine.pool.handover import PoolHandover
+from prefillshare.app.prompt_split import shared_length
+from prefillshare.deployments.messages import PrefillTicket
+from prefillshare.deployments.path.fanout import FanOut
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def _engine_configs(handover: str, gpus: bool = False, **update):
     """({"prefill:<module>" / "decode:<served name>": its EngineConfig}, the AppConfig) of the shipped
     app bound in ``handover`` mode (``gpus``: every engine placed on one GPU, as the GPU variant does)."""
-    from deployments.application import build
+    from prefillshare.deployments.application import build
 
     cfg = load_config(ROOT / "serve_config.yaml")
     cfg = cfg.model_copy(update={"handover": handover, **update})
@@ -154,7 +154,7 @@ def test_the_nixl_hand_over_lends_each_prompt_and_its_decode_side_keeps_the_leas
     for a one-token prompt), then per decoder request a pull or a counted private prefill."""
     from types import SimpleNamespace as NS
 
-    from app.engine.handover import Pull
+    from prefillshare.app.engine.handover import Pull
 
     handover = NixlHandover(30)
     assert handover.prefill_params() == {"do_remote_decode": True} and handover.pool_path is None

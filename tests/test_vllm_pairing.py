@@ -2,8 +2,8 @@
 (the Decode replica's check and the connector's), naming both versions."""
 import time
 
-from app.engine.nixl import leases as ho
-from app.engine.nixl import vllm_pairing
+from prefillshare.app.engine.nixl import leases as ho
+from prefillshare.app.engine.nixl import vllm_pairing
 
 
 def test_a_stamped_lease_pairs_only_with_the_same_vllm():
@@ -35,7 +35,7 @@ def test_the_connector_refuses_a_pull_from_another_vllm_and_stamps_its_own_lease
     computed here), and a finished prefill's params carry this vLLM."""
     from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import NixlConnector as VllmNixl
 
-    from app.engine.nixl.connector import NixlConnector
+    from prefillshare.app.engine.nixl.connector import NixlConnector
 
     seen = {}
 

@@ -5,7 +5,7 @@ API (everything a server needs; nothing here knows about Ray):
     cfg = EngineConfig(model="checkpoints/base", dtype="float32", kv_cache_memory_bytes=1 << 30,
                        max_model_len=1024, block_size=32, max_num_batched_tokens=256,
                        extra_env={"VLLM_CPU_OMP_THREADS_BIND": "0"}, enforce_eager=True,
-                       kv_transfer_config=handover.transfer_config("producer", link))  # app.engine.handover
+                       kv_transfer_config=handover.transfer_config("producer", link))  # prefillshare.app.engine.handover
     engine = await Engine.start(cfg)              # or Engine(cfg) from sync code (blocks ~20-50 s)
     async for out in engine.generate(ids, Sampling(max_tokens=16), "req-1", cache_salt="tenant-a"):
         out.new_token_ids, out.new_text, out.num_generated_tokens, out.finish_reason, out.finished,
@@ -21,7 +21,7 @@ Errors: every failure of the engine (dead core, bad request, timeout) surfaces a
 request runs under ``request_timeout_s``.
 
 An engine's ``kv_transfer_config`` (its KV connector) comes from the app's hand-over
-(:mod:`app.engine.handover`); this wrapper passes it to vLLM as is.
+(:mod:`prefillshare.app.engine.handover`); this wrapper passes it to vLLM as is.
 """
 from __future__ import annotations
 
@@ -35,11 +35,11 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from app.config import EngineSettings, LimitsConfig, LoRAGroup, default
-from app.engine import alloc_conf, compute_dtype, core_lifetime, niceness
-from app.engine.pool import kv_pool
-from app.errors import PrefillShareLibraryError
-from app.sampling import Sampling, TokenLogprob, prompt_logprobs, token_logprobs
+from prefillshare.app.config import EngineSettings, LimitsConfig, LoRAGroup, default
+from prefillshare.app.engine import alloc_conf, compute_dtype, core_lifetime, niceness
+from prefillshare.app.engine.pool import kv_pool
+from prefillshare.app.errors import PrefillShareLibraryError
+from prefillshare.app.sampling import Sampling, TokenLogprob, prompt_logprobs, token_logprobs
 
 __all__ = [
     "EngineConfig",
@@ -75,7 +75,7 @@ class EngineConfig:
     that setting's default (app/config.py), so an engine built without a config runs as the app's."""
 
     model: str
-    dtype: str = default(EngineSettings, "dtype")  # app.engine.compute_dtype: bf16 where native, else float32
+    dtype: str = default(EngineSettings, "dtype")  # prefillshare.app.engine.compute_dtype: bf16 where native, else float32
     kv_cache_memory_bytes: int = default(EngineSettings, "kv_cache_memory_bytes")
     # GPUs only: vLLM refuses to start unless this fraction of the device is free; the KV size is
     # kv_cache_memory_bytes regardless. Lower it to put several engines on one GPU. None: vLLM's default.
@@ -373,7 +373,7 @@ class Engine:
         lora: str | None = None,
     ) -> AsyncIterator[EngineOutput]:
         """Stream a request's outputs, one per sequence and step. ``sampling`` is a
-        :class:`app.sampling.Sampling` or vLLM ``SamplingParams``."""
+        :class:`prefillshare.app.sampling.Sampling` or vLLM ``SamplingParams``."""
         from vllm.exceptions import VLLMValidationError
         from vllm.v1.engine.exceptions import EngineDeadError, EngineGenerateError
 

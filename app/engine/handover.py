@@ -1,6 +1,6 @@
 """The hand-over seam: how a prefill module's prompt KV reaches the decoders that read it.
 
-One :class:`Handover` per app, chosen once by the plan (``app.plan.handover_of``) from the config's
+One :class:`Handover` per app, chosen once by the plan (``prefillshare.app.plan.handover_of``) from the config's
 ``handover``; the engine deployments receive it whole and ask it what differs between modes:
 
 - the ``kv_transfer_config`` of each engine, by role (:meth:`Handover.transfer_config`);
@@ -10,10 +10,10 @@ One :class:`Handover` per app, chosen once by the plan (``app.plan.handover_of``
   :meth:`Handover.leases`);
 - a decode call's ``kv_transfer_params``, its lease rule and its counters (:meth:`Handover.decode_side`).
 
-Implementations: :class:`app.engine.pool.handover.PoolHandover` (the node's shared-memory KV pool,
-the project's connector) and :class:`app.engine.nixl.handover.NixlHandover` (vLLM's
+Implementations: :class:`prefillshare.app.engine.pool.handover.PoolHandover` (the node's shared-memory KV pool,
+the project's connector) and :class:`prefillshare.app.engine.nixl.handover.NixlHandover` (vLLM's
 NixlConnector, a lease per decoder). Nothing here imports vLLM: configs are built where it is
-not installed. Hand-over convention (which tokens the base's KV covers): :mod:`app.prompt_split`.
+not installed. Hand-over convention (which tokens the base's KV covers): :mod:`prefillshare.app.prompt_split`.
 """
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ Role = Literal["producer", "consumer"]
 class ModuleLink:
     """What an engine's transfer config needs of the prefill module whose KV it writes or reads."""
 
-    module_id: str         # the base's identity (app.models.identity), never a served name
+    module_id: str         # the base's identity (prefillshare.app.models.identity), never a served name
     scope: str             # label of this engine's counters (module or decoder name)
     adapter_keys: bool = False  # KV is per LoRA adapter (a prefill module serving adapters)
 

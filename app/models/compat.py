@@ -12,8 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from app.models.identity import CheckpointError, load_config_dict, prefill_module_id, tokenizer_hash
-from app.models.manifest import DecodeManifest, read_manifest
+from prefillshare.app.models.identity import CheckpointError, load_config_dict, prefill_module_id, tokenizer_hash
+from prefillshare.app.models.manifest import DecodeManifest, read_manifest
 
 
 @dataclass(frozen=True)

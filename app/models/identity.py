@@ -12,7 +12,7 @@ import mmap
 import struct
 from pathlib import Path
 
-from app.errors import PrefillShareLibraryError
+from prefillshare.app.errors import PrefillShareLibraryError
 
 # config fields that do not change what the model computes
 _VOLATILE_CONFIG_KEYS = {"transformers_version", "_name_or_path", "architectures", "torch_dtype_str", "use_cache"}

@@ -13,7 +13,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from app.errors import PrefillShareLibraryError
+from prefillshare.app.errors import PrefillShareLibraryError
 
 MANIFEST_NAME = "prefillshare.json"
 METHODS = ("cache_conditioned", "full_ft", "layer_split")

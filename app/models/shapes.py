@@ -36,7 +36,7 @@ def save_random_model(out_dir, tokenizer_dir, seed: int = 0, **overrides):
     import torch
     from transformers import AutoTokenizer, LlamaForCausalLM
 
-    from app.models.checkpoint import save_model
+    from prefillshare.app.models.checkpoint import save_model
 
     tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
     cfg = llama_config(len(tok), tok.bos_token_id, tok.eos_token_id, tok.pad_token_id)

@@ -16,8 +16,8 @@ import torch.nn.functional as F
 from transformers import DynamicCache
 from transformers.cache_utils import Cache, DynamicLayer
 
-from app.prompt_split import split_prompt
-from app.training import tasks
+from prefillshare.app.prompt_split import split_prompt
+from prefillshare.app.training import tasks
 
 
 @dataclass(frozen=True)

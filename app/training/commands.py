@@ -6,9 +6,9 @@ import os
 import sys
 from pathlib import Path
 
-from app.models.identity import CheckpointError
-from app.models.manifest import METHODS, ManifestError
-from app.training.tasks import AGENTS, DataError
+from prefillshare.app.models.identity import CheckpointError
+from prefillshare.app.models.manifest import METHODS, ManifestError
+from prefillshare.app.training.tasks import AGENTS, DataError
 
 
 def add_threads_option(p: argparse.ArgumentParser) -> None:
@@ -39,7 +39,7 @@ def configure_data(p: argparse.ArgumentParser) -> None:
 
 
 def run_data(args) -> int:
-    from app.training import tasks
+    from prefillshare.app.training import tasks
 
     try:
         examples = tasks.make_examples(args.contexts, args.seed, [a for a in args.agents.split(",") if a])
@@ -114,8 +114,8 @@ def configure_train(p: argparse.ArgumentParser) -> None:
 
 
 def run_train(args) -> int:
-    from app.rendering import RenderError
-    from app.training.recipe import run_recipe
+    from prefillshare.app.rendering import RenderError
+    from prefillshare.app.training.recipe import run_recipe
 
     set_threads(args)
     try:
@@ -133,10 +133,10 @@ def run_train(args) -> int:
 
 def _train_own(args) -> int:
     """Decoders for the user's base and data: everything is checked and rendered before a model loads."""
-    from app.models.identity import load_config_dict
-    from app.training.data import choose_renderer, read_records, render_records
-    from app.training.tokenizer import load_tokenizer
-    from app.training.trainer import TrainConfig, train_decoder
+    from prefillshare.app.models.identity import load_config_dict
+    from prefillshare.app.training.data import choose_renderer, read_records, render_records
+    from prefillshare.app.training.tokenizer import load_tokenizer
+    from prefillshare.app.training.trainer import TrainConfig, train_decoder
 
     base = Path(args.base)
     base_cfg = load_config_dict(base)  # a base without config.json fails here, naming the directory
@@ -199,8 +199,8 @@ def configure_eval(p: argparse.ArgumentParser) -> None:
 
 
 def run_eval(args) -> int:
-    from app.rendering import RenderError
-    from app.training.evaluate import ModelSet, evaluate, evaluate_paths, to_markdown, write_results
+    from prefillshare.app.rendering import RenderError
+    from prefillshare.app.training.evaluate import ModelSet, evaluate, evaluate_paths, to_markdown, write_results
 
     set_threads(args)
     try:

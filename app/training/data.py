@@ -15,9 +15,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from app.rendering import Renderer, RenderError
-from app.training.batches import Encoded
-from app.training.tasks import DataError, jsonl_objects
+from prefillshare.app.rendering import Renderer, RenderError
+from prefillshare.app.training.batches import Encoded
+from prefillshare.app.training.tasks import DataError, jsonl_objects
 
 ROLES = ("system", "user", "assistant")
 FORMATS = ("messages", "text", "suite")
@@ -157,7 +157,7 @@ def choose_renderer(records: Sequence[Record], tok, chat_template: str | None, n
     file given, else the base tokenizer's own template, else the suite rendering; in ``layout``
     (shared_first: each agent's own text after the shared conversation, app/rendering.py).
     """
-    from app.models.manifest import PromptFormat
+    from prefillshare.app.models.manifest import PromptFormat
 
     fmt = records[0].format
     if fmt == "text":

@@ -21,14 +21,14 @@ from pathlib import Path
 import torch
 from transformers import DynamicCache
 
-from app.models import checkpoint
-from app.models.compat import check, check_configs
-from app.models.identity import CheckpointError, load_config_dict, prefill_module_id
-from app.models.manifest import read_manifest
-from app.prompt_split import split_prompt
-from app.reference import SharedKV, batched_greedy_from_kv
-from app.training import batches, tasks
-from app.training.tokenizer import load_tokenizer
+from prefillshare.app.models import checkpoint
+from prefillshare.app.models.compat import check, check_configs
+from prefillshare.app.models.identity import CheckpointError, load_config_dict, prefill_module_id
+from prefillshare.app.models.manifest import read_manifest
+from prefillshare.app.prompt_split import split_prompt
+from prefillshare.app.reference import SharedKV, batched_greedy_from_kv
+from prefillshare.app.training import batches, tasks
+from prefillshare.app.training.tokenizer import load_tokenizer
 
 METHODS = ("base", "full_ft", "prefillshare", "naive_reuse", "layer_split")
 
@@ -168,8 +168,8 @@ def evaluate_paths(data_path: str | Path, base_dir: str | Path, decoder: str | P
     checkpoint is validated (manifest, built on this base; the decoder must be able to consume
     the base's KV) before a model loads.
     """
-    from app.rendering import Renderer
-    from app.training.data import read_records, render_records
+    from prefillshare.app.rendering import Renderer
+    from prefillshare.app.training.data import read_records, render_records
 
     base_dir = Path(base_dir)
     if not (base_dir / "config.json").is_file():

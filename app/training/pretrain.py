@@ -16,12 +16,12 @@ import torch.nn.functional as F
 from tqdm import tqdm
 from transformers import LlamaForCausalLM
 
-from app.errors import PrefillShareLibraryError
-from app.models import checkpoint
-from app.models.shapes import llama_config
-from app.reference import pad_right
-from app.training import tasks
-from app.training.tokenizer import load_tokenizer
+from prefillshare.app.errors import PrefillShareLibraryError
+from prefillshare.app.models import checkpoint
+from prefillshare.app.models.shapes import llama_config
+from prefillshare.app.reference import pad_right
+from prefillshare.app.training import tasks
+from prefillshare.app.training.tokenizer import load_tokenizer
 
 
 class GateError(PrefillShareLibraryError, RuntimeError):

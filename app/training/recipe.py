@@ -13,10 +13,10 @@ from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from app.models.manifest import read_manifest
-from app.training import tasks
-from app.training.pretrain import PretrainConfig, pretrain_base
-from app.training.trainer import TrainConfig, has_checkpoint, train_decoder
+from prefillshare.app.models.manifest import read_manifest
+from prefillshare.app.training import tasks
+from prefillshare.app.training.pretrain import PretrainConfig, pretrain_base
+from prefillshare.app.training.trainer import TrainConfig, has_checkpoint, train_decoder
 
 
 @dataclass(frozen=True)
@@ -71,8 +71,8 @@ def run_recipe(which: str, models: Path, work: Path, quick: bool = False, resume
     """``which``: "all", "base" or "chat". Outputs under ``models`` (checkpoints/), scratch under ``work``."""
     if which == "chat":
         return run_chat_recipe(models, work, quick=quick, resume=resume, jobs=jobs, threads=threads)
-    from app.training.evaluate import ModelSet, evaluate, to_markdown, write_results
-    from app.training.tokenizer import train_tokenizer
+    from prefillshare.app.training.evaluate import ModelSet, evaluate, to_markdown, write_results
+    from prefillshare.app.training.tokenizer import train_tokenizer
 
     r = recipe or (QUICK_RECIPE if quick else DEFAULT_RECIPE)
     t0 = time.perf_counter()
@@ -176,7 +176,7 @@ def _write_chat(path: Path, examples) -> None:
 
 def _cli(argv: list[str]) -> str:
     """One `prefillshare ...` run in a worker process (the same CLI a user runs)."""
-    from app.cli import main
+    from prefillshare.app.cli import main
 
     t0 = time.perf_counter()
     rc = main(argv)
@@ -191,7 +191,7 @@ def run_chat_recipe(models: Path, work: Path, quick: bool = False, resume: bool 
                     threads: int = 1, recipe: ChatRecipe | None = None) -> None:
     """On the shipped base: chat data, per agent a LoRA cache-conditioned decoder and a LoRA Full-FT
     baseline (adapters under ``models/chat``), then the table (base, Full-FT, PrefillShare, naive reuse)."""
-    from app.training.evaluate import evaluate_paths, merge_results, to_markdown, write_results
+    from prefillshare.app.training.evaluate import evaluate_paths, merge_results, to_markdown, write_results
 
     r = recipe or (ChatRecipe(contexts=120, steps=4, batch_size=8) if quick else ChatRecipe())
     t0 = time.perf_counter()
@@ -245,10 +245,10 @@ def run_chat_recipe(models: Path, work: Path, quick: bool = False, resume: bool 
 def fanout_prefill_tokens(data_path: Path, base_dir: Path, decoders: Path, agents) -> dict:
     """Prompt tokens the base computes for one fan-out of every agent over one record (the shared
     prefix once, each prompt's own rest), against one agent's prompt, in the decoders' layout."""
-    from app.rendering import Renderer
-    from app.sharing import fanout_cost
-    from app.training.data import read_records
-    from app.training.tokenizer import load_tokenizer
+    from prefillshare.app.rendering import Renderer
+    from prefillshare.app.sharing import fanout_cost
+    from prefillshare.app.training.data import read_records
+    from prefillshare.app.training.tokenizer import load_tokenizer
 
     tok = load_tokenizer(base_dir)
     renderers = {a: Renderer.for_decoder(decoders / a) for a in agents}

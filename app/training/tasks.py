@@ -18,7 +18,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from app.errors import PrefillShareLibraryError
+from prefillshare.app.errors import PrefillShareLibraryError
 
 FIELDS: dict[str, tuple[str, ...]] = {
     "name": ("maya", "omar", "lena", "ivan", "sara", "noah", "mila", "theo", "zara", "hugo",

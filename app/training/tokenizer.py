@@ -11,7 +11,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-from app.training import tasks
+from prefillshare.app.training import tasks
 
 PAD, BOS, EOS = "<pad>", "<s>", "</s>"
 DEFAULT_VOCAB_SIZE = 640

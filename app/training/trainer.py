@@ -29,11 +29,11 @@ import torch
 from torch.utils.data import Dataset
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
-from app.models import checkpoint
-from app.models.identity import prefill_module_id, tokenizer_hash
-from app.models.manifest import METHODS, AdapterSpec, DecodeManifest
-from app.rendering import Renderer
-from app.training import batches
+from prefillshare.app.models import checkpoint
+from prefillshare.app.models.identity import prefill_module_id, tokenizer_hash
+from prefillshare.app.models.manifest import METHODS, AdapterSpec, DecodeManifest
+from prefillshare.app.rendering import Renderer
+from prefillshare.app.training import batches
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # defaults for the user's own (pretrained) models; the shipped recipe passes its own
@@ -276,7 +276,7 @@ def train_decoder(
     a resumable checkpoint in ``state_dir`` and nothing exported (returns None). With LoRA the
     adapter alone is also exported to ``adapter_out`` when given.
     """
-    from app.training.tokenizer import load_tokenizer
+    from prefillshare.app.training.tokenizer import load_tokenizer
 
     base_dir, out_dir = Path(base_dir), Path(out_dir)
     renderer = renderer or Renderer()

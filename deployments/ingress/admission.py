@@ -17,7 +17,7 @@ import math
 import time
 from typing import Literal
 
-from app.config import LimitsConfig
+from prefillshare.app.config import LimitsConfig
 
 Outcome = Literal["completed", "failed", "cancelled"]
 OUTCOMES: tuple[Outcome, ...] = ("completed", "failed", "cancelled")

@@ -12,9 +12,9 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from app.sampling import TokenLogprob
-from deployments.messages import CompletionJob, DecodeChunk
-from deployments.path.decode_call import Output
+from prefillshare.app.sampling import TokenLogprob
+from prefillshare.deployments.messages import CompletionJob, DecodeChunk
+from prefillshare.deployments.path.decode_call import Output
 
 
 def _token(t, as_ids: bool) -> str:

@@ -12,8 +12,8 @@ from __future__ import annotations
 import hashlib
 from typing import Any
 
-from deployments.errors import ApiError
-from deployments.ingress.tools import message_text, turns
+from prefillshare.deployments.errors import ApiError
+from prefillshare.deployments.ingress.tools import message_text, turns
 
 
 def cache_salt(tenant_salt: str | None, request_salt: str | None) -> str | None:

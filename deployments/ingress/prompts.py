@@ -2,7 +2,7 @@
 
 Every decoder's manifest records its prompt format (``prompt`` block: the suite's
 ``context\\ninstruction``, plain text, or a chat template by sha256). :meth:`Prompter.from_config`
-rebuilds each decoder's :class:`app.rendering.Renderer` at deploy time, and refuses a
+rebuilds each decoder's :class:`prefillshare.app.rendering.Renderer` at deploy time, and refuses a
 decoder whose rendering it cannot reproduce (template file missing or with another hash,
 template that does not render). ``agent_prompt``/``chat_prompt`` with ``model=`` then produce
 exactly the token ids training produced for the same request. The shared part of a fan-out is
@@ -14,9 +14,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from app.engine.pool.kv_keys import block_keys
-from app.rendering import Renderer, RenderError
-from app.sharing import common_prefix
+from prefillshare.app.engine.pool.kv_keys import block_keys
+from prefillshare.app.rendering import Renderer, RenderError
+from prefillshare.app.sharing import common_prefix
 
 __all__ = ["Prompter", "RenderError", "common_prefix", "locality_keys"]
 
@@ -37,7 +37,7 @@ class Prompter:
     def from_config(cls, cfg) -> Prompter:
         """Built from an AppConfig: the app tokenizer plus every decoder's recorded rendering.
         Raises RenderError (deploy time) for a rendering it cannot reproduce."""
-        from app.plan import decoder_renderers
+        from prefillshare.app.plan import decoder_renderers
 
         return cls(str(cfg.path(cfg.tokenizer)), decoder_renderers(cfg))
 
@@ -73,7 +73,7 @@ _SUITE = Renderer()
 
 def locality_keys(prefill_module_id: str, token_ids: Sequence[int], block_size: int,
                   cache_salt: str | None = None) -> tuple[str, ...]:
-    """Keys (app.engine.pool.kv_keys, the project's one scheme) of the full blocks of ``token_ids``:
+    """Keys (prefillshare.app.engine.pool.kv_keys, the project's one scheme) of the full blocks of ``token_ids``:
     what the prefix router routes on. A trailing partial block is left out: its key changes
     with every suffix, so it carries no locality."""
     return tuple(k.key for k in block_keys(prefill_module_id, cache_salt, list(token_ids), block_size) if k.full)

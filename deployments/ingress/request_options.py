@@ -11,9 +11,9 @@ import json
 import re
 from typing import Any
 
-from app.config import LimitsConfig
-from app.sampling import Sampling, SamplingError, StructuredOutput
-from deployments.errors import ApiError
+from prefillshare.app.config import LimitsConfig
+from prefillshare.app.sampling import Sampling, SamplingError, StructuredOutput
+from prefillshare.deployments.errors import ApiError
 
 # OpenAI fields the server does not implement: name -> (values that mean "off", why not).
 UNSUPPORTED: dict[str, tuple[tuple, str]] = {

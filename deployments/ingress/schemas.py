@@ -14,7 +14,7 @@ from typing import Any, Literal
 from fastapi import Request
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError
 
-from deployments.errors import ApiError
+from prefillshare.deployments.errors import ApiError
 
 Number = StrictFloat | StrictInt
 

@@ -29,14 +29,14 @@ from ray.exceptions import RayActorError
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from app.auth import KeyRing, Tenant, load_keyring
-from app.config import AuthConfig
-from app.plan import AppPlan
-from app.sampling import Sampling
-from deployments.errors import ApiError, ErrorCode, Failure, error_body
-from deployments.ingress.admission import Outcome, Slot, admission_for
-from deployments.ingress.openai_format import Answer, ToolCallOut
-from deployments.ingress.prompt_options import (
+from prefillshare.app.auth import KeyRing, Tenant, load_keyring
+from prefillshare.app.config import AuthConfig
+from prefillshare.app.plan import AppPlan
+from prefillshare.app.sampling import Sampling
+from prefillshare.deployments.errors import ApiError, ErrorCode, Failure, error_body
+from prefillshare.deployments.ingress.admission import Outcome, Slot, admission_for
+from prefillshare.deployments.ingress.openai_format import Answer, ToolCallOut
+from prefillshare.deployments.ingress.prompt_options import (
     cache_salt,
     chat_echo,
     chat_switches,
@@ -44,16 +44,22 @@ from deployments.ingress.prompt_options import (
     prompt_logprobs_of,
     truncated,
 )
-from deployments.ingress.prompts import Prompter, RenderError
-from deployments.ingress.request_options import check_unsupported, load_grammar_backend, sampling_from
-from deployments.ingress.schemas import AgentRunBody, ChatBody, CompletionBody, parse, read_body
-from deployments.ingress.tools import ToolPlan, plan_tools, read_tool_output
-from deployments.ingress.vllm_endpoints import DetokenizeBody, TokenizeChatBody, tokenize_answer, tokenize_body, version
-from deployments.messages import AgentRunRequest, AgentSpec, CompletionJob, DecodeChunk
-from deployments.metrics import MetricsSender
-from deployments.path.decode_call import DecoderCall, Output
-from deployments.path.fanout import FanOut, Leg
-from deployments.path.serve_engines import ServeEngines
+from prefillshare.deployments.ingress.prompts import Prompter, RenderError
+from prefillshare.deployments.ingress.request_options import check_unsupported, load_grammar_backend, sampling_from
+from prefillshare.deployments.ingress.schemas import AgentRunBody, ChatBody, CompletionBody, parse, read_body
+from prefillshare.deployments.ingress.tools import ToolPlan, plan_tools, read_tool_output
+from prefillshare.deployments.ingress.vllm_endpoints import (
+    DetokenizeBody,
+    TokenizeChatBody,
+    tokenize_answer,
+    tokenize_body,
+    version,
+)
+from prefillshare.deployments.messages import AgentRunRequest, AgentSpec, CompletionJob, DecodeChunk
+from prefillshare.deployments.metrics import MetricsSender
+from prefillshare.deployments.path.decode_call import DecoderCall, Output
+from prefillshare.deployments.path.fanout import FanOut, Leg
+from prefillshare.deployments.path.serve_engines import ServeEngines
 
 
 class _ReplicaGone(Exception):

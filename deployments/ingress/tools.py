@@ -14,12 +14,12 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from app.models.manifest import TOOL_CALL_FORMATS
-from app.sampling import StructuredOutput
-from deployments.errors import ApiError
-from deployments.ingress.openai_format import ToolCallOut
-from deployments.ingress.request_options import schema_constraint
-from deployments.ingress.schemas import ChatBody, ChatMessage
+from prefillshare.app.models.manifest import TOOL_CALL_FORMATS
+from prefillshare.app.sampling import StructuredOutput
+from prefillshare.deployments.errors import ApiError
+from prefillshare.deployments.ingress.openai_format import ToolCallOut
+from prefillshare.deployments.ingress.request_options import schema_constraint
+from prefillshare.deployments.ingress.schemas import ChatBody, ChatMessage
 
 
 def message_text(m: ChatMessage, i: int) -> str:

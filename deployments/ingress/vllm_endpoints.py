@@ -15,7 +15,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 
-from deployments.ingress.schemas import ChatBody, parse
+from prefillshare.deployments.ingress.schemas import ChatBody, parse
 
 
 class TokenizeCompletionBody(BaseModel):

@@ -14,12 +14,12 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
 
-from app.prompt_split import shared_length
-from app.sampling import TokenLogprob
-from deployments.errors import ErrorCode, Failure, Shed, Unreachable
-from deployments.messages import DecodeChunk, DecodeRequest, PrefillTicket
-from deployments.metrics import RequestRecord
-from deployments.path.engines import Engines
+from prefillshare.app.prompt_split import shared_length
+from prefillshare.app.sampling import TokenLogprob
+from prefillshare.deployments.errors import ErrorCode, Failure, Shed, Unreachable
+from prefillshare.deployments.messages import DecodeChunk, DecodeRequest, PrefillTicket
+from prefillshare.deployments.metrics import RequestRecord
+from prefillshare.deployments.path.engines import Engines
 
 
 @dataclass(frozen=True)

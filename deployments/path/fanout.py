@@ -25,14 +25,14 @@ import asyncio
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from app.plan import AppPlan
-from app.prompt_split import split_prompt
-from app.sampling import Sampling
-from deployments.errors import ErrorCode, Failure, Shed, Unreachable
-from deployments.ingress.prompts import common_prefix, locality_keys
-from deployments.messages import DecodeRequest, PrefillRequest, PrefillTicket
-from deployments.path.decode_call import DecodePlan, DecoderCall, Output
-from deployments.path.engines import Engines
+from prefillshare.app.plan import AppPlan
+from prefillshare.app.prompt_split import split_prompt
+from prefillshare.app.sampling import Sampling
+from prefillshare.deployments.errors import ErrorCode, Failure, Shed, Unreachable
+from prefillshare.deployments.ingress.prompts import common_prefix, locality_keys
+from prefillshare.deployments.messages import DecodeRequest, PrefillRequest, PrefillTicket
+from prefillshare.deployments.path.decode_call import DecodePlan, DecoderCall, Output
+from prefillshare.deployments.path.engines import Engines
 
 
 @dataclass(frozen=True)

@@ -24,16 +24,16 @@ from dataclasses import dataclass, field
 
 from ray import serve
 
-from app.plan import AppPlan
-from app.sampling import Sampling
-from deployments.errors import ErrorCode, Failure, failure_fields
-from deployments.ingress.openai_format import chat_logprobs
-from deployments.ingress.prompts import Prompter, common_prefix
-from deployments.messages import AgentEvent, AgentRunRequest, AgentSpec
-from deployments.metrics import MetricsSender
-from deployments.path.decode_call import DecodePlan, Output
-from deployments.path.fanout import FanOut, Leg
-from deployments.path.serve_engines import ServeEngines
+from prefillshare.app.plan import AppPlan
+from prefillshare.app.sampling import Sampling
+from prefillshare.deployments.errors import ErrorCode, Failure, failure_fields
+from prefillshare.deployments.ingress.openai_format import chat_logprobs
+from prefillshare.deployments.ingress.prompts import Prompter, common_prefix
+from prefillshare.deployments.messages import AgentEvent, AgentRunRequest, AgentSpec
+from prefillshare.deployments.metrics import MetricsSender
+from prefillshare.deployments.path.decode_call import DecodePlan, Output
+from prefillshare.deployments.path.fanout import FanOut, Leg
+from prefillshare.deployments.path.serve_engines import ServeEngines
 
 
 @dataclass

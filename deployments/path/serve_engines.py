@@ -5,7 +5,7 @@ bounded (Serve holds a call while a deployment has no replica, e.g. its node is 
 decoder stream whose wait is bounded while its decoder has no replica running (it died and
 restarts; a decoder whose replicas are only busy queues as Serve queues it), Serve's
 back-pressure turned into :class:`Shed`, and the metrics events sent
-fire-and-forget (batched by the caller's :class:`~deployments.metrics.MetricsSender`). The Router and the Orchestrator each hold one.
+fire-and-forget (batched by the caller's :class:`~prefillshare.deployments.metrics.MetricsSender`). The Router and the Orchestrator each hold one.
 """
 from __future__ import annotations
 
@@ -13,11 +13,11 @@ import asyncio
 
 from ray.serve.exceptions import BackPressureError
 
-from deployments.errors import Shed, Unreachable
-from deployments.messages import DecodeChunk, DecodeRequest, PrefillRequest, PrefillTicket
-from deployments.metrics import MetricsSender, RequestRecord
-from deployments.ray_internals import replica_assigned, stream_assigned
-from deployments.routing.safe_router import running_replicas
+from prefillshare.deployments.errors import Shed, Unreachable
+from prefillshare.deployments.messages import DecodeChunk, DecodeRequest, PrefillRequest, PrefillTicket
+from prefillshare.deployments.metrics import MetricsSender, RequestRecord
+from prefillshare.deployments.ray_internals import replica_assigned, stream_assigned
+from prefillshare.deployments.routing.safe_router import running_replicas
 
 
 class _Stream:

@@ -14,12 +14,12 @@ from collections.abc import AsyncIterator
 
 from ray import serve
 
-from app.engine.async_engine import EngineConfig, EngineRequestError
-from app.engine.handover import DecodeSide, Handover, Pull
-from app.prompt_split import shared_length
-from deployments.errors import ErrorCode, Failure
-from deployments.messages import DecodeChunk, DecodeRequest
-from deployments.replicas.engine_host import EngineHost
+from prefillshare.app.engine.async_engine import EngineConfig, EngineRequestError
+from prefillshare.app.engine.handover import DecodeSide, Handover, Pull
+from prefillshare.app.prompt_split import shared_length
+from prefillshare.deployments.errors import ErrorCode, Failure
+from prefillshare.deployments.messages import DecodeChunk, DecodeRequest
+from prefillshare.deployments.replicas.engine_host import EngineHost
 
 
 @serve.deployment(name="Decode")

@@ -16,9 +16,9 @@ from collections.abc import Iterator
 import ray
 from ray import serve
 
-from app.engine.async_engine import Engine, EngineConfig
-from app.engine.handover import Handover
-from deployments.metrics import ENGINE_PUSH_S, MetricsSender, PoolReader, engine_samples
+from prefillshare.app.engine.async_engine import Engine, EngineConfig
+from prefillshare.app.engine.handover import Handover
+from prefillshare.deployments.metrics import ENGINE_PUSH_S, MetricsSender, PoolReader, engine_samples
 
 
 class EngineHost:

@@ -13,12 +13,12 @@ import time
 import ray
 from ray import serve
 
-from app.engine.async_engine import EngineConfig
-from app.engine.handover import Handover
-from app.prompt_split import shared_length
-from deployments.messages import PrefillRequest, PrefillTicket
-from deployments.metrics import PrefillRecord
-from deployments.replicas.engine_host import EngineHost
+from prefillshare.app.engine.async_engine import EngineConfig
+from prefillshare.app.engine.handover import Handover
+from prefillshare.app.prompt_split import shared_length
+from prefillshare.deployments.messages import PrefillRequest, PrefillTicket
+from prefillshare.deployments.metrics import PrefillRecord
+from prefillshare.deployments.replicas.engine_host import EngineHost
 
 
 @serve.deployment(name="Prefill")

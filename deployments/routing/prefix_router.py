@@ -19,8 +19,8 @@ from collections.abc import Callable, Sequence
 
 from ray.serve.request_router import PendingRequest, RunningReplica
 
-from app.config import RoutingConfig, default
-from deployments.routing.safe_router import SafeRouter
+from prefillshare.app.config import RoutingConfig, default
+from prefillshare.deployments.routing.safe_router import SafeRouter
 
 log = logging.getLogger("ray.serve")
 

@@ -32,7 +32,7 @@ from collections.abc import Sequence
 
 from ray.serve.request_router import PendingRequest, RunningReplica
 
-from deployments.ray_internals import ChosenReplicaRouter
+from prefillshare.deployments.ray_internals import ChosenReplicaRouter
 
 log = logging.getLogger("ray.serve")
 

@@ -37,9 +37,9 @@ def app_config(paths, group: dict | None = None) -> dict:
 
 # --- bad input: fails the build, names the field, starts nothing -------------------------------
 def test_group_plan_serves_each_adapter_by_name_on_the_base_kv(models):
-    from app.config import load_config
-    from app.engine_args import engine_config
-    from app.plan import plan_app
+    from prefillshare.app.config import load_config
+    from prefillshare.app.engine_args import engine_config
+    from prefillshare.app.plan import plan_app
 
     cfg = load_config(app_config(models))
     plan = plan_app(cfg)
@@ -64,8 +64,8 @@ def test_group_plan_serves_each_adapter_by_name_on_the_base_kv(models):
     ("name_twice", r"decoders: name\(s\) \['lookup'\] served twice"),
 ])
 def test_a_bad_adapter_fails_the_build_naming_the_field(models, tmp_path, case, field):
-    from app.config import ConfigError, load_config
-    from deployments.application import build
+    from prefillshare.app.config import ConfigError, load_config
+    from prefillshare.deployments.application import build
 
     ad0 = {"name": "ad0", "path": str(models["ad0"]), "rank": 8}
     group: dict = {}
@@ -101,11 +101,11 @@ def test_per_adapter_kv_is_loaded_only_by_its_own_adapter(models):
     import torch
     from peft import PeftModel
 
-    from app.engine.async_engine import Engine, EngineConfig, PoolSpec, Sampling
-    from app.engine.pool.handover import connector_config
-    from app.models.checkpoint import load_model
-    from app.models.identity import prefill_module_id
-    from app.reference import shared_greedy
+    from prefillshare.app.engine.async_engine import Engine, EngineConfig, PoolSpec, Sampling
+    from prefillshare.app.engine.pool.handover import connector_config
+    from prefillshare.app.models.checkpoint import load_model
+    from prefillshare.app.models.identity import prefill_module_id
+    from prefillshare.app.reference import shared_greedy
 
     pool = PoolSpec(path=f"/dev/shm/ps-lora-kv-{os.getpid()}", capacity_bytes=64 << 20)
     mid = prefill_module_id(models["base"])
@@ -151,9 +151,9 @@ def reference(models):
     from peft import PeftModel
     from transformers import AutoTokenizer
 
-    from app.models.checkpoint import load_model
-    from app.reference import shared_greedy
-    from app.training.tasks import render_prompt
+    from prefillshare.app.models.checkpoint import load_model
+    from prefillshare.app.reference import shared_greedy
+    from prefillshare.app.training.tasks import render_prompt
 
     tok = AutoTokenizer.from_pretrained(str(models["tokenizer"]))
     base = load_model(models["base"], torch.float32).eval()
@@ -198,8 +198,8 @@ def test_openai_client_and_sdk_address_adapters_like_models(app_url, reference):
     import openai
     from transformers import AutoTokenizer
 
-    from app.training.tasks import render_prompt
-    from prefillshare_agents import Agent, Client, ModelNotFoundError, Sampling
+    from prefillshare.agents import Agent, Client, ModelNotFoundError, Sampling
+    from prefillshare.app.training.tasks import render_prompt
 
     tok = AutoTokenizer.from_pretrained(str(TOKENIZER))
     oa = openai.OpenAI(base_url=app_url + "/v1", api_key="unused", max_retries=0, timeout=300)

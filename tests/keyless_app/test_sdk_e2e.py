@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from keyless_test_app import MAX_NEW
 
-from prefillshare_agents import (
+from prefillshare.agents import (
     Agent,
     AsyncClient,
     BadRequestError,
@@ -47,7 +47,7 @@ def client(app_url):
 
 
 def test_fan_out_equals_single_completions(client):
-    from app.training.tasks import render_prompt
+    from prefillshare.app.training.tasks import render_prompt
 
     models = {m.id: m for m in client.models()}
     assert set(models) == {"lookup", "tool_call", "verify", "ad0", "prüf-ágent-1", "tmpl"}
@@ -74,8 +74,8 @@ def test_per_agent_options_reach_the_engines(client):
 
     import jsonschema
 
-    from app.training.tasks import render_prompt
-    from prefillshare_agents import StructuredOutput
+    from prefillshare.agents import StructuredOutput
+    from prefillshare.app.training.tasks import render_prompt
 
     schema = {"type": "object", "properties": {"city": {"enum": ["oslo", "lima"]}, "ok": {"type": "boolean"}},
               "required": ["city", "ok"], "additionalProperties": False}

@@ -47,7 +47,7 @@ def app(app_url, keyless_models):
 def reference(app):
     from transformers import AutoTokenizer
 
-    from app.models.checkpoint import load_model
+    from prefillshare.app.models.checkpoint import load_model
 
     tok = AutoTokenizer.from_pretrained(str(app["paths"]["tokenizer"]))
     return tok, {k: load_model(app["paths"][k], torch.float32) for k in ("base", "lookup")}

@@ -39,7 +39,7 @@ pytestmark = [pytest.mark.serve, pytest.mark.engine]
 
 # --- tests -----------------------------------------------------------------------------
 def test_openai_client_lists_models_completes_and_streams_each_decoder(app, client, reference):
-    from app.training.tasks import render_prompt
+    from prefillshare.app.training.tasks import render_prompt
 
     ids = {m.id for m in client.models.list().data}
     assert ids == {"alpha", "beta", "gamma"}
@@ -97,7 +97,7 @@ def test_completions_stream_from_the_decoder_while_agent_runs_go_through_the_orc
 
 
 def test_fan_out_matches_reference_and_reports_shared_prompt_tokens(app, reference):
-    from app.training.tasks import render_prompt
+    from prefillshare.app.training.tasks import render_prompt
 
     tok, _ = reference
     agents = [{"name": "a1", "model": "alpha", "instruction": "what is the item?", "max_tokens": MAX_NEW},
@@ -169,7 +169,7 @@ def test_one_failing_agent_is_reported_while_the_others_complete(app):
 
 
 def test_different_decoders_over_one_context_use_one_prefill_replica(app, client):
-    from app.training.tasks import render_prompt
+    from prefillshare.app.training.tasks import render_prompt
 
     contexts = [CONTEXT.replace("maya", n).replace("oslo", c)
                 for n, c in (("omar", "rome"), ("lena", "lima"), ("ivan", "kyiv"), ("sara", "doha"))]
@@ -286,7 +286,7 @@ def _structured_greedy(reference, model: str, prompt_ids: list[int], schema: dic
 
     import xgrammar as xgr
 
-    from app.reference import prompt_kv
+    from prefillshare.app.reference import prompt_kv
 
     tok, models = reference
     dec = models[model]
@@ -318,7 +318,7 @@ def test_json_schema_holds_for_every_agent_of_a_fan_out_and_matches_the_grammar_
     the decoder that loaded the base's KV follows the grammar from its first generated token."""
     import jsonschema
 
-    from app.training.tasks import render_prompt
+    from prefillshare.app.training.tasks import render_prompt
 
     tok, _ = reference
     ctx = "order\ncity:oslo\nqty:3"  # short: gamma's context is 64 tokens

@@ -161,7 +161,7 @@ def _replica_actor(deployment: str, replica_id: str | None = None):
 def _check_agents(reference, ctx: str, out: dict) -> int:
     """Every agent answered; its tokens are the shared reference when it loaded the base's KV,
     the private one when it prefilled itself. Returns how many prefilled privately."""
-    from app.training.tasks import render_prompt
+    from prefillshare.app.training.tasks import render_prompt
 
     tok, _ = reference
     private = 0

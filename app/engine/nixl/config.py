@@ -1,20 +1,20 @@
 """The ``vllm-nixl`` hand-over: vLLM's own NixlConnector between the base and other models.
 
-The pool (``app.engine.pool.connector``) is the hand-over on CPU nodes. This mode hands the base's KV
+The pool (``prefillshare.app.engine.pool.connector``) is the hand-over on CPU nodes. This mode hands the base's KV
 to decoders with vLLM's ``NixlConnector`` instead (device to device on GPUs, UCX over host memory
 on the CPU). What this module knows:
 
 - :func:`nixl_transfer_config`: the ``kv_transfer_config`` of a prefill engine (producer, prefix
   caching on) or a decoder / LoRA decode group (consumer, prefix caching off,
   ``enforce_handshake_compat`` off: the decoder has other weights than the base; the project's
-  own gate, ``app.models.compat.check``, decides who may consume which base, at build time).
+  own gate, ``prefillshare.app.models.compat.check``, decides who may consume which base, at build time).
 - :class:`NixlSettings`: the UCX / NIXL knobs, one set per kind of node: :data:`CPU_SETTINGS`
   (docs/engine.md, "vLLM NixlConnector hand-over on the CPU", has the measurements) and
-  :data:`GPU_SETTINGS` (CUDA IPC reads on: :mod:`app.engine.nixl.kv_transport`).
+  :data:`GPU_SETTINGS` (CUDA IPC reads on: :mod:`prefillshare.app.engine.nixl.kv_transport`).
 - The lease: a prefill request finishes holding its blocks for ``kv_lease_duration`` seconds
   (renewed by the decoder's heartbeats once the decoder's scheduler has the request). A read
   after the lease ran out is only logged by vLLM and decodes from released blocks, so the
-  orchestration (:mod:`app.engine.nixl.leases`) never sends a decoder request whose pull
+  orchestration (:mod:`prefillshare.app.engine.nixl.leases`) never sends a decoder request whose pull
   could start after the lease: it prefills privately instead.
 """
 from __future__ import annotations
@@ -36,7 +36,7 @@ class NixlSettings:
     """Transport knobs, one name each from the config down to the engine.
 
     ``progress_thread``: NIXL's progress thread, which vLLM always starts and which spins
-    (:mod:`app.engine.nixl.connector`: off, the connector's own per-step calls drive UCX).
+    (:mod:`prefillshare.app.engine.nixl.connector`: off, the connector's own per-step calls drive UCX).
     ``num_threads``: NIXL's UCX worker threads (vLLM's ``kv_connector_extra_config.num_threads``,
     4 by default in vLLM; 0 lets NIXL's UCX backend run without a thread pool).
     ``backends``: NIXL backends (vLLM's ``backends``). ``ucx_env``: UCX variables
@@ -61,7 +61,7 @@ CPU_SETTINGS = NixlSettings(progress_thread=False)
 # GPU engines: a pull between GPUs of one node over CUDA IPC, which UCX turns off for reads when
 # it finds no NVLink (a pull then crossed TCP at ~0.5 GB/s where a push ran at ~49 GB/s: vLLM
 # issue 52607; NIXL's later UCX plugin turns it on itself). Pull, not vLLM's push connector: the
-# lease protocol (app.engine.nixl.leases) is pull's, and RDMA reads across nodes cost what
+# lease protocol (prefillshare.app.engine.nixl.leases) is pull's, and RDMA reads across nodes cost what
 # writes do. Progress thread off as on the CPU: the connector's per-step calls drive UCX.
 GPU_SETTINGS = NixlSettings(progress_thread=False, ucx_env={"UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "y"})
 _BY_DEVICE = {"cpu": CPU_SETTINGS, "cuda": GPU_SETTINGS}
@@ -73,8 +73,8 @@ def settings_for(kv_buffer_device: str) -> NixlSettings:
         return _BY_DEVICE[kv_buffer_device]
     except KeyError:
         raise ValueError(f"kv_buffer_device {kv_buffer_device!r} is not one of {sorted(_BY_DEVICE)}") from None
-# app.engine.nixl.connector (not imported here: configs are built where vLLM is not installed)
-CONNECTOR_MODULE = "app.engine.nixl.connector"
+# prefillshare.app.engine.nixl.connector (not imported here: configs are built where vLLM is not installed)
+CONNECTOR_MODULE = "prefillshare.app.engine.nixl.connector"
 
 
 def lease_for_timeout(request_timeout_s: float, margin_s: float = 5.0) -> int:

@@ -1,6 +1,6 @@
 """vLLM's NixlConnector, its side channel guarded by the KV secret, its progress thread optional.
 
-Guard (always): :func:`app.engine.nixl.side_channel_auth.install` before vLLM opens its handshake
+Guard (always): :func:`prefillshare.app.engine.nixl.side_channel_auth.install` before vLLM opens its handshake
 listener: CURVE with keys derived from ``PREFILLSHARE_KV_SECRET`` when the secret is set; without
 one, an engine whose side channel is not on loopback refuses to start.
 
@@ -22,11 +22,11 @@ replica, which pushes it to the Metrics deployment with its ``vllm:*`` families)
 counted on the engine's next step.
 
 Transport (``kv_connector_extra_config.ucx_env``): UCX variables set in the worker process before
-NIXL creates its UCX context (CUDA IPC reads on GPUs: :data:`app.engine.nixl.config.GPU_SETTINGS`);
-the worker half then logs the transport its pulls should take (:mod:`app.engine.nixl.kv_transport`)
+NIXL creates its UCX context (CUDA IPC reads on GPUs: :data:`prefillshare.app.engine.nixl.config.GPU_SETTINGS`);
+the worker half then logs the transport its pulls should take (:mod:`prefillshare.app.engine.nixl.kv_transport`)
 and the engine's vLLM.
 
-One vLLM (:mod:`app.engine.nixl.vllm_pairing`): a finished prefill's ``kv_transfer_params`` name the
+One vLLM (:mod:`prefillshare.app.engine.nixl.vllm_pairing`): a finished prefill's ``kv_transfer_params`` name the
 producer's vLLM, and a consumer of another version refuses them (logged, naming both; the
 request is then computed privately, never read from blocks another vLLM laid out).
 
@@ -45,8 +45,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_worker
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import NixlConnector as _VllmNixlConnector
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.stats import NixlKVConnectorStats, NixlPromMetrics
 
-from app.engine.cpu_layout import request_amx_tiles
-from app.engine.nixl import kv_transport, side_channel_auth, vllm_pairing
+from prefillshare.app.engine.cpu_layout import request_amx_tiles
+from prefillshare.app.engine.nixl import kv_transport, side_channel_auth, vllm_pairing
 
 __all__ = ["NixlConnector", "MODULE", "GuardedNixlStats", "GuardedNixlPromMetrics", "REFUSED_KEY"]
 

@@ -1,9 +1,9 @@
 """Hand-over ``vllm-nixl``: vLLM's NixlConnector, one lease of the base's blocks per decoder.
 
 Each prompt's prefill finishes holding its blocks for ``kv_lease_duration`` seconds and its
-ticket carries the lease (:mod:`app.engine.nixl.leases`); the decoder's replica checks the lease
+ticket carries the lease (:mod:`prefillshare.app.engine.nixl.leases`); the decoder's replica checks the lease
 right before its engine takes the request and pulls, or prefills privately and counts why.
-Engine settings: :mod:`app.engine.nixl.config`.
+Engine settings: :mod:`prefillshare.app.engine.nixl.config`.
 """
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from app.engine.handover import DecodeSide, Handover, ModuleLink, Pull, Role
-from app.engine.nixl import leases
-from app.engine.nixl.config import lease_for_timeout, nixl_transfer_config, side_channel_env
+from prefillshare.app.engine.handover import DecodeSide, Handover, ModuleLink, Pull, Role
+from prefillshare.app.engine.nixl import leases
+from prefillshare.app.engine.nixl.config import lease_for_timeout, nixl_transfer_config, side_channel_env
 
 __all__ = ["NixlHandover", "NixlDecodeSide"]
 
@@ -34,7 +34,7 @@ class NixlHandover(Handover):
 
     def transfer_config(self, role: Role, link: ModuleLink, *, on_gpu: bool = False) -> dict[str, Any]:
         # vLLM's handshake no longer compares models (enforce_handshake_compat off): the plan's
-        # compatibility check (app.models.compat) decides who reads which base
+        # compatibility check (prefillshare.app.models.compat) decides who reads which base
         return nixl_transfer_config(role, lease_s=self.lease_s, kv_buffer_device="cuda" if on_gpu else "cpu")
 
     def on_node(self, engine_config, host: str):

@@ -1,6 +1,6 @@
 """No KV without a key: the cluster's KV secret, which every engine of the ``vllm-nixl``
 hand-over needs before its NIXL side channel answers other machines
-(:mod:`app.engine.nixl.side_channel_auth`: CURVE keys derived from it).
+(:mod:`prefillshare.app.engine.nixl.side_channel_auth`: CURVE keys derived from it).
 
 The secret comes from the environment: ``PREFILLSHARE_KV_SECRET`` (the KubeRay manifests set
 it from a Secret, as they set the API keys), or a file named by ``PREFILLSHARE_KV_SECRET_FILE``.
@@ -11,7 +11,7 @@ from __future__ import annotations
 import ipaddress
 import os
 
-from app.errors import PrefillShareLibraryError
+from prefillshare.app.errors import PrefillShareLibraryError
 
 __all__ = ["KV_SECRET_ENV", "KV_SECRET_FILE_ENV", "KVAuthError", "load_secret", "is_loopback"]
 

@@ -12,7 +12,7 @@ left (queueing, a slow decoder, a dead replica's retry), the decoder prefills pr
 reason is counted. ``margin_s`` covers the time until the decoder's scheduler has the request and
 sends its first lease-renewing heartbeat (every ``kv_lease_duration // 6`` seconds in vLLM).
 
-The replicas use this through the app's hand-over (:class:`app.engine.nixl.handover.NixlHandover`);
+The replicas use this through the app's hand-over (:class:`prefillshare.app.engine.nixl.handover.NixlHandover`);
 nothing here knows of Ray or vLLM's engine.
 """
 from __future__ import annotations
@@ -23,8 +23,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from app.engine.nixl import vllm_pairing
-from app.prompt_split import shared_length
+from prefillshare.app.engine.nixl import vllm_pairing
+from prefillshare.app.prompt_split import shared_length
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +33,7 @@ __all__ = ["Lease", "HandoverCounters", "FALLBACK_REASONS", "default_margin", "u
            "read_vllm_nixl_counters", "CounterDeltas"]
 
 # Why a decoder request prefilled privately instead of pulling (counted per reason).
-# vllm_version: the lease came from a producer of another vLLM (app.engine.nixl.vllm_pairing).
+# vllm_version: the lease came from a producer of another vLLM (prefillshare.app.engine.nixl.vllm_pairing).
 FALLBACK_REASONS = ("no_lease", "lease_expiring", "pull_incomplete", "vllm_version")
 
 

@@ -3,7 +3,7 @@
 vLLM's handshake listener (a ZMQ ROUTER on ``VLLM_NIXL_SIDE_CHANNEL_HOST:PORT``) answers any
 peer with the engine's NIXL agent metadata, and with that metadata a peer can READ every KV
 block the engine registered, whatever the tenant's ``cache_salt``. With the cluster's KV secret
-set (``PREFILLSHARE_KV_SECRET``, :mod:`app.engine.nixl.kv_auth`), every engine of the ``vllm-nixl``
+set (``PREFILLSHARE_KV_SECRET``, :mod:`prefillshare.app.engine.nixl.kv_auth`), every engine of the ``vllm-nixl``
 hand-over speaks CURVE on that channel instead:
 
 - one key pair for the cluster, derived from the secret (HMAC-SHA256), so the server's public
@@ -22,7 +22,7 @@ as before.
 vLLM opens both ends of the channel through one helper, ``zmq_ctx(socket_type, path)``, looked up
 as a module global of its scheduler half (the listener) and its worker half (the handshake):
 :func:`install` puts :func:`curve_zmq_ctx` in both places, in the engine's process, from the
-project's connector (:mod:`app.engine.nixl.connector`). ``tests/test_side_channel_auth.py``
+project's connector (:mod:`prefillshare.app.engine.nixl.connector`). ``tests/test_side_channel_auth.py``
 runs vLLM's own listener through it, and breaks if vLLM renames either global.
 """
 from __future__ import annotations
@@ -35,7 +35,13 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
-from app.engine.nixl.kv_auth import KV_SECRET_ENV, KV_SECRET_FILE_ENV, KVAuthError, is_loopback, load_secret
+from prefillshare.app.engine.nixl.kv_auth import (
+    KV_SECRET_ENV,
+    KV_SECRET_FILE_ENV,
+    KVAuthError,
+    is_loopback,
+    load_secret,
+)
 
 __all__ = ["CurveKeys", "curve_keys", "curve_zmq_ctx", "install", "REFUSED", "REFUSED_METRIC", "VLLM_HOLDERS"]
 
@@ -68,7 +74,7 @@ class _Refusals:
 
 
 REFUSED = _Refusals()
-# the counter of REFUSED on /metrics (app.engine.nixl.connector), pushed with the engine's vllm:* families
+# the counter of REFUSED on /metrics (prefillshare.app.engine.nixl.connector), pushed with the engine's vllm:* families
 REFUSED_METRIC = "prefillshare_nixl_refused_handshakes"
 
 

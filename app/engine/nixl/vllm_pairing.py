@@ -14,7 +14,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from app.errors import PrefillShareLibraryError
+from prefillshare.app.errors import PrefillShareLibraryError
 
 __all__ = ["VERSION_KEY", "VllmVersionMismatch", "vllm_version", "stamp", "refusal"]
 

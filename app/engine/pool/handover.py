@@ -2,7 +2,7 @@
 
 The prefill engine's connector (producer) publishes every prompt token but the last to the
 pool, pinned for one load (``fanout``); each decoder's connector (consumer) on the same node
-finds the base's blocks by key and copies them in (:mod:`app.engine.pool.connector`).
+finds the base's blocks by key and copies them in (:mod:`prefillshare.app.engine.pool.connector`).
 Nothing travels in the request: the decoder's connector finds the KV itself.
 """
 from __future__ import annotations
@@ -10,13 +10,13 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from app.engine.handover import Handover, ModuleLink, Role
-from app.engine.pool.kv_pool import PoolSpec
+from prefillshare.app.engine.handover import Handover, ModuleLink, Role
+from prefillshare.app.engine.pool.kv_pool import PoolSpec
 
 __all__ = ["PoolHandover", "connector_config", "CONNECTOR_NAME", "CONNECTOR_MODULE"]
 
 CONNECTOR_NAME = "PrefillShareConnector"
-CONNECTOR_MODULE = "app.engine.pool.connector"
+CONNECTOR_MODULE = "prefillshare.app.engine.pool.connector"
 _KV_ROLE = {"producer": "kv_producer", "consumer": "kv_consumer"}
 
 

@@ -16,7 +16,7 @@ import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from app.prompt_split import split_prompt
+from prefillshare.app.prompt_split import split_prompt
 
 __all__ = ["BlockKey", "block_keys", "shared_block_keys", "key_salt"]
 

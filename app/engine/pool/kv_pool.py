@@ -4,11 +4,11 @@ Layout under ``path`` (normally a folder in /dev/shm):
   slab-index.sqlite       the index (WAL): key -> slot, leases, fan-out pins, LRU, counters
   slab-<B>.data           the slots of blocks of B bytes, one after another (zero-copy views)
   slab-<B>.gen            per slot a 16-byte header: generation (u64), crc32 (u32)
-  users.lock, open.lock   who owns the pool (app.engine.pool.pool_owner)
+  users.lock, open.lock   who owns the pool (prefillshare.app.engine.pool.pool_owner)
 
 Why this shape: every engine process on the node (producer and decoders, schedulers and
 workers) maps the same slab and copies blocks straight between it and its paged KV cache,
-batched (:mod:`app.engine.cpu_layout`); the sqlite index gives cross-process transactions,
+batched (:mod:`prefillshare.app.engine.cpu_layout`); the sqlite index gives cross-process transactions,
 one per request per side. A slab exists per block size (normally one: every engine of a node
 shares the base's layout), created when the first block of that size is saved.
 
@@ -20,7 +20,7 @@ evicted and reused while a reader copies, or one whose writer died half way, is 
 (written with it, verified on every read): a debugging and test mode, off the hot path.
 
 Lifetime of the pool itself: its owners are the processes that have it open; the last one to
-close it removes it, and a start that finds no live owner reclaims it (:mod:`app.engine.pool.pool_owner`).
+close it removes it, and a start that finds no live owner reclaims it (:mod:`prefillshare.app.engine.pool.pool_owner`).
 
 Lifetime of blocks: at most ``capacity_bytes`` of blocks; LRU eviction (deepest block of a chain
 first), never a block a reader leased or a fan-out still pins (``pins=N``: N decoders load
@@ -46,10 +46,10 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-from app.config import PoolConfig, default
-from app.engine.pool.pool_owner import PoolHold
-from app.engine.pool.slab import Slab, SlotOutOfRange
-from app.errors import PrefillShareLibraryError
+from prefillshare.app.config import PoolConfig, default
+from prefillshare.app.engine.pool.pool_owner import PoolHold
+from prefillshare.app.engine.pool.slab import Slab, SlotOutOfRange
+from prefillshare.app.errors import PrefillShareLibraryError
 
 __all__ = ["KVPool", "PoolSpec", "BlockEntry", "PoolStats", "BlockDamaged", "BlockMissing", "PoolMissing",
            "SlotReused", "SlotTorn", "Reservation", "DEFAULT_CAPACITY_BYTES", "MISSING"]
@@ -102,7 +102,7 @@ class PoolMissing(PrefillShareLibraryError, FileNotFoundError):
 
 @dataclass(frozen=True)
 class PoolSpec:
-    """The one pool configuration, from ``serve_config.yaml`` (app.config.PoolConfig) to the pool.
+    """The one pool configuration, from ``serve_config.yaml`` (prefillshare.app.config.PoolConfig) to the pool.
 
     Validated here, once; it crosses vLLM's connector config as ``dataclasses.asdict`` and is
     rebuilt with ``PoolSpec(**d)`` (an unknown field is a TypeError). Its defaults are the ``pool``
@@ -115,7 +115,7 @@ class PoolSpec:
     capacity_bytes: int = DEFAULT_CAPACITY_BYTES
     lease_timeout_s: float = default(PoolConfig, "lease_timeout_s")  # fan-out pins and readers' leases expire after this
     check: Literal["off", "crc32"] = default(PoolConfig, "check")  # crc32: checksum every slot (tests, debugging)
-    persist: bool = default(PoolConfig, "persist")  # keep the pool when its last owner closes (app.engine.pool.pool_owner)
+    persist: bool = default(PoolConfig, "persist")  # keep the pool when its last owner closes (prefillshare.app.engine.pool.pool_owner)
 
     def __post_init__(self) -> None:
         if not self.path:

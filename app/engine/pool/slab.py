@@ -8,7 +8,7 @@ while a writer is at work) and its crc32 (u32, written in the pool's check mode 
 The data file is allocated when the slab is created or grown (``posix_fallocate``: the memory
 is taken once, not by page faults on the hot path) and each process maps it on first use with
 its page tables populated. Headers are mapped at once (the scheduler reads only them).
-Which slot holds what is the index's business (:mod:`app.engine.pool.kv_pool`), not this module's.
+Which slot holds what is the index's business (:mod:`prefillshare.app.engine.pool.kv_pool`), not this module's.
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from app.errors import PrefillShareLibraryError
+from prefillshare.app.errors import PrefillShareLibraryError
 
 __all__ = ["Slab", "SlotOutOfRange", "HEADER_BYTES", "HEADER_FORMAT"]
 

@@ -1,8 +1,8 @@
 """PrefillShareConnector: a vLLM KV connector through which decoders of other models use a base's KV.
 
 vLLM loads it with ``kv_connector="PrefillShareConnector"``,
-``kv_connector_module_path="app.engine.pool.connector"``; :func:`app.engine.pool.handover.connector_config`
-builds that config (the app's ``pool`` hand-over, :class:`app.engine.pool.handover.PoolHandover`).
+``kv_connector_module_path="prefillshare.app.engine.pool.connector"``; :func:`prefillshare.app.engine.pool.handover.connector_config`
+builds that config (the app's ``pool`` hand-over, :class:`prefillshare.app.engine.pool.handover.PoolHandover`).
 
 It is split as vLLM splits its own connectors:
 
@@ -13,12 +13,12 @@ It is split as vLLM splits its own connectors:
 - :mod:`.worker`: the byte copies between the paged KV cache and the store's slab.
 - :mod:`.metadata`: the settings both read and the per-step message between them.
 
-The store behind both (:class:`app.engine.pool.kv_pool.KVPool`) is the node's shared-memory pool
-(across nodes the KV moves with vLLM's NixlConnector instead: :mod:`app.engine.nixl`).
+The store behind both (:class:`prefillshare.app.engine.pool.kv_pool.KVPool`) is the node's shared-memory pool
+(across nodes the KV moves with vLLM's NixlConnector instead: :mod:`prefillshare.app.engine.nixl`).
 
 Producer (the base's engine): when a request's prefill completes, every block covering
-``prompt[:-1]`` (hand-over convention, :mod:`app.prompt_split`), including the trailing partial
-block, is saved under :mod:`app.engine.pool.kv_keys` keys; ``kv_transfer_params={"fanout": N}``
+``prompt[:-1]`` (hand-over convention, :mod:`prefillshare.app.prompt_split`), including the trailing partial
+block, is saved under :mod:`prefillshare.app.engine.pool.kv_keys` keys; ``kv_transfer_params={"fanout": N}``
 pins them until N decoders loaded them. Consumer (a decoder's engine): only a complete match
 of ``prompt[:-1]`` is loaded (the decoder was trained on base KV for every prompt token but
 the last), and the decoder computes exactly the last prompt token itself.
@@ -33,8 +33,8 @@ Consumers should run without local prefix caching (``EngineConfig`` does this by
 a locally cached block of a decoder may hold KV the decoder computed itself (after a fallback),
 which would silently break the hand-over convention on a later request.
 """
-from app.engine.pool.connector.facade import PrefillShareConnector
-from app.engine.pool.connector.metadata import (
+from prefillshare.app.engine.pool.connector.facade import PrefillShareConnector
+from prefillshare.app.engine.pool.connector.metadata import (
            ConnectorConfigError,
            ConnectorSettings,
            LoadSpec,

@@ -2,9 +2,9 @@
 
 vLLM builds one connector per role: in the scheduler (``KVConnectorRole.SCHEDULER``) and in
 each worker (``KVConnectorRole.WORKER``). Each builds only its own half
-(:class:`~app.engine.pool.connector.scheduler.ShareScheduler` or
-:class:`~app.engine.pool.connector.worker.ShareWorker`) over the node's KV pool the settings name
-(:class:`app.engine.pool.kv_pool.KVPool`).
+(:class:`~prefillshare.app.engine.pool.connector.scheduler.ShareScheduler` or
+:class:`~prefillshare.app.engine.pool.connector.worker.ShareWorker`) over the node's KV pool the settings name
+(:class:`prefillshare.app.engine.pool.kv_pool.KVPool`).
 """
 from __future__ import annotations
 
@@ -17,11 +17,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
-from app.engine.cpu_layout import fingerprint, request_amx_tiles
-from app.engine.pool.connector.metadata import ConnectorSettings, PrefillShareMeta
-from app.engine.pool.connector.scheduler import ShareScheduler
-from app.engine.pool.connector.worker import ShareWorker
-from app.engine.pool.kv_pool import KVPool
+from prefillshare.app.engine.cpu_layout import fingerprint, request_amx_tiles
+from prefillshare.app.engine.pool.connector.metadata import ConnectorSettings, PrefillShareMeta
+from prefillshare.app.engine.pool.connector.scheduler import ShareScheduler
+from prefillshare.app.engine.pool.connector.worker import ShareWorker
+from prefillshare.app.engine.pool.kv_pool import KVPool
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -47,7 +47,7 @@ def planned_layout(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | Non
 
 
 class PrefillShareConnector(KVConnectorBase_V1):
-    """Producer on the base's engine, consumer on decoders' engines (:mod:`app.engine.pool.connector`)."""
+    """Producer on the base's engine, consumer on decoders' engines (:mod:`prefillshare.app.engine.pool.connector`)."""
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
                  kv_cache_config: KVCacheConfig | None = None):

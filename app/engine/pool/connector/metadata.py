@@ -7,8 +7,8 @@ from typing import Any, Literal
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
-from app.engine.pool.kv_pool import BlockEntry, PoolSpec
-from app.errors import PrefillShareLibraryError
+from prefillshare.app.engine.pool.kv_pool import BlockEntry, PoolSpec
+from prefillshare.app.errors import PrefillShareLibraryError
 
 __all__ = ["ConnectorConfigError", "ConnectorSettings", "LoadSpec", "SaveSpec", "PrefillShareMeta"]
 
@@ -20,7 +20,7 @@ class ConnectorConfigError(PrefillShareLibraryError, ValueError):
 @dataclass(frozen=True)
 class ConnectorSettings:
     """The connector's part of ``kv_transfer_config`` (built by
-    :func:`app.engine.pool.handover.connector_config`), read once per engine process."""
+    :func:`prefillshare.app.engine.pool.handover.connector_config`), read once per engine process."""
 
     role: Literal["producer", "consumer"]
     module_id: str  # the prefill module whose KV is shared (a decoder's manifest names it)

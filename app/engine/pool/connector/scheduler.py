@@ -3,7 +3,7 @@ which blocks a producer saves. It runs in vLLM's scheduler, reads the store's in
 touches it at most once per request per side; it never moves bytes (the worker half does).
 
 Consumer: :meth:`ShareScheduler.get_num_new_matched_tokens` looks up the keys of ``prompt[:-1]``
-(hand-over convention, :mod:`app.prompt_split`) for the configured prefill module id and the
+(hand-over convention, :mod:`prefillshare.app.prompt_split`) for the configured prefill module id and the
 request's salt; it only reads (vLLM may ask several times). Only a complete match counts;
 :meth:`update_state_after_alloc` leases the run, and the next step's metadata tells the worker
 to copy it in.
@@ -21,10 +21,10 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from app.engine.pool.connector.metadata import ConnectorSettings, LoadSpec, PrefillShareMeta, SaveSpec
-from app.engine.pool.kv_keys import BlockKey, key_salt, shared_block_keys
-from app.engine.pool.kv_pool import BlockEntry, KVPool
-from app.prompt_split import shared_length
+from prefillshare.app.engine.pool.connector.metadata import ConnectorSettings, LoadSpec, PrefillShareMeta, SaveSpec
+from prefillshare.app.engine.pool.kv_keys import BlockKey, key_salt, shared_block_keys
+from prefillshare.app.engine.pool.kv_pool import BlockEntry, KVPool
+from prefillshare.app.prompt_split import shared_length
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks

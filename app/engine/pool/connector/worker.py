@@ -2,7 +2,7 @@
 
 Producer (:meth:`ShareWorker.wait_for_save`, once every layer of the step is written): one
 ``reserve`` names the slots, one batched gather per layer fills them
-(:mod:`app.engine.cpu_layout`), then ``publish`` makes them readable. Consumer
+(:mod:`prefillshare.app.engine.cpu_layout`), then ``publish`` makes them readable. Consumer
 (:meth:`ShareWorker.start_load_kv`): copies each leased run in with one batched scatter per
 layer (the trailing partial block up to its last token), checks the slots' generations around
 the copy, then releases the lease and consumes the fan-out pins in one transaction, all before
@@ -20,10 +20,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from app.engine.cpu_layout import BlockLayout
-from app.engine.pool.connector.metadata import ConnectorSettings, LoadSpec, PrefillShareMeta
-from app.engine.pool.kv_pool import MISSING, BlockDamaged, KVPool, SlotReused, SlotTorn
-from app.errors import PrefillShareLibraryError
+from prefillshare.app.engine.cpu_layout import BlockLayout
+from prefillshare.app.engine.pool.connector.metadata import ConnectorSettings, LoadSpec, PrefillShareMeta
+from prefillshare.app.engine.pool.kv_pool import MISSING, BlockDamaged, KVPool, SlotReused, SlotTorn
+from prefillshare.app.errors import PrefillShareLibraryError
 
 if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
