@@ -71,11 +71,13 @@ _CPU_PREFILL_A, _CPU_PREFILL_B = 4.33e-4, 1.017e-7
 _CPU_DEC_CTX = (6.2e-3 - 1.0e-3) / (4096 - 16)
 _CPU_DEC_STEP = (1.0e-3 - 16 * _CPU_DEC_CTX) * 16
 # KV load into the decoder's cache: 10.2 us/token for the ~100M model (8 KiB/token) at L=2048,
-# N=4 (docs/engine.md, `bench engine --lengths 2048 --fanouts 4`, load average 8-20) = 0.80 GB/s.
+# N=4 (CHANGELOG.md "Superseded measurements", `bench engine --lengths 2048 --fanouts 4`, load
+# average 8-20) = 0.80 GB/s.
 # The 1 KiB/token quick model gave 3.4 us/token (0.30 GB/s): per-block overheads dominate there.
 _CPU_KV_LOAD_BPS = _CPU_KV_BYTES / 10.2e-6
 # Node to node: NIXL pull of 64 MiB over loopback UCX in 0.17-0.29 s including the server's
-# staging and checksums (docs/engine.md); the slower end, 0.23 GB/s.
+# staging and checksums (the retired block server: CHANGELOG.md "Superseded measurements"); the
+# slower end, 0.23 GB/s.
 _CPU_LINK_BPS = (64 << 20) / 0.29
 
 CPU_MEASURED = Profile(
@@ -97,8 +99,7 @@ _PREFILL_MFU = 0.5  # assumption: prefill reaches half of peak (=> ~31k prompt t
 _H200_HBM_BPS = 4.8e12  # vendor figure
 _DECODE_HBM_EFF = 0.7  # assumption: decode steps reach 70% of HBM bandwidth
 _H200_KV_MEMORY = (141e9 - 2 * _L8B_PARAMS) * 0.9  # assumption: 90% of what the weights leave
-_H2D_BPS = 40e9  # assumption: staged KV copied host -> GPU over PCIe Gen5 at 40 GB/s (our NIXL pool
-# lands blocks in DRAM first, docs/engine.md)
+_H2D_BPS = 40e9  # assumption: KV staged in host memory copied to the GPU over PCIe Gen5 at 40 GB/s
 _NODE_LINK_BPS = 8 * 400e9 / 8 * 0.8  # assumption: 8 x 400 Gb/s NICs per 8-GPU node at 80% = 320 GB/s
 
 H200_PAPER = Profile(
