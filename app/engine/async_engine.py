@@ -37,6 +37,7 @@ from typing import Any
 
 from prefillshare.app.config import EngineSettings, LimitsConfig, LoRAGroup, default
 from prefillshare.app.engine import alloc_conf, compute_dtype, core_lifetime, niceness
+from prefillshare.app.engine.handover import KV_ROLE
 from prefillshare.app.engine.pool import kv_pool
 from prefillshare.app.errors import PrefillShareLibraryError
 from prefillshare.app.sampling import Sampling, TokenLogprob, prompt_logprobs, token_logprobs
@@ -145,7 +146,7 @@ class EngineConfig:
     @property
     def is_consumer(self) -> bool:
         """The engine reads another engine's KV (vLLM's own ``kv_role``, whatever the connector)."""
-        return (self.kv_transfer_config or {}).get("kv_role") == "kv_consumer"
+        return (self.kv_transfer_config or {}).get("kv_role") == KV_ROLE["consumer"]
 
     @property
     def prefix_caching(self) -> bool:

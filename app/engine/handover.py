@@ -22,9 +22,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-__all__ = ["Handover", "DecodeSide", "Pull", "ModuleLink", "Role"]
+__all__ = ["Handover", "DecodeSide", "Pull", "ModuleLink", "Role", "KV_ROLE"]
 
 Role = Literal["producer", "consumer"]
+# vLLM's ``kv_role`` of each role, in every mode's ``kv_transfer_config``
+KV_ROLE: dict[str, str] = {"producer": "kv_producer", "consumer": "kv_consumer"}
 
 
 @dataclass(frozen=True)
@@ -49,6 +51,9 @@ class DecodeSide:
     """A decode replica's part of the hand-over (one per replica: it holds counters). The default
     takes nothing per request: the engine's connector finds the KV itself."""
 
+    # AppMetrics channel of :meth:`finished`'s increments (None: it sends none)
+    metrics_channel: str | None = None
+
     def pull(self, lease: Any) -> Pull | None:
         """The request's hand-over, decided right before the engine takes it; None: nothing to
         pass or count."""
@@ -62,9 +67,6 @@ class DecodeSide:
 class Handover(ABC):
     """How the base's prompt KV moves to a decoder (see the module doc). Instances are small,
     frozen and picklable: Serve sends them to every engine replica."""
-
-    # AppMetrics channel of the decode side's increments (None: it sends none)
-    metrics_channel: str | None = None
 
     @abstractmethod
     def transfer_config(self, role: Role, link: ModuleLink, *, on_gpu: bool = False) -> dict[str, Any]:

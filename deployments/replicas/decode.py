@@ -50,8 +50,8 @@ class DecodeServer(EngineHost):
     def _count(self, pull: Pull, out) -> None:
         """Count a finished request's hand-over and send the increments to /metrics."""
         events = self.decode_side.finished(pull, out.num_prompt_tokens, out.num_cached_tokens)
-        if events and self.metrics is not None and self.handover is not None:
-            self.metrics.send(self.handover.metrics_channel, self.model, events)
+        if events and self.metrics is not None:
+            self.metrics.send(self.decode_side.metrics_channel, self.model, events)
 
     async def _stream(self, req: DecodeRequest) -> AsyncIterator[DecodeChunk]:
         t0 = time.perf_counter()

@@ -22,13 +22,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from prefillshare.app.engine.handover import KV_ROLE
+
 __all__ = ["NIXL_CONNECTOR", "NixlSettings", "CPU_SETTINGS", "GPU_SETTINGS", "settings_for", "nixl_transfer_config",
            "lease_for_timeout", "side_channel_env", "listen_port"]
 
 NIXL_CONNECTOR = "NixlConnector"
 
 Role = Literal["producer", "consumer", "both"]
-_KV_ROLE = {"producer": "kv_producer", "consumer": "kv_consumer", "both": "kv_both"}
+_KV_ROLE = {**KV_ROLE, "both": "kv_both"}  # "both": one engine produces and consumes
 
 
 @dataclass(frozen=True)

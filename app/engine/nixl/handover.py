@@ -24,7 +24,6 @@ class NixlHandover(Handover):
     ``kv_lease_duration``; :meth:`for_timeout` ties it to the request timeout)."""
 
     lease_s: int
-    metrics_channel = "vllm_nixl"
 
     @classmethod
     def for_timeout(cls, request_timeout_s: float, lease_s: int | None = None) -> NixlHandover:
@@ -54,6 +53,8 @@ class NixlHandover(Handover):
 class NixlDecodeSide(DecodeSide):
     """A decoder replica's pulls: the lease rule (``margin_s`` of lease left, else a private
     prefill), the fallbacks by reason, and vLLM's NIXL counters' increments."""
+
+    metrics_channel = "vllm_nixl"  # AppMetrics.vllm_nixl
 
     def __init__(self, margin_s: float) -> None:
         self.margin_s = margin_s

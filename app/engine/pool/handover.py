@@ -10,14 +10,13 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from prefillshare.app.engine.handover import Handover, ModuleLink, Role
+from prefillshare.app.engine.handover import KV_ROLE, Handover, ModuleLink, Role
 from prefillshare.app.engine.pool.kv_pool import PoolSpec
 
 __all__ = ["PoolHandover", "connector_config", "CONNECTOR_NAME", "CONNECTOR_MODULE"]
 
 CONNECTOR_NAME = "PrefillShareConnector"
 CONNECTOR_MODULE = "prefillshare.app.engine.pool.connector"
-_KV_ROLE = {"producer": "kv_producer", "consumer": "kv_consumer"}
 
 
 def connector_config(role: Role, prefill_module_id: str, pool: PoolSpec, *, scope: str | None = None,
@@ -30,7 +29,7 @@ def connector_config(role: Role, prefill_module_id: str, pool: PoolSpec, *, scop
     ``adapter_keys``: KV is per LoRA adapter (a prefill engine holding the decoders' own
     adapters): pool keys carry the request's adapter name, on the producer and its consumers alike.
     """
-    if role not in _KV_ROLE:
+    if role not in KV_ROLE:
         raise ValueError(f"connector_config role: {role!r} is not 'producer' or 'consumer'")
     if not prefill_module_id:
         raise ValueError("connector_config prefill_module_id is required")
@@ -44,7 +43,7 @@ def connector_config(role: Role, prefill_module_id: str, pool: PoolSpec, *, scop
     return {
         "kv_connector": CONNECTOR_NAME,
         "kv_connector_module_path": CONNECTOR_MODULE,
-        "kv_role": _KV_ROLE[role],
+        "kv_role": KV_ROLE[role],
         "kv_connector_extra_config": extra,
         # a block found damaged while loading is recomputed (a private prefill), never a failed request
         "kv_load_failure_policy": "recompute",
