@@ -9,6 +9,8 @@ so does a skip in CI.
   not given back) is named, removed, and the session fails (tests/shm_tracking.py; with another
   test session running beside this one, outside CI, it is only reported).
 - Skips: under ``CI=true`` a skipped test fails the run; the suite has nothing that may be absent.
+- Hangs: a test past its timeout fails with the frames it was in on its summary line
+  (tests/hang_report.py), the part of a CI log that is kept.
 - Randomness: each test starts with ``random`` (and torch, numpy when loaded) seeded from the
   session's seed and its node id; the seed is printed in the header and with each failure, and
   ``PREFILLSHARE_TEST_SEED=<seed>`` repeats it.
@@ -22,6 +24,7 @@ import time
 import uuid
 import zlib
 
+import hang_report
 import psutil
 import pytest
 import shm_tracking
@@ -120,6 +123,7 @@ _config: pytest.Config | None = None
 def pytest_configure(config):
     global _config
     _config = config
+    config.pluginmanager.register(hang_report, "hang_report")
 
 
 @pytest.hookimpl(trylast=True)

@@ -24,6 +24,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from hang_report import Stuck, bounded
 
 ROOT = Path(__file__).resolve().parent.parent
 CONTEXT = "order\nname:maya\nitem:lamp\nqty:3\ncity:oslo\nday:tue\ncolor:teal\nnote:please call before noon thanks"
@@ -213,24 +214,26 @@ def _ingress_state(app) -> dict:
 
 
 def prefill_call(app_name: str, module: str, make_request, timeout_s: float = 120):
-    """A Prefill replica's ticket for ``make_request(attempt)``, called from the test process
-    and bounded: a handle call that no replica answers within ``timeout_s``
-    (a driver-side Serve router that never heard of the replica; once in CI it held a test
-    until pytest-timeout) is made once more through a new handle (and router), with a new request
-    id, and then fails naming the call instead of hanging."""
+    """A Prefill replica's ticket for ``make_request(attempt)``, called from the test process and
+    bounded as a whole (handle lookup, router start, result: tests/hang_report.bounded). Twice in CI
+    such a call held a test until pytest-timeout; a call stuck for ``timeout_s`` is made once more
+    through a new handle (and router) with a new request id, then fails naming the frame it was
+    stuck in."""
     from ray import serve
     from ray.serve.handle import DeploymentHandle
 
-    for attempt in range(2):
-        # serve.get_deployment_handle gives this process's cached handle (its router included):
-        # the second try builds a handle of its own, with a router of its own
-        name = f"Prefill-{module}"
+    name = f"Prefill-{module}"
+
+    def call(attempt: int):
+        # serve.get_deployment_handle gives this process's cached handle (its router included)
         handle = serve.get_deployment_handle(name, app_name) if attempt == 0 else DeploymentHandle(name, app_name)
-        try:
-            return handle.prefill.remote(make_request(attempt)).result(timeout_s=timeout_s)
-        except TimeoutError:
-            print(f"prefill_call: no answer from Prefill-{module} in {timeout_s:.0f} s (try {attempt + 1})")
-    pytest.fail(f"Prefill-{module}.prefill: no answer in 2 x {timeout_s:.0f} s")
+        return handle.prefill.remote(make_request(attempt)).result(timeout_s=timeout_s)
+
+    try:
+        return bounded(lambda: call(0), timeout_s, f"{name}.prefill")
+    except (Stuck, TimeoutError) as first:
+        print(f"prefill_call: {first}; trying once more through a new handle")
+    return bounded(lambda: call(1), timeout_s, f"{name}.prefill (second try)")
 
 
 def nixl_events(url: str, module: str, event: str) -> float:

@@ -14,8 +14,9 @@ def ask(sock, timeout_ms: int) -> bytes | None:
     from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import GET_META_MSG
 
     sock.setsockopt(zmq.RCVTIMEO, timeout_ms)
-    sock.send(msgspec.msgpack.encode((GET_META_MSG, 0, 0)))
+    sock.setsockopt(zmq.SNDTIMEO, timeout_ms)  # a REQ socket with no live pipe blocks on send
     try:
+        sock.send(msgspec.msgpack.encode((GET_META_MSG, 0, 0)))
         return sock.recv_multipart()[0]
     except zmq.Again:
         return None

@@ -31,6 +31,7 @@ from pathlib import Path
 # NIXL is a dependency of this mode (scripts/setup.sh installs it): a broken install fails here, never skips
 import nixl._api  # noqa: F401
 import pytest
+from hang_report import bounded
 from ray_cluster import DECODE_NODE, PREFILL_NODE, replica_nodes, serving_cluster, wait_ready
 from ray_cluster import get as _get
 from serve_test_app import (
@@ -239,9 +240,9 @@ def test_a_lease_that_ran_out_is_answered_privately_and_counted(nixl_app, nixl_r
     assert lease.computed_tokens == len(prompt_ids)  # a fresh salt: nothing cached before
     assert second.computed_tokens <= TEST_ENGINE["block_size"]  # at most the last, partial block recomputed
     expired = replace(lease, expires_at=time.time() - 1)
-    stream = serve.get_deployment_handle("Decode-alpha", APP).options(stream=True).generate.remote(
-        DecodeRequest("expired-dec", prompt_ids, Sampling(max_tokens=MAX_NEW), lease=expired))
-    chunks = list(stream)
+    request = DecodeRequest("expired-dec", prompt_ids, Sampling(max_tokens=MAX_NEW), lease=expired)
+    chunks = bounded(lambda: list(serve.get_deployment_handle("Decode-alpha", APP).options(stream=True)
+                                  .generate.remote(request)), 120, "Decode-alpha.generate")
     assert not any(c.error for c in chunks), chunks
     assert [t for c in chunks for t in c.delta_token_ids] == _expected(nixl_reference, "alpha", list(prompt_ids),
                                                                        private=True)

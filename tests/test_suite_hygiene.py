@@ -1,7 +1,7 @@
 """The suite's session-end rules (tests/conftest.py): a process a test started and left behind, even
 one orphaned and renamed like vLLM's engine cores, fails the run and is stopped by pid; under
 CI=true a skip fails it, and so does an entry left in /dev/shm (removed); the printed seed repeats
-a session's random draws."""
+a session's random draws; a hung test's summary line says where it was."""
 from __future__ import annotations
 
 import os
@@ -68,6 +68,32 @@ def test_a_leftover_process_fails_the_session_and_is_stopped(tmp_path):
     assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
 
 
+# a test past its timeout inside a helper, and a bounded call that never returns
+HUNG = '''
+import time
+
+import pytest
+from hang_report import bounded
+
+def wait_for_ever():
+    time.sleep(600)
+
+@pytest.mark.timeout(2)
+def test_hangs():
+    wait_for_ever()
+
+def test_bounded_call_is_stuck():
+    bounded(wait_for_ever, 1, "the wait")
+'''
+
+
+def test_a_hung_test_and_a_stuck_call_name_their_frames_on_the_summary_line(tmp_path):
+    """CI keeps the tail of the log: the short summary must say where each one was."""
+    out = _run(tmp_path, HUNG, CI="true")
+    assert out.returncode == 1 and "2 failed" in out.stdout, out.stdout + out.stderr
+    summary = out.stdout[out.stdout.index("short test summary"):]
+    assert "Timeout (>2s); the test was at test_it.py:8 wait_for_ever < test_it.py:12 test_hangs" in summary, summary
+    assert "Stuck: the wait: no answer in 1 s; stuck at test_it.py:8 wait_for_ever" in summary, summary
 
 
 def _draws(out: subprocess.CompletedProcess) -> list[str]:
