@@ -168,6 +168,11 @@ def test_the_nixl_hand_over_lends_each_prompt_and_its_decode_side_keeps_the_leas
     assert pull.reason is None and pull.params["remote_block_ids"] == [0]
     late = side.pull(_lease(1, time.time() + side.margin_s - 1))
     assert late == Pull(None, "lease_expiring")
+    # vLLM counts the pulled last prompt token as cached; the base's part is L-1. A private prefill
+    # (a fallback) reports the engine's own count: its prefix-cache hits
+    assert side.cached_tokens(pull, 10, 10) == 9 == shared_length(10) and side.cached_tokens(pull, 10, 4) == 4
+    assert side.cached_tokens(late, 10, 10) == 10
+    assert PoolHandover("/dev/shm/x").decode_side().cached_tokens(pull, 10, 9) == 9
     assert side.finished(pull, 10, 9)["pull"] == 1
     assert side.finished(late, 10, 0)["fallback:lease_expiring"] == 1
     assert side.counters.pulls == 1 and side.counters.fallbacks["lease_expiring"] == 1

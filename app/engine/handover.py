@@ -59,6 +59,11 @@ class DecodeSide:
         pass or count."""
         return None
 
+    def cached_tokens(self, pull: Pull, num_prompt_tokens: int, num_cached_tokens: int) -> int:
+        """The prompt tokens a request read from the base's KV, from the engine's count of its
+        cached tokens (the default: that count)."""
+        return num_cached_tokens
+
     def finished(self, pull: Pull, num_prompt_tokens: int, num_cached_tokens: int) -> dict[str, float]:
         """Count a finished request; the metric increments to send (empty: none)."""
         return {}

@@ -16,7 +16,6 @@ from ray import serve
 
 from prefillshare.app.engine.async_engine import EngineConfig, EngineRequestError
 from prefillshare.app.engine.handover import DecodeSide, Handover, Pull
-from prefillshare.app.prompt_split import shared_length
 from prefillshare.deployments.errors import ErrorCode, Failure
 from prefillshare.deployments.messages import DecodeChunk, DecodeRequest
 from prefillshare.deployments.replicas.engine_host import EngineHost
@@ -57,16 +56,16 @@ class DecodeServer(EngineHost):
         t0 = time.perf_counter()
         ttft = None
         pull = self.decode_side.pull(req.lease)  # decided here, after the replica's queue
-        params = pull.params if pull is not None else None
+        counted = pull is None
         async for out in self.engine.generate(list(req.prompt_token_ids), req.sampling, req.request_id,
-                                              cache_salt=req.cache_salt, kv_transfer_params=params, lora=req.adapter):
-            if params is not None:
-                # vLLM counts the pulled last prompt token as cached too, though the decoder recomputes
-                # it with its own weights: the base's part is the hand-over convention's L-1, as in the pool
-                out.num_cached_tokens = min(out.num_cached_tokens, shared_length(out.num_prompt_tokens))
-            if pull is not None and out.finished:
-                self._count(pull, out)
-                pull = None  # once per request (n sequences finish one by one)
+                                              cache_salt=req.cache_salt, lora=req.adapter,
+                                              kv_transfer_params=pull.params if pull is not None else None):
+            if pull is not None:
+                out.num_cached_tokens = self.decode_side.cached_tokens(pull, out.num_prompt_tokens,
+                                                                       out.num_cached_tokens)
+                if out.finished and not counted:
+                    self._count(pull, out)
+                    counted = True  # once per request (n sequences finish one by one)
             if ttft is None and (out.new_token_ids or out.finished):
                 ttft = time.perf_counter() - t0
             yield DecodeChunk(

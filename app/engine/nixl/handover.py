@@ -14,6 +14,7 @@ from typing import Any
 from prefillshare.app.engine.handover import DecodeSide, Handover, ModuleLink, Pull, Role
 from prefillshare.app.engine.nixl import leases
 from prefillshare.app.engine.nixl.config import lease_for_timeout, nixl_transfer_config, side_channel_env
+from prefillshare.app.prompt_split import shared_length
 
 __all__ = ["NixlHandover", "NixlDecodeSide"]
 
@@ -66,6 +67,13 @@ class NixlDecodeSide(DecodeSide):
             return None
         params, reason = leases.pull_params(lease, self.margin_s)
         return Pull(params, reason)
+
+    def cached_tokens(self, pull: Pull, num_prompt_tokens: int, num_cached_tokens: int) -> int:
+        # vLLM counts the pulled last prompt token as cached too, though the decoder recomputes it
+        # with its own weights: the base's part is the hand-over convention's L-1, as in the pool
+        if pull.params is None:
+            return num_cached_tokens
+        return min(num_cached_tokens, shared_length(num_prompt_tokens))
 
     def finished(self, pull: Pull, num_prompt_tokens: int, num_cached_tokens: int) -> dict[str, float]:
         event = leases.count_decode(self.counters, pull.reason, num_prompt_tokens, num_cached_tokens)
