@@ -32,9 +32,11 @@ def where(frame, depth: int = 8) -> str:
 
 
 def _short(path: str) -> str:
-    for marker in ("site-packages/", "/tests/", "/work/"):
-        if marker in path:
-            return path.split(marker, 1)[1] if marker != "/tests/" else "tests/" + path.split(marker, 1)[1]
+    """A library file from its package down, a test file from tests/, anything else its name."""
+    if "site-packages/" in path:
+        return path.split("site-packages/", 1)[1]
+    if "/tests/" in path:
+        return "tests/" + path.rsplit("/tests/", 1)[1]
     return os.path.basename(path)
 
 
