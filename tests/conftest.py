@@ -6,8 +6,10 @@ so does a skip in CI.
   ``VLLM::EngineCore``; an orphan has lost its parent). At session end whatever of it still runs
   is named, stopped by pid (SIGTERM, then SIGKILL), and the session fails.
 - /dev/shm: an entry that appeared during the session and is still there at its end (a KV pool
-  not given back) is named, removed, and the session fails (tests/shm_tracking.py; with another
-  test session running beside this one, outside CI, it is only reported).
+  not given back) is named with the test it appeared during, removed, and the session fails
+  (tests/shm_tracking.py; with another test session running beside this one, outside CI, it is
+  only reported). A residue of a process killed mid-way (a multiprocessing semaphore or
+  shared-memory segment that no process maps) is removed and reported without failing.
 - Skips: under ``CI=true`` a skipped test fails the run; the suite has nothing that may be absent.
 - Hangs: a test past its timeout fails with the frames it was in on its summary line
   (tests/hang_report.py), the part of a CI log that is kept.
@@ -40,6 +42,9 @@ _others_at_start = False
 _skipped: list[str] = []
 _module_s: dict[str, float] = {}  # test file -> seconds its tests took, their fixtures' set-up and teardown included
 _test_started: dict[str, float] = {}
+# (start, node id) of each test in order, on the clock the kernel stamps files with (a coarse one)
+_timeline: list[tuple[float, str]] = []
+_FILE_CLOCK = 5  # Linux's CLOCK_REALTIME_COARSE, which Python's time module does not name
 _seed = int(os.environ.get(SEED_ENV) or random.SystemRandom().randrange(1 << 31))
 
 
@@ -104,6 +109,7 @@ def pytest_runtest_logstart(nodeid, location):
         _write(f" {time.monotonic() - _started:.0f}s")
     _last_file = path
     _test_started[nodeid] = time.monotonic()
+    _timeline.append((time.clock_gettime(_FILE_CLOCK), nodeid))
 
 
 def pytest_runtest_logfinish(nodeid, location):
@@ -146,19 +152,38 @@ def pytest_sessionfinish(session, exitstatus):
 
 
 def _check_shm(session) -> None:
-    """Fail on what the session left in /dev/shm (after its processes are gone), and remove it."""
+    """Fail on what the session left in /dev/shm (after its processes are gone), and remove it;
+    residues of processes killed mid-way are removed and reported only (tests/shm_tracking.py)."""
     new = shm_tracking.leftovers(_shm_before)
     if not new:
         return
-    shown = ", ".join(str(shm_tracking.SHM / n) for n in new[:20])
+    named = {n: f"{shm_tracking.SHM / n} ({_appeared_during(n)})" for n in new}
     if not _in_ci() and (_others_at_start or shm_tracking.other_sessions((MARKER, os.environ[MARKER]))):
         print(f"\nconftest: /dev/shm gained {len(new)} entr(ies) while another test session ran beside this "
-              f"one, so they may be its: {shown}; left in place", file=sys.stderr)
+              f"one, so they may be its: {', '.join(named.values())}; left in place", file=sys.stderr)
         return
-    print(f"\nconftest: FAIL: the tests left {len(new)} entr(ies) in /dev/shm: {shown}; removing them",
-          file=sys.stderr)
+    killed = shm_tracking.residues(new)
+    if killed:
+        shm_tracking.remove(killed)
+        print(f"\nconftest: removed {len(killed)} residue(s) of processes killed mid-way (a multiprocessing "
+              f"semaphore or shared-memory segment no process maps): {', '.join(named[n] for n in killed)}",
+              file=sys.stderr)
+        new = [n for n in new if n not in killed]
+        if not new:
+            return
+    print(f"\nconftest: FAIL: the tests left {len(new)} entr(ies) in /dev/shm: "
+          f"{', '.join(named[n] for n in new[:20])}; removing them", file=sys.stderr)
     shm_tracking.remove(new)
     session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def _appeared_during(name: str) -> str:
+    """The test that was running when ``name`` appeared in /dev/shm (so a leftover names its test)."""
+    at = shm_tracking.made_at(name)
+    if at is None:
+        return "gone"
+    during = [nodeid for started, nodeid in _timeline if started <= at]
+    return f"appeared during {during[-1]}" if during else "appeared before the first test"
 
 
 def _pytest_helper(p: psutil.Process) -> bool:

@@ -5,6 +5,14 @@ counts as this session's leftover when it appeared after the session began and n
 session ran meanwhile; with another session seen (at the start or at the end) the new entries may
 be that one's pools, so they are reported but not blamed, except under ``CI=true`` where a job runs
 alone.
+
+Residues of a process killed mid-way are told apart: CPython's multiprocessing semaphores
+(``sem.mp-*``, unlinked at a clean exit) and shared-memory segments (``psm_*``: vLLM makes one,
+and a semaphore, while an engine starts) that no live process maps. The fault tests kill engines
+on purpose, as a crash would, and Serve's shutdown may stop a replica that Serve is restarting;
+such residues are removed and reported with the test they appeared during, but fail no run.
+The project's own clean stop and a SIGKILLed replica leave none: tests/test_serve_cli.py and
+tests/test_serve_stop.py assert that on their own paths.
 """
 from __future__ import annotations
 
@@ -35,6 +43,37 @@ def leftovers(before: set[str], root: Path | None = None, grace_s: float = 2.0) 
         if not new or time.monotonic() >= deadline:
             return new
         time.sleep(0.5)
+
+
+RESIDUE_PREFIXES = ("sem.mp-", "psm_")
+
+
+def residues(names: list[str], root: Path | None = None) -> list[str]:
+    """The multiprocessing semaphores and shared-memory segments among ``names`` that no live
+    process maps (their makers are gone)."""
+    candidates = [n for n in names if n.startswith(RESIDUE_PREFIXES)]
+    if not candidates:
+        return []
+    paths = {str((root or SHM) / n): n for n in candidates}
+    mapped: set[str] = set()
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/maps", encoding="utf-8", errors="replace") as f:
+                text = f.read()
+        except OSError:
+            continue
+        mapped.update(n for path, n in paths.items() if path in text)
+    return [n for n in candidates if n not in mapped]
+
+
+def made_at(name: str, root: Path | None = None) -> float | None:
+    """When the entry appeared (its change time; wall clock), None if it is gone."""
+    try:
+        return os.stat((root or SHM) / name).st_ctime
+    except OSError:
+        return None
 
 
 def remove(names: list[str], root: Path | None = None) -> None:

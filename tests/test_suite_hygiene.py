@@ -29,6 +29,7 @@ def test_leaves_an_orphan(tmp_path):
 POLICY = '''
 import os
 import random
+import time
 
 import pytest
 
@@ -38,6 +39,12 @@ def test_draws():
 def test_leaves_a_pool_behind():
     if os.environ.get("HYGIENE_SHM_DIR"):
         os.makedirs(os.environ["HYGIENE_SHM_DIR"])
+    time.sleep(0.05)  # the next test starts a tick of the file clock later
+
+def test_leaves_what_a_killed_process_would():
+    if os.environ.get("HYGIENE_RESIDUE"):
+        open(os.environ["HYGIENE_RESIDUE"], "wb").close()
+    time.sleep(0.05)
 
 def test_skips():
     pytest.skip("something is absent")
@@ -108,12 +115,37 @@ def test_under_ci_a_skip_and_a_leftover_in_dev_shm_fail_the_run_and_the_seed_rep
     left = shm / "ps-test-pool-left"
     ci = _run(tmp_path, POLICY, CI="true", PREFILLSHARE_TEST_SEED="12345", HYGIENE_SHM_DIR=str(left),
               PREFILLSHARE_SHM_WATCHED=str(shm))
-    assert ci.returncode == 1 and "2 passed, 1 skipped" in ci.stdout, ci.stdout + ci.stderr
+    assert ci.returncode == 1 and "3 passed, 1 skipped" in ci.stdout, ci.stdout + ci.stderr
     assert "skipped under CI=true" in ci.stderr and "test_skips" in ci.stderr, ci.stderr
-    assert f"left 1 entr(ies) in /dev/shm: {left}" in ci.stderr, ci.stderr
+    assert f"left 1 entr(ies) in /dev/shm: {left} (appeared during test_it.py::test_leaves_a_pool_behind)" \
+        in ci.stderr, ci.stderr
     assert not left.exists() and (shm / "there-before").is_dir()  # removed; what was there before stays
     assert "random seed: 12345" in ci.stdout
-    local = _run(tmp_path, POLICY, PREFILLSHARE_TEST_SEED="12345", PREFILLSHARE_SHM_WATCHED=str(shm))
-    assert local.returncode == 0, local.stdout + local.stderr  # a clean session, and outside CI a skip is fine
-    assert "/dev/shm" not in local.stderr and "outlived" not in local.stderr, local.stderr
+    # a killed process's residue (a multiprocessing semaphore no process maps) is removed and
+    # reported, and fails nothing: outside CI a skip is fine, so this session passes
+    residue = shm / "sem.mp-hygiene"
+    local = _run(tmp_path, POLICY, PREFILLSHARE_TEST_SEED="12345", PREFILLSHARE_SHM_WATCHED=str(shm),
+                 HYGIENE_RESIDUE=str(residue))
+    assert local.returncode == 0, local.stdout + local.stderr
+    assert f"removed 1 residue(s) of processes killed mid-way (a multiprocessing semaphore or shared-memory " \
+           f"segment no process maps): {residue} (appeared during test_it.py::test_leaves_what_a_killed_process_would)" \
+        in local.stderr, local.stderr
+    assert not residue.exists() and "FAIL" not in local.stderr and "outlived" not in local.stderr, local.stderr
     assert _draws(ci) and _draws(ci) == _draws(local)  # the same seed, the same draws
+
+
+def test_a_residue_is_one_that_no_live_process_maps(tmp_path):
+    """shm_tracking.residues: a semaphore-like file this process maps is in use, not a residue;
+    once unmapped it is; a KV pool's folder never is."""
+    import mmap
+
+    import shm_tracking
+
+    seg = tmp_path / "psm_probe"
+    seg.write_bytes(b"\0" * 4096)
+    (tmp_path / "prefillshare-pool").mkdir()
+    names = ["psm_probe", "prefillshare-pool"]
+    with open(seg, "r+b") as f, mmap.mmap(f.fileno(), 4096) as m:
+        m[:1] = b"x"
+        assert shm_tracking.residues(names, root=tmp_path) == []
+    assert shm_tracking.residues(names, root=tmp_path) == ["psm_probe"]
