@@ -227,11 +227,11 @@ def prefill_call(app_name: str, module: str, make_request, timeout_s: float = 12
     def call(attempt: int):
         # serve.get_deployment_handle gives this process's cached handle (its router included)
         handle = serve.get_deployment_handle(name, app_name) if attempt == 0 else DeploymentHandle(name, app_name)
-        return handle.prefill.remote(make_request(attempt)).result(timeout_s=timeout_s)
+        return handle.prefill.remote(make_request(attempt)).result()  # bounded() holds the deadline
 
     try:
         return bounded(lambda: call(0), timeout_s, f"{name}.prefill")
-    except (Stuck, TimeoutError) as first:
+    except Stuck as first:
         print(f"prefill_call: {first}; trying once more through a new handle")
     return bounded(lambda: call(1), timeout_s, f"{name}.prefill (second try)")
 
