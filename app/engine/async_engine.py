@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import json
 import os
 import threading
 import uuid
@@ -39,6 +40,7 @@ from prefillshare.app.config import EngineSettings, LimitsConfig, LoRAGroup, def
 from prefillshare.app.engine import alloc_conf, compute_dtype, core_lifetime, niceness
 from prefillshare.app.engine.handover import KV_ROLE
 from prefillshare.app.engine.pool import kv_pool
+from prefillshare.app.engine.vllm_plugin import HANDOVER_ADAPTERS_ENV
 from prefillshare.app.errors import PrefillShareLibraryError
 from prefillshare.app.sampling import Sampling, TokenLogprob, prompt_logprobs, token_logprobs
 
@@ -105,6 +107,9 @@ class EngineConfig:
     lora_adapters: tuple[tuple[str, str], ...] = ()
     max_lora_rank: int | None = default(LoRAGroup, "max_lora_rank")  # with adapters; None: vLLM's default
     max_loras: int | None = None  # None: as many as lora_adapters; also vLLM's max_cpu_loras (all stay loaded)
+    # names among lora_adapters that act from the hand-over point on (in-engine LoRA decoders: the base's
+    # prefix cache and base tokens before that point; app/engine/vllm_plugin.py)
+    handover_adapters: tuple[str, ...] = ()
     # any other AsyncEngineArgs field, passed through as given (serve_config.yaml's engine.engine_kwargs)
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
     # niceness of the engine core's processes once the engine answers (0: left as spawned), so that an
@@ -139,6 +144,9 @@ class EngineConfig:
         if len(self.lora_adapters) > self.max_loras:
             raise ValueError(f"EngineConfig.lora_adapters: {len(self.lora_adapters)} adapters, max_loras is "
                              f"{self.max_loras}")
+        unknown = sorted(set(self.handover_adapters) - {name for name, _ in self.lora_adapters})
+        if unknown:
+            raise ValueError(f"EngineConfig.handover_adapters: {unknown} are not among lora_adapters")
         if self.is_consumer and self.enable_prefix_caching:
             raise ValueError("EngineConfig.enable_prefix_caching must be off for a PrefillShare consumer "
                              "(its local cache may hold its own KV after a fallback)")
@@ -147,6 +155,13 @@ class EngineConfig:
     def is_consumer(self) -> bool:
         """The engine reads another engine's KV (vLLM's own ``kv_role``, whatever the connector)."""
         return (self.kv_transfer_config or {}).get("kv_role") == KV_ROLE["consumer"]
+
+    @property
+    def core_env(self) -> dict[str, str]:
+        """The engine core's env: ``extra_env``, and the hand-over adapters vLLM's plugin reads."""
+        if not self.handover_adapters:
+            return dict(self.extra_env)
+        return {**self.extra_env, HANDOVER_ADAPTERS_ENV: json.dumps(sorted(self.handover_adapters))}
 
     @property
     def prefix_caching(self) -> bool:
@@ -255,7 +270,7 @@ def _engine_env(cfg: EngineConfig):
     VLLM_CPU_KVCACHE_SPACE would override ``kv_cache_memory_bytes`` (vLLM's legacy setting),
     so it is removed while the engine is built.
     """
-    want = dict(cfg.extra_env)
+    want = cfg.core_env
     if "VLLM_CPU_KVCACHE_SPACE" not in os.environ and all(os.environ.get(k) == v for k, v in want.items()):
         yield  # nothing to change: engines can start concurrently
         return

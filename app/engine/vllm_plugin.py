@@ -1,0 +1,155 @@
+"""The project's vLLM plugin: LoRA decoders that act from the hand-over point on, inside the base's engine.
+
+A cache-conditioned LoRA decoder is the base for every prompt token before the hand-over point
+(``prompt_split.shared_length``) and base + adapter from there on. vLLM 0.32 applies an adapter to
+every token of its request and keys every prefix-cache block with it, and has no hook to do
+otherwise (it refuses Activated LoRA, the same idea), so this module changes vLLM's behaviour, and
+nothing else in the project does. It is vLLM's general plugin ``prefillshare`` (pyproject's
+``vllm.general_plugins`` entry point), which vLLM loads in every process of an engine; it acts only
+in an engine whose environment names its hand-over adapters (:data:`HANDOVER_ADAPTERS_ENV`, a JSON
+list of LoRA names, set from ``EngineConfig.handover_adapters``). Stock engines, the benchmarks'
+baselines included, run unchanged.
+
+What it replaces, each wrapping vLLM's own function (canary: tests/test_vllm_plugin.py, which fails
+naming the function on a vLLM whose code changed):
+
+- ``vllm.v1.core.kv_cache_utils.generate_block_hash_extra_keys`` (and the name
+  ``vllm.v1.core.block_pool`` imported, for KV events): a block that lies wholly before the hand-over
+  point is keyed as the base's block (the adapter's key dropped; the tenant's salt stays), so the base
+  and every hand-over adapter share it. A block that reaches the hand-over point keeps the adapter.
+- ``vllm.v1.worker.gpu_input_batch.InputBatch.make_lora_inputs`` (the CPU and GPU model runners
+  share it): a token before the hand-over point gets LoRA id 0 (no adapter).
+- ``vllm.lora.punica_wrapper.punica_cpu``'s ``sgmv_shrink``, ``sgmv_expand`` and
+  ``sgmv_expand_slice`` (CPU only): vLLM's torch ops gather one adapter matrix per token and read a
+  token without an adapter (index -1) as the last adapter slot, so in a batch that mixes base and
+  adapter tokens the base tokens would get that slot's adapter, at an adapter's cost. They become one
+  matrix product per run of tokens with the same adapter, and none for a run without one.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+
+from prefillshare.app.prompt_split import shared_length
+
+__all__ = ["HANDOVER_ADAPTERS_ENV", "register", "handover_adapters"]
+
+HANDOVER_ADAPTERS_ENV = "PREFILLSHARE_HANDOVER_ADAPTERS"
+
+_ADAPTERS: frozenset[str] = frozenset()
+_VLLM: dict[str, object] = {}  # vLLM's own functions, by name
+
+
+def handover_adapters() -> frozenset[str]:
+    """The LoRA names this process's engine runs from the hand-over point on (empty: plugin idle)."""
+    return _ADAPTERS
+
+
+def register() -> None:
+    """vLLM's entry point: install the replacements once per process, if the engine names adapters."""
+    global _ADAPTERS
+    names = os.environ.get(HANDOVER_ADAPTERS_ENV)
+    if not names:
+        return
+    _ADAPTERS = frozenset(json.loads(names))
+    if _VLLM:
+        return  # installed already (vLLM loads plugins more than once per process)
+    from vllm.lora.punica_wrapper import punica_cpu
+    from vllm.v1.core import block_pool, kv_cache_utils
+    from vllm.v1.worker import gpu_input_batch
+
+    _replace(kv_cache_utils, "generate_block_hash_extra_keys", _block_hash_extra_keys)
+    _replace(block_pool, "generate_block_hash_extra_keys", _block_hash_extra_keys)
+    _replace(gpu_input_batch.InputBatch, "make_lora_inputs", _make_lora_inputs)
+    _replace(punica_cpu, "sgmv_shrink", _sgmv_shrink)
+    _replace(punica_cpu, "sgmv_expand", _sgmv_expand)
+    _replace(punica_cpu, "sgmv_expand_slice", _sgmv_expand_slice)
+
+
+def _replace(owner, name: str, replacement) -> None:
+    """Keep vLLM's function (by name: block_pool's import is kv_cache_utils' own), put ours in its place."""
+    _VLLM.setdefault(name, getattr(owner, name))
+    setattr(owner, name, replacement)
+
+
+# --- scheduler side: prefix-cache keys -------------------------------------------------------------
+
+def _block_hash_extra_keys(request, start_token_idx: int, end_token_idx: int, start_mm_idx: int):
+    keys, next_mm_idx = _VLLM["generate_block_hash_extra_keys"](request, start_token_idx, end_token_idx,
+                                                                 start_mm_idx)
+    lora = request.lora_request
+    if (keys is not None and lora is not None and lora.lora_name in _ADAPTERS
+            and end_token_idx <= shared_length(request.num_prompt_tokens)):
+        keys = tuple(k for k in keys if k[0] != "lora") or None
+    return keys, next_mm_idx
+
+
+# --- worker side: which tokens an adapter acts on --------------------------------------------------
+
+def _make_lora_inputs(self, num_scheduled_tokens: np.ndarray, num_sampled_tokens: np.ndarray):
+    prompt_mapping, token_mapping, requests = _VLLM["make_lora_inputs"](self, num_scheduled_tokens,
+                                                                       num_sampled_tokens)
+    handover_ids = [i for i, r in self.lora_id_to_lora_request.items() if r.lora_name in _ADAPTERS]
+    if not handover_ids:
+        return prompt_mapping, token_mapping, requests
+    n = self.num_reqs
+    ids = np.asarray(token_mapping, dtype=np.int64)
+    # each scheduled token's position: the request's computed tokens + its offset in this step
+    counts = np.asarray(num_scheduled_tokens[:n], dtype=np.int64)
+    firsts = np.repeat(np.cumsum(counts) - counts, counts)
+    positions = np.repeat(self.num_computed_tokens_cpu[:n], counts) + (np.arange(ids.size) - firsts)
+    handover = np.repeat([shared_length(int(p)) for p in self.num_prompt_tokens[:n]], counts)
+    ids[np.isin(ids, handover_ids) & (positions < handover)] = 0
+    return prompt_mapping, tuple(ids.tolist()), requests
+
+
+# --- CPU LoRA ops: one product per run of tokens with one adapter ---------------------------------
+
+def _runs(starts, lengths, indices):
+    for start, length, index in zip(starts.tolist(), lengths.tolist(), indices.tolist()):
+        yield slice(start, start + length), index
+
+
+def _matrix(stacked, index: int):
+    w = stacked[index]
+    return w.squeeze(0) if w.dim() == 3 else w  # (1, out, in) slots -> (out, in)
+
+
+def _sgmv_shrink(inputs, lora_a_weights, output_tensor, b_seq_start_loc, seq_len_tensor, lora_indices_tensor,
+                 batches, max_seq_length, token_nums, scaling):
+    for rows, index in _runs(b_seq_start_loc, seq_len_tensor, lora_indices_tensor):
+        if index < 0:
+            output_tensor[rows] = 0
+            continue
+        w = _matrix(lora_a_weights, index).to(output_tensor.dtype)
+        output_tensor[rows, : w.shape[0]] = scaling * (inputs[rows].to(output_tensor.dtype) @ w.T)
+
+
+def _sgmv_expand(inputs, lora_b_weights, output_tensor, b_seq_start_loc, seq_len_tensor, lora_indices_tensor,
+                 batches, max_seq_length, token_nums, add_inputs=False):
+    _expand(inputs, lora_b_weights, output_tensor, b_seq_start_loc, seq_len_tensor, lora_indices_tensor,
+            0, None, add_inputs)
+
+
+def _sgmv_expand_slice(inputs, lora_b_weights, output_tensor, b_seq_start_loc, seq_len_tensor,
+                       lora_indices_tensor, batches, max_seq_length, token_nums, slice_offset, slice_size,
+                       add_inputs=False):
+    _expand(inputs, lora_b_weights, output_tensor, b_seq_start_loc, seq_len_tensor, lora_indices_tensor,
+            slice_offset, slice_size, add_inputs)
+
+
+def _expand(inputs, weights, output, starts, lengths, indices, offset: int, size: int | None, add: bool):
+    for rows, index in _runs(starts, lengths, indices):
+        if index < 0:
+            if not add:
+                output[rows, offset: output.shape[1] if size is None else offset + size] = 0
+            continue
+        w = _matrix(weights, index).to(output.dtype)
+        width = min(w.shape[0], output.shape[1] - offset) if size is None else size
+        product = inputs[rows].to(output.dtype) @ w[:width].T
+        if add:
+            output[rows, offset: offset + width] += product
+        else:
+            output[rows, offset: offset + width] = product
