@@ -203,12 +203,37 @@ class LoRAGroup(_Strict):
 
 class PrefillModuleConfig(LoRAGroup):
     """A shared frozen base: one PrefillServer deployment, N replicas. With ``adapters`` it is
-    a per-adapter prefill (each adapter computes its own KV; nothing is shared across them)."""
+    a per-adapter prefill (each adapter computes its own KV; nothing is shared across them).
+    With ``lora_decoders`` its own engine also serves cache-conditioned LoRA decoders of the base:
+    the base up to the hand-over point, the adapter from there on, one prefix cache for all."""
 
     name: Name
     model: str = Field(description="HF checkpoint directory of the base")
     placement: Placement = Field(default_factory=lambda: Placement(num_cpus=0.5))
     engine: EngineSettings = Field(default_factory=EngineSettings)
+    lora_decoders: list[AdapterConfig] = Field(
+        default_factory=list, description="cache-conditioned LoRA decoders (`prefillshare train --lora`) this "
+        "module's engine serves in-engine, each under its name; they read its prefix cache, nothing is handed over")
+
+    @model_validator(mode="after")
+    def _in_engine_limits(self):
+        if not self.lora_decoders:
+            return self
+        if self.adapters:
+            raise ValueError("lora_decoders: a per-adapter prefill module (adapters) computes each adapter's own "
+                             "KV, so it cannot also serve in-engine decoders on the base's KV; use two modules")
+        names = [a.name for a in self.lora_decoders]
+        dup = sorted({n for n in names if names.count(n) > 1})
+        if dup:
+            raise ValueError(f"lora_decoders: duplicate name(s) {dup}")
+        for j, a in enumerate(self.lora_decoders):
+            if a.rank > self.max_lora_rank:
+                raise ValueError(f"lora_decoders[{j}].rank: {a.rank} is above the module's max_lora_rank "
+                                 f"{self.max_lora_rank}")
+        if self.max_loras is not None and len(self.lora_decoders) > self.max_loras:
+            raise ValueError(f"lora_decoders: {len(self.lora_decoders)} declared, the module allows max_loras="
+                             f"{self.max_loras}")
+        return self
 
 
 class DecoderConfig(LoRAGroup):
@@ -336,7 +361,9 @@ class AppConfig(_Strict):
     prefill_modules: list[PrefillModuleConfig] = Field(
         min_length=0, description="may be empty: every decoder then prefills privately (a colocated deployment)"
     )
-    decoders: list[DecoderConfig] = Field(min_length=1)
+    decoders: list[DecoderConfig] = Field(
+        default_factory=list, description="decode deployments: full decoders and LoRA decode groups (an app needs "
+        "these or a prefill module's lora_decoders)")
     pool: PoolConfig = Field(default_factory=PoolConfig)
     handover: Literal["pool", "vllm-nixl"] = Field(
         "pool", description="how decoders get the base's KV: the project's pool (CPU nodes) or vLLM's NixlConnector "
@@ -370,9 +397,13 @@ class AppConfig(_Strict):
         if dup:
             raise ValueError(f"decoders: duplicate name(s) {sorted(dup)}")
         served = [n for d in self.decoders for n in d.served_names]
+        served += [a.name for p in self.prefill_modules for a in p.lora_decoders]
+        if not served:
+            raise ValueError("decoders: none configured (give decoders, or prefill_modules[].lora_decoders)")
         dup = {n for n in served if served.count(n) > 1}
         if dup:
-            raise ValueError(f"decoders: name(s) {sorted(dup)} served twice (decoder or adapter names)")
+            raise ValueError(f"decoders: name(s) {sorted(dup)} served twice (decoder, adapter or "
+                             "prefill_modules[].lora_decoders names)")
         for i, d in enumerate(self.decoders):
             if d.prefill_module not in (None, "auto") and d.prefill_module not in names:
                 raise ValueError(
@@ -401,6 +432,10 @@ class AppConfig(_Strict):
         for i, p in enumerate(self.prefill_modules):
             if not (self.path(p.model) / "config.json").is_file():
                 problems.append(f"prefill_modules[{i}].model: no config.json in {self.path(p.model)}")
+            for j, a in enumerate(p.lora_decoders):
+                if not (self.path(a.path) / "adapter_config.json").is_file():
+                    problems.append(f"prefill_modules[{i}].lora_decoders[{j}].path: no adapter_config.json in "
+                                    f"{self.path(a.path)}")
         for i, d in enumerate(self.decoders):
             if not (self.path(d.model) / "config.json").is_file():
                 problems.append(f"decoders[{i}].model: no config.json in {self.path(d.model)}")

@@ -62,6 +62,7 @@ class DecoderPlan:
     group: str | None = None  # decode group (config decoder name) whose engine serves this LoRA decoder
     adapter: str | None = None  # LoRA adapter name in that engine (None: a full-weight decoder)
     prefill_adapter: str | None = None  # the prefill module computes this decoder's KV with this adapter
+    in_engine: bool = False  # served by its prefill module's own engine (lora_decoders): nothing handed over
     tool_call_format: str | None = None  # from the decoder's manifest: how it calls tools (deployments/ingress/tools.py)
     renderer: Renderer = field(default_factory=Renderer)  # checked against the app's tokenizer at build time
 
@@ -99,29 +100,42 @@ def kv_bytes_per_token(model_dir: Path, dtype: str) -> int:
 class _Served:
     """One name a decoder entry serves: the decoder itself, or one adapter of a decode group."""
 
-    where: str  # the config field: decoders[i] or decoders[i].adapters[j]
-    decoder: DecoderConfig
+    where: str  # the config field: decoders[i], decoders[i].adapters[j] or prefill_modules[i].lora_decoders[j]
+    decoder: DecoderConfig | PrefillModuleConfig  # the entry whose engine serves it
     adapter: AdapterConfig | None
     name: str
     path: Path
     manifest: object  # DecodeManifest, or the ManifestError reading it raised
 
+    @property
+    def in_engine(self) -> bool:
+        """A prefill module's own LoRA decoder (``lora_decoders``)."""
+        return isinstance(self.decoder, PrefillModuleConfig)
+
 
 def _served(cfg: AppConfig) -> list[_Served]:
     """Every served name with its manifest, each manifest read once."""
-    from prefillshare.app.models.manifest import ManifestError, read_manifest
-
     out = []
     for i, d in enumerate(cfg.decoders):
         entries = ([(f"decoders[{i}].adapters[{j}]", a, a.name, cfg.path(a.path)) for j, a in enumerate(d.adapters)]
                    if d.adapters else [(f"decoders[{i}]", None, d.name, cfg.path(d.model))])
         for where, a, name, path in entries:
-            try:
-                manifest = read_manifest(path)
-            except ManifestError as e:
-                manifest = e
-            out.append(_Served(where, d, a, name, path, manifest))
+            out.append(_Served(where, d, a, name, path, _manifest(path)))
+    for i, p in enumerate(cfg.prefill_modules):
+        for j, a in enumerate(p.lora_decoders):
+            path = cfg.path(a.path)
+            out.append(_Served(f"prefill_modules[{i}].lora_decoders[{j}]", p, a, a.name, path, _manifest(path)))
     return out
+
+
+def _manifest(path: Path):
+    """The directory's DecodeManifest, or the ManifestError reading it raised."""
+    from prefillshare.app.models.manifest import ManifestError, read_manifest
+
+    try:
+        return read_manifest(path)
+    except ManifestError as e:
+        return e
 
 
 class _Tokenizer:
@@ -161,7 +175,8 @@ def decoder_renderers(cfg: AppConfig) -> dict[str, Renderer]:
 
 
 def _check_adapter(s: _Served, group_id: str) -> None:
-    """A decode group's adapter must run on the group's engine; ConfigError naming the field otherwise."""
+    """A decode group's adapter (or a prefill module's in-engine decoder) must run on that engine's
+    model; an in-engine decoder must also be cache-conditioned. ConfigError naming the field otherwise."""
     from prefillshare.app.models import compat
     from prefillshare.app.models.identity import CheckpointError
 
@@ -179,8 +194,13 @@ def _check_adapter(s: _Served, group_id: str) -> None:
         raise ConfigError(f"{s.where}.path: {e}") from None
     if m.adapter.base_prefill_module_id != group_id:
         raise ConfigError(f"{s.where}.path: adapter {a.name!r} belongs to base {m.adapter.base_prefill_module_id},"
-                          f" the group's model {d.model} is {group_id} (an adapter only runs on the weights it "
-                          "was trained on)")
+                          f" the {'module' if s.in_engine else 'group'}'s model {d.model} is {group_id} (an adapter "
+                          "only runs on the weights it was trained on)")
+    if s.in_engine and m.method != "cache_conditioned":
+        raise ConfigError(f"{s.where}.path: adapter {a.name!r} was trained {m.method or 'without a method'!r}, not "
+                          "cache-conditioned: in-engine it would read the base's KV it was never trained on (naive "
+                          "reuse). Retrain it with `prefillshare train --lora` or serve it in a decode group "
+                          "(decoders[].adapters) with its own prefill")
 
 
 def _engine_mismatch(base: PrefillModuleConfig, d: DecoderConfig) -> list[str]:
@@ -224,11 +244,17 @@ def _sharing(cfg: AppConfig, s: _Served, module_ids: dict[str, str]) -> tuple[st
     return name, own, None
 
 
-def _resolve(cfg: AppConfig, s: _Served, module_ids: dict[str, str], group_ids: dict[str, str], bpt: int,
+def _resolve(cfg: AppConfig, s: _Served, module_ids: dict[str, str], group_ids: dict[str, str],
              tok: _Tokenizer) -> DecoderPlan:
     """One served name's plan."""
     d = s.decoder
+    bpt = kv_bytes_per_token(cfg.path(d.model), d.engine.dtype)
     lora = {}
+    if s.in_engine:
+        _check_adapter(s, module_ids[d.name])
+        return DecoderPlan(s.name, d.name, None, None, kv_bytes_per_token=bpt, max_model_len=d.engine.max_model_len,
+                           adapter=s.name, in_engine=True, tool_call_format=s.manifest.tool_call_format,
+                           renderer=_renderer(s, tok))
     if s.adapter is not None:
         _check_adapter(s, group_ids[d.name])
         lora = {"group": d.name, "adapter": s.name}
@@ -264,10 +290,9 @@ def plan_app(cfg: AppConfig) -> AppPlan:
     check_engine_kwargs(cfg)
     module_ids = {p.name: prefill_module_id(cfg.path(p.model)) for p in cfg.prefill_modules}
     group_ids = {d.name: prefill_module_id(cfg.path(d.model)) for d in cfg.decoders if d.adapters}
-    bpt = {d.name: kv_bytes_per_token(cfg.path(d.model), d.engine.dtype) for d in cfg.decoders}
     tok = _Tokenizer(cfg.path(cfg.tokenizer))
     served = _served(cfg)
-    decoders = tuple(_resolve(cfg, s, module_ids, group_ids, bpt[s.decoder.name], tok) for s in served)
+    decoders = tuple(_resolve(cfg, s, module_ids, group_ids, tok) for s in served)
     for i, d in enumerate(cfg.decoders):
         modules = sorted({p.prefill_module for p in decoders if p.group == d.name and p.prefill_module})
         if len(modules) > 1:

@@ -22,6 +22,12 @@ The same three with the n decoders as LoRA adapters of the base (random-weight a
                     each adapter prefilling its own prompt (vLLM salts cached blocks per adapter);
                     ``colocated_replicas`` replicas so that it uses every core, like a and b.
 
+And the n adapters served in the base's own engine (in-engine LoRA decoders, app/engine/vllm_plugin.py):
+
+  i-lora            the prefill module's engines (``prefill_replicas`` replicas) hold the n adapters as
+                    ``lora_decoders``: each adapter's request reads the base's prefix cache up to the
+                    hand-over point and runs its adapter from there; no decode group, no KV copy.
+
 And a-lora again with chat decoders, for ``--driver chat`` (agents with their own system prompts
 and tools, each sent as a framework sends it: ``[system, user: the shared context]``): the same
 adapters declaring a chat template and JSON tool calls, laid out
@@ -43,12 +49,13 @@ from bench.models import ModelSet
 
 SYSTEMS = {"a": "prefillshare", "b": "disagg", "c": "colocated",
            "a-lora": "prefillshare-lora", "b-lora": "disagg-lora", "c-lora": "multi-lora",
+           "i-lora": "prefillshare-in-engine-lora",
            "a-sf-lora": "prefillshare-lora-shared-first", "a-sys-lora": "prefillshare-lora-system-first",
            "v-lora": "vllm-multi-lora", "v-one": "vllm-one-model"}
 # the systems --driver chat can send tools to: chat decoders declaring a tool-call format, stock servers
 CHAT_SYSTEMS = ("a-sf-lora", "a-sys-lora", "v-lora", "v-one")
 # (system under test, baseline) pairs the report compares
-PAIRS = (("a", "b"), ("a", "c"), ("a-lora", "b-lora"), ("a-lora", "c-lora"), ("a-lora", "v-lora"),
+PAIRS = (("a", "b"), ("a", "c"), ("i-lora", "a-lora"), ("i-lora", "v-lora"), ("i-lora", "v-one"), ("a-lora", "b-lora"), ("a-lora", "c-lora"), ("a-lora", "v-lora"),
          ("a-lora", "v-one"), ("c-lora", "v-lora"), ("a-sf-lora", "a-sys-lora"), ("a-sf-lora", "v-lora"),
          ("a-sys-lora", "v-lora"))
 
@@ -77,6 +84,7 @@ class Topology:
         group = self.prefill_replicas + 1  # a prefill module's replicas + one decode group
         return {"a": self.prefill_replicas + n, "b": 2 * n, "c": n, "a-lora": group, "a-sf-lora": group,
                 "a-sys-lora": group, "b-lora": group, "c-lora": self.colocated_replicas,
+                "i-lora": self.prefill_replicas,
                 "v-lora": 1, "v-one": 1}[system]
 
     def group_kv_gib(self, n: int) -> float:
@@ -152,6 +160,9 @@ def _lora_system(system: str, models: ModelSet, n: int, topo: Topology, engine: 
     if system in ("a-lora", "a-sf-lora", "a-sys-lora"):
         return [{"name": "base", "model": models.base, "engine": engine, "placement": pf}], \
             [{**group, "prefill_module": "base"}]
+    if system == "i-lora":  # the base's own engines hold the adapters: its KV space and batch as the group's
+        return [{"name": "base", "model": models.base, "engine": group_engine, "placement": pf,
+                 "lora_decoders": adapters, "max_lora_rank": topo.lora_rank, "max_loras": n}], []
     if system == "b-lora":
         return [{"name": "own", "model": models.base, "engine": group_engine, "placement": pf, **lora}], \
             [{**group, "prefill_module": "own"}]

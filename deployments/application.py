@@ -1,8 +1,8 @@
 """Builds the Ray Serve application from an AppConfig (serve_config.yaml's import_path).
 
 The plan (app/plan.py) is resolved first, before any engine starts. Then: one PrefillServer
-deployment per prefill module (prefix-locality router), one DecodeServer deployment per decoder
-or decode group (its own placement-group bundles, node-affinity router), the Orchestrator, the
+deployment per prefill module (prefix-locality router; it also serves the module's in-engine LoRA
+decoders), one DecodeServer deployment per decoder or decode group (its own placement-group bundles, node-affinity router), the Orchestrator, the
 Metrics holder and the Router ingress. The plan's hand-over (app/engine/handover.py) gives each
 engine's connector config and goes to every engine replica whole.
 """
@@ -122,6 +122,8 @@ def build(cfg: AppConfig):
     ).bind(plan.handover.pool_path)
     prefill = _prefill_deployments(cfg, plan, metrics)
     decoders = _decode_deployments(cfg, plan, metrics)
+    # an in-engine LoRA decoder streams from its prefill module's deployment (EngineHost.generate)
+    decoders.update({dp.name: prefill[dp.prefill_module] for dp in plan.decoders if dp.in_engine})
     # one set of decode handles for both callers: the Router streams completions from them, the
     # Orchestrator streams agent runs' decoders
     orch = Orchestrator.options(**_small(cfg, cfg.orchestrator)).bind(plan, prefill, decoders, metrics)

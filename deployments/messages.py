@@ -50,6 +50,8 @@ class DecodeRequest:
     prefer_node: str | None = None  # the prefill's node: deployments/routing/node_router.py routes there first
     adapter: str | None = None  # the LoRA adapter of a decode group this request runs with
     lease: Any = None  # hand-over "vllm-nixl": the prefill's Lease this request pulls (None: private)
+    # an in-engine LoRA decoder's request goes to its prefill module: the prefix router routes on these
+    locality_keys: tuple[str, ...] = ()
 
 
 @dataclass

@@ -3,7 +3,8 @@ Registered in tests/keyless_app/conftest.py for that package: the SDK and its ex
 (test_sdk_e2e.py), the LoRA decode groups (test_lora_groups.py) and vLLM's own clients
 (test_vllm_compat.py).
 
-The base (one prefill replica); "lookup" and "tool_call", full decoders that share its KV;
+The base (one prefill replica, its engine also serving the in-engine LoRA decoders "ie0" and
+"ie1"); "lookup" and "tool_call", full decoders that share its KV;
 "verify", whose KV shape differs (3 KV heads: private prefill); and a LoRA decode group on the
 base serving "ad0" and "prüf-ágent-1" (an agent name with a dash and non-ASCII letters), whose
 large random B matrices visibly change the base's greedy tokens; "tmpl", tool_call's weights
@@ -26,6 +27,7 @@ ROOT = Path(__file__).resolve().parent.parent
 TOKENIZER = ROOT / "checkpoints" / "tokenizer"
 MAX_NEW = 6  # limits.max_tokens_default
 ADAPTERS = ("ad0", "prüf-ágent-1")
+IN_ENGINE = ("ie0", "ie1")  # the base module's in-engine LoRA decoders (lora_decoders)
 # tmpl's chat template: the switches vLLM's chat route passes (continue_final_message, a kwarg) show in the prompt
 TEMPLATE = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}{% if not (loop.last and continue_final_message is "
             "defined and continue_final_message) %}</{{ m.role }}>{% endif %}{% endfor %}"
@@ -48,14 +50,18 @@ def keyless_models(tmp_path_factory):
     (paths["tmpl"] / TEMPLATE_FILE).write_text(TEMPLATE)
     for i, name in enumerate(ADAPTERS):  # B ~ N(0, 0.1): each adapter changes the base's greedy tokens its own way
         paths[name] = random_adapter(root / name, paths["base"], name, 8, seed=i + 1, b_std=0.1)
+    for i, name in enumerate(IN_ENGINE):
+        paths[name] = random_adapter(root / name, paths["base"], name, 8, seed=i + 11, b_std=0.1)
     other = make_models(root / "other", {}, base_seed=7)
     paths["foreign"] = random_adapter(root / "foreign", other["base"], "foreign", 8, seed=3)
     return paths
 
 
-def keyless_config(paths: dict[str, Path], pool: str, group: dict | None = None) -> dict:
-    """The package app's config; ``group`` overrides fields of its LoRA group (the build tests)."""
+def keyless_config(paths: dict[str, Path], pool: str, group: dict | None = None, module: dict | None = None) -> dict:
+    """The package app's config; ``group`` overrides fields of its LoRA group, ``module`` of its prefill
+    module (the build tests)."""
     group = dict(group or {})
+    in_engine = [{"name": a, "path": str(paths[a]), "rank": 8} for a in IN_ENGINE]
     adapters = group.pop("adapters", [{"name": a, "path": str(paths[a]), "rank": 8} for a in ADAPTERS])
     place = {"num_cpus": 0.25, "placement_group_bundles": [{"CPU": 0.25}]}
     dec = lambda name: {"name": name, "model": str(paths[name]), "engine": TEST_ENGINE, "placement": place}  # noqa: E731
@@ -65,7 +71,8 @@ def keyless_config(paths: dict[str, Path], pool: str, group: dict | None = None)
         "limits": {"max_tokens_default": MAX_NEW, "max_tokens_cap": 64, "max_rounds": 3, "max_logprobs": 5},
         "engine_env": {"VLLM_HOST_IP": "127.0.0.1"},
         "prefill_modules": [{"name": "base", "model": str(paths["base"]), "engine": TEST_ENGINE,
-                             "placement": {"num_replicas": 1, "num_cpus": 0.5}}],
+                             "placement": {"num_replicas": 1, "num_cpus": 0.5},
+                             "lora_decoders": in_engine, "max_lora_rank": 8, **(module or {})}],
         "decoders": [dec("lookup"), dec("tool_call"), dec("verify"),
                      {"name": "group", "model": str(paths["base"]), "engine": TEST_ENGINE, "placement": place,
                       "adapters": adapters, "max_lora_rank": 8, **group},

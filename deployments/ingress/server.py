@@ -357,7 +357,7 @@ class Router:
             # "parent" as vLLM's server sets it for a LoRA adapter: the model (here the decode
             # group) that serves it; None for a full-weight decoder
             data.append({"id": d.name, "object": "model", "created": self.created, "owned_by": "prefillshare",
-                         "parent": d.group if d.adapter else None, "max_model_len": d.max_model_len,
+                         "parent": (d.group or d.prefill_module) if d.adapter else None, "max_model_len": d.max_model_len,
                          "prefill_module": d.prefill_module, "private_prefill_reason": d.private_detail})
         return {"object": "list", "data": data}
 

@@ -153,6 +153,9 @@ class DecoderCall:
                         if out.ttft_s is None and chunk.delta_token_ids:
                             out.ttft_s = time.perf_counter() - self.t0
                         out.add(chunk)
+                    if module is None and chunk.prefill_module is not None:  # an in-engine decoder's module
+                        module, replica = chunk.prefill_module, chunk.prefill_replica
+                        out.prefill_module, out.prefill_replica = module, replica
                     chunk.prefill_module, chunk.prefill_replica = module, replica
                     sent = True
                     yield chunk

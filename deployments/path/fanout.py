@@ -63,20 +63,26 @@ class FanOut:
         """The decoder request of each leg (same order) after its prefill, shared or private.
         ``request_id`` names the prefill calls (one per module: ``<request_id>-<module>``)."""
         done = [_Prefilled(leg) for leg in legs]
-        groups: dict[str, list[_Prefilled]] = {}
+        groups: dict[str, list[_Prefilled]] = {}  # legs whose module prefills and hands over, by module
+        served: dict[str, list[_Prefilled]] = {}  # legs every module serves: the locality keys' prompts
         for p in done:
             dp = self.plan.decoder(p.leg.model)
             if self.engines.decoder_down(p.leg.model):
                 p.error = Failure(ErrorCode.DECODER_UNAVAILABLE, f"decoder {p.leg.model}: no replica is running "
                                   "(it is restarting)")
+            elif dp.in_engine:  # its module's engine serves it: nothing to prefill apart
+                served.setdefault(dp.prefill_module, []).append(p)
             elif dp.prefill_module is None:
                 self.engines.fallback(dp.private_reason or "private")
             elif p.leg.sampling.private_prefill_reason is not None:  # e.g. the decoder's own prompt logprobs
                 self.engines.fallback(p.leg.sampling.private_prefill_reason)
             elif len(p.leg.prompt) > 1:  # a one-token prompt has nothing to hand over
                 groups.setdefault(dp.prefill_module, []).append(p)
-        await asyncio.gather(*[self._prefill_group(m, g, f"{request_id}-{m}", salt) for m, g in groups.items()])
-        return [self._decode_plan(p, route, salt) for p in done]
+                served.setdefault(dp.prefill_module, []).append(p)
+        keys = {m: self._locality_keys(m, [p.leg.prompt for p in g], salt) for m, g in served.items()}
+        await asyncio.gather(*[self._prefill_group(m, g, f"{request_id}-{m}", salt, keys[m])
+                               for m, g in groups.items()])
+        return [self._decode_plan(p, route, salt, keys) for p in done]
 
     def decode(self, plan: DecodePlan, t0: float, output: Output | None = None) -> DecoderCall:
         """A prepared plan's decoder call (accumulating into ``output`` when given); latencies
@@ -84,19 +90,24 @@ class FanOut:
         limits = self.plan.limits
         return DecoderCall(self.engines, plan, t0, output, limits.decoder_wait_s, t0 + limits.request_timeout_s)
 
-    async def _prefill_group(self, module: str, group: list[_Prefilled], request_id: str,
-                             salt: str | None) -> None:
-        """One prefill call for every leg on ``module``: the shared context first, then each prompt."""
+    def _locality_keys(self, module: str, prompts: list[tuple[int, ...]], salt: str | None) -> tuple[str, ...]:
+        """The keys a module's calls of one request route on: its shared context's (for a single
+        prompt: its handed-over part), so every call of a fan-out lands on one replica."""
         mp = self.plan.module(module)
+        shared = common_prefix(prompts) if len(prompts) > 1 else []
+        route_on = shared if shared else split_prompt(list(prompts[0]))[0]
+        return tuple(locality_keys(mp.module_id, route_on, mp.block_size, salt))
+
+    async def _prefill_group(self, module: str, group: list[_Prefilled], request_id: str,
+                             salt: str | None, keys: tuple[str, ...]) -> None:
+        """One prefill call for every leg on ``module``: the shared context first, then each prompt."""
         prompts = [p.leg.prompt for p in group]
         shared = common_prefix(prompts) if len(prompts) > 1 else []
-        # route on the shared context (for a single prompt: its handed-over part)
-        route_on = shared if shared else split_prompt(list(prompts[0]))[0]
         req = PrefillRequest(
             request_id=request_id,
             prompts=tuple(tuple(p) for p in prompts),
             shared_prefix=tuple(shared),
-            locality_keys=locality_keys(mp.module_id, route_on, mp.block_size, salt),
+            locality_keys=keys,
             cache_salt=salt,
             adapters=tuple(self.plan.decoder(p.leg.model).prefill_adapter for p in group),
         )
@@ -115,11 +126,12 @@ class FanOut:
         for i, p in enumerate(group):
             p.ticket, p.index = ticket, i
 
-    def _decode_plan(self, p: _Prefilled, route: str, salt: str | None) -> DecodePlan:
+    def _decode_plan(self, p: _Prefilled, route: str, salt: str | None, keys: dict[str, tuple[str, ...]]) -> DecodePlan:
         leg, t = p.leg, p.ticket
         dp = self.plan.decoder(leg.model)
         req = DecodeRequest(request_id=leg.request_id, prompt_token_ids=tuple(leg.prompt), sampling=leg.sampling,
                             cache_salt=salt, prefer_node=t.node_id if t is not None else None, adapter=dp.adapter,
-                            lease=t.leases[p.index] if t is not None and t.leases else None)
+                            lease=t.leases[p.index] if t is not None and t.leases else None,
+                            locality_keys=keys.get(dp.prefill_module, ()) if dp.in_engine else ())
         return DecodePlan(req, leg.model, leg.agent, route, ticket=t, kv_bytes_per_token=dp.kv_bytes_per_token,
                           error=p.error)

@@ -1,6 +1,7 @@
 """EngineHost: what every engine-running replica (prefill or decode) shares.
 
-One vLLM engine per replica, an in-flight count reported to the Metrics deployment (the
+One vLLM engine per replica, the decoder stream (``generate``: a decode replica's requests, and a
+prefill replica's in-engine LoRA decoders'), an in-flight count reported to the Metrics deployment (the
 router's load signal and the queue gauge), the engine's own vllm:* metrics sent there too
 (deployments/metrics.py), and the health probe Serve calls periodically: a dead engine core
 marks the replica unhealthy, so Serve restarts it.
@@ -11,13 +12,16 @@ import asyncio
 import contextlib
 import os
 import socket
-from collections.abc import Iterator
+import time
+from collections.abc import AsyncIterator, Iterator
 
 import ray
 from ray import serve
 
-from prefillshare.app.engine.async_engine import Engine, EngineConfig
+from prefillshare.app.engine.async_engine import Engine, EngineConfig, EngineRequestError
 from prefillshare.app.engine.handover import Handover
+from prefillshare.deployments.errors import ErrorCode, Failure
+from prefillshare.deployments.messages import DecodeChunk, DecodeRequest
 from prefillshare.deployments.metrics import ENGINE_PUSH_S, MetricsSender, PoolReader, engine_samples
 
 
@@ -69,6 +73,41 @@ class EngineHost:
 
     def _identity(self) -> dict:
         return {}
+
+    async def generate(self, req: DecodeRequest) -> AsyncIterator[DecodeChunk]:
+        """Stream deltas; an engine failure ends the stream with a chunk carrying ``error``."""
+        with self._in_flight():
+            try:
+                async for chunk in self._stream(req):
+                    yield chunk
+            except (EngineRequestError, ValueError) as e:
+                yield self._failed(req, ErrorCode.INVALID_REQUEST, e)
+            except Exception as e:  # noqa: BLE001 - reported to the caller as this request's failure
+                yield self._failed(req, ErrorCode.ENGINE_ERROR, e)
+
+    def _served_name(self, req: DecodeRequest) -> str:
+        return req.adapter or next(iter(self._identity().values()), self.deployment)
+
+    def _failed(self, req: DecodeRequest, code: ErrorCode, e: Exception) -> DecodeChunk:
+        return DecodeChunk(req.request_id, self._served_name(req), "", [], True, "error", error=Failure(code, str(e)))
+
+    async def _stream(self, req: DecodeRequest, kv_transfer_params: dict | None = None) -> AsyncIterator[DecodeChunk]:
+        """The engine's outputs for ``req`` as chunks."""
+        t0 = time.perf_counter()
+        ttft = None
+        async for out in self.engine.generate(list(req.prompt_token_ids), req.sampling, req.request_id,
+                                              cache_salt=req.cache_salt, lora=req.adapter,
+                                              kv_transfer_params=kv_transfer_params):
+            if ttft is None and (out.new_token_ids or out.finished):
+                ttft = time.perf_counter() - t0
+            yield DecodeChunk(
+                request_id=req.request_id, model=self._served_name(req), delta_text=out.new_text,
+                delta_token_ids=list(out.new_token_ids), finished=out.finished,
+                finish_reason=out.finish_reason, num_prompt_tokens=out.num_prompt_tokens,
+                num_cached_tokens=out.num_cached_tokens, num_generated_tokens=out.num_generated_tokens,
+                ttft_s=ttft, index=out.index, logprobs=out.new_logprobs, stop_reason=out.stop_reason,
+                prompt_logprobs=out.prompt_logprobs,
+            )
 
     async def ready(self) -> dict:
         await self.engine.check_health()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import AsyncIterator
 
 import ray
 from ray import serve
@@ -16,7 +17,7 @@ from ray import serve
 from prefillshare.app.engine.async_engine import EngineConfig
 from prefillshare.app.engine.handover import Handover
 from prefillshare.app.prompt_split import shared_length
-from prefillshare.deployments.messages import PrefillRequest, PrefillTicket
+from prefillshare.deployments.messages import DecodeChunk, DecodeRequest, PrefillRequest, PrefillTicket
 from prefillshare.deployments.metrics import PrefillRecord
 from prefillshare.deployments.replicas.engine_host import EngineHost
 
@@ -30,6 +31,12 @@ class PrefillServer(EngineHost):
 
     def _identity(self) -> dict:
         return {"module": self.module}
+
+    async def _stream(self, req: DecodeRequest, kv_transfer_params: dict | None = None) -> AsyncIterator[DecodeChunk]:
+        """An in-engine LoRA decoder's stream: this module computed its shared KV, in this replica."""
+        async for chunk in super()._stream(req, kv_transfer_params):
+            chunk.prefill_module, chunk.prefill_replica = self.module, self.replica_id
+            yield chunk
 
     async def prefill(self, req: PrefillRequest) -> PrefillTicket:
         """Compute each prompt's base KV; the producer connector publishes every prompt token

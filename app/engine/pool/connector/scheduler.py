@@ -157,8 +157,8 @@ class ShareScheduler:
         saves = []
         for rid, before in steps:
             req = self._requests.get(rid)
-            if req is None:
-                continue
+            if req is None or (req.lora_request is not None and not self.settings.adapter_keys):
+                continue  # an in-engine LoRA decoder's request: its KV stays in this engine's prefix cache
             n = req.num_prompt_tokens
             after = before + scheduler_output.num_scheduled_tokens.get(rid, 0)
             if before < n <= after and n >= 2:

@@ -1,0 +1,522 @@
+"""The vLLM functions app/engine/vllm_plugin.py replaces, checked against the installed vLLM (no
+engine): an upgrade that renames one, reshapes its signature or changes the behaviour the plugin
+builds on fails here naming the vLLM function, not as wrong tokens of a served decoder. Then the
+replacements themselves on small inputs (the CPU LoRA ops against a per-token loop, the per-token
+LoRA ids over prefill chunks and decode steps, the prefix-cache keys around the hand-over point),
+and ``register()``, which installs nothing unless the engine names hand-over adapters.
+
+The same plugin in a real engine (the shipped chat adapters' tokens equal the transformers hand-over
+reference, and they read the base's prefix-cache blocks) is tests/test_in_engine_lora.py."""
+from __future__ import annotations
+
+import ast
+import inspect
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from types import SimpleNamespace as NS
+
+import numpy as np
+import pytest
+import torch
+from vllm import SamplingParams
+from vllm.lora.layers.utils import LoRAMapping
+from vllm.lora.ops import torch_ops
+from vllm.lora.punica_wrapper import punica_cpu
+from vllm.lora.punica_wrapper.utils import compute_meta
+from vllm.lora.request import LoRARequest
+from vllm.utils.hashing import sha256
+from vllm.v1.core import block_pool, kv_cache_utils
+from vllm.v1.request import Request
+from vllm.v1.worker.gpu_input_batch import CachedRequestState, InputBatch
+
+from prefillshare.app.engine import vllm_plugin
+from prefillshare.app.engine.vllm_plugin import HANDOVER_ADAPTERS_ENV
+
+ROOT = Path(__file__).resolve().parent.parent
+KEYS = "vllm.v1.core.kv_cache_utils.generate_block_hash_extra_keys"
+POOL_KEYS = "vllm.v1.core.block_pool.generate_block_hash_extra_keys"
+MAKE_LORA_INPUTS = "vllm.v1.worker.gpu_input_batch.InputBatch.make_lora_inputs"
+SHRINK = "vllm.lora.punica_wrapper.punica_cpu.sgmv_shrink"
+EXPAND = "vllm.lora.punica_wrapper.punica_cpu.sgmv_expand"
+EXPAND_SLICE = "vllm.lora.punica_wrapper.punica_cpu.sgmv_expand_slice"
+# what register() replaces: vLLM's name for it, owner, attribute, the plugin's replacement
+REPLACED = [
+    (KEYS, kv_cache_utils, "generate_block_hash_extra_keys", vllm_plugin._block_hash_extra_keys),
+    (POOL_KEYS, block_pool, "generate_block_hash_extra_keys", vllm_plugin._block_hash_extra_keys),
+    (MAKE_LORA_INPUTS, InputBatch, "make_lora_inputs", vllm_plugin._make_lora_inputs),
+    (SHRINK, punica_cpu, "sgmv_shrink", vllm_plugin._sgmv_shrink),
+    (EXPAND, punica_cpu, "sgmv_expand", vllm_plugin._sgmv_expand),
+    (EXPAND_SLICE, punica_cpu, "sgmv_expand_slice", vllm_plugin._sgmv_expand_slice),
+]
+_RUNS = ["output_tensor", "b_seq_start_loc", "seq_len_tensor", "lora_indices_tensor", "batches", "max_seq_length",
+         "token_nums"]
+# the parameters the plugin's replacements take (and pass on to vLLM's own function), in order
+PARAMS = {
+    KEYS: ["request", "start_token_idx", "end_token_idx", "start_mm_idx"],
+    POOL_KEYS: ["request", "start_token_idx", "end_token_idx", "start_mm_idx"],
+    MAKE_LORA_INPUTS: ["self", "num_scheduled_tokens", "num_sampled_tokens"],
+    SHRINK: ["inputs", "lora_a_weights", *_RUNS, "scaling"],
+    EXPAND: ["inputs", "lora_b_weights", *_RUNS, "add_inputs"],
+    EXPAND_SLICE: ["inputs", "lora_b_weights", *_RUNS, "slice_offset", "slice_size", "add_inputs"],
+}
+HANDOVER, OTHER = "chat-h", "chat-o"  # a hand-over adapter and an ordinary one
+
+
+def _vllms(label: str, owner, attr: str):
+    """The installed vLLM's own function (this test process never runs the plugin's register)."""
+    fn = getattr(owner, attr, None)
+    assert fn is not None, f"{label}: the installed vLLM has no such function (the plugin replaces it)"
+    assert fn.__module__.startswith("vllm."), f"{label} is {fn.__module__}.{fn.__qualname__} in the test process"
+    return fn
+
+
+def _params(fn) -> list[tuple[str, object]]:
+    return [(p.name, p.default) for p in inspect.signature(fn).parameters.values()]
+
+
+@pytest.fixture
+def none_hash(monkeypatch):
+    """vLLM's first-block parent hash, which the engine core sets when it starts."""
+    monkeypatch.setattr(kv_cache_utils, "NONE_HASH", kv_cache_utils.BlockHash(sha256("test-none-hash")),
+                        raising=False)
+
+
+@pytest.fixture
+def adapters(monkeypatch):
+    """The plugin as in an engine whose hand-over adapter is HANDOVER, with vLLM's own functions behind it."""
+    monkeypatch.setattr(vllm_plugin, "_ADAPTERS", frozenset({HANDOVER}))
+    for label, owner, attr, _ in REPLACED:
+        monkeypatch.setitem(vllm_plugin._VLLM, attr, _vllms(label, owner, attr))
+
+
+def _lora(name: str, lora_id: int) -> LoRARequest:
+    return LoRARequest(name, lora_id, f"/adapters/{name}")
+
+
+def _request(rid: str, n: int, lora: LoRARequest | None = None, salt: str | None = None, hasher=None) -> Request:
+    return Request(rid, list(range(100, 100 + n)), SamplingParams(max_tokens=1), None, lora_request=lora,
+                   cache_salt=salt, block_hasher=hasher)
+
+
+# --- the installed vLLM: what the plugin replaces, as it assumes it ---------------------------------
+
+@pytest.mark.parametrize("label, owner, attr, ours", REPLACED, ids=[r[0] for r in REPLACED])
+def test_each_replaced_function_keeps_the_signature_the_plugin_takes(label, owner, attr, ours):
+    theirs = _params(_vllms(label, owner, attr))
+    assert [name for name, _ in theirs] == PARAMS[label], (
+        f"{label}: vLLM's parameters are now {[n for n, _ in theirs]}; app/engine/vllm_plugin.py's "
+        f"{ours.__name__} takes {PARAMS[label]}")
+    assert theirs == _params(ours), f"{label}: vLLM's defaults {theirs} differ from {ours.__name__}'s {_params(ours)}"
+
+
+def test_the_lora_key_is_a_tuple_led_by_lora_and_dropping_it_leaves_the_bases_keys():
+    """The plugin keys an adapter's early block as the base's by dropping the keys whose first item
+    is "lora": that must leave exactly what the base request gets (the salt, or None)."""
+    keys = _vllms(KEYS, kv_cache_utils, "generate_block_hash_extra_keys")
+    lora = _lora(HANDOVER, 1)
+    for salt in ("tenant-a", None):
+        for start in (0, 4):  # the salt keys the first block only
+            got, mm = keys(_request("a", 12, lora, salt), start, start + 4, 0)
+            assert isinstance(got, tuple) and mm == 0, f"{KEYS} returned {got!r}, {mm!r}"
+            lora_keys = [k for k in got if isinstance(k, tuple) and k[0] == "lora"]
+            assert len(lora_keys) == 1 and HANDOVER in lora_keys[0], (
+                f"{KEYS}: no key tuple led by 'lora' naming the adapter in {got!r}")
+            base, _ = keys(_request("b", 12, None, salt), start, start + 4, 0)
+            assert (tuple(k for k in got if k[0] != "lora") or None) == base, (
+                f"{KEYS}: without its 'lora' key an adapter's block keys {got!r} are not the base's {base!r}")
+    assert keys(_request("b", 12), 0, 4, 0) == (None, 0), f"{KEYS}: a plain base block is no longer keyed None"
+
+
+def test_the_block_hasher_looks_the_key_function_up_when_it_runs(monkeypatch, none_hash):
+    hasher = kv_cache_utils.get_request_block_hasher(4, sha256)  # built before the swap, as an engine's is
+    stock = _vllms(KEYS, kv_cache_utils, "generate_block_hash_extra_keys")
+    calls = []
+
+    def spy(request, start_token_idx, end_token_idx, start_mm_idx):
+        calls.append((request.request_id, start_token_idx, end_token_idx))
+        return stock(request, start_token_idx, end_token_idx, start_mm_idx)
+
+    monkeypatch.setattr(kv_cache_utils, "generate_block_hash_extra_keys", spy)
+    req = _request("r", 10, _lora(HANDOVER, 1), hasher=hasher)
+    assert calls == [("r", 0, 4), ("r", 4, 8)], (
+        f"vllm.v1.core.kv_cache_utils.get_request_block_hasher no longer calls the module global {KEYS} per "
+        f"block when it runs (calls seen: {calls})")
+    assert len(req.block_hashes) == 2
+
+
+def test_block_pool_calls_kv_cache_utils_key_function_by_the_name_it_imported():
+    assert _vllms(POOL_KEYS, block_pool, "generate_block_hash_extra_keys") is kv_cache_utils.generate_block_hash_extra_keys, (
+        f"{POOL_KEYS} is no longer {KEYS} (the plugin keeps one vLLM original for both)")
+    tree = ast.parse(inspect.getsource(block_pool))
+    imported = {a.name for n in tree.body if isinstance(n, ast.ImportFrom) and n.module == kv_cache_utils.__name__
+                for a in n.names}
+    assert "generate_block_hash_extra_keys" in imported, f"{POOL_KEYS}: block_pool no longer imports it by name"
+    calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)
+             and n.func.id == "generate_block_hash_extra_keys"]
+    assert calls, f"{POOL_KEYS}: block_pool no longer calls it by its module-global name"
+
+
+# vLLM modules that import the key function by name, and why the plugin does not replace their copy
+NAME_IMPORTERS = {
+    "vllm/v1/core/block_pool.py": "replaced by the plugin",
+    "vllm/v1/simple_kv_offload/manager.py": "vLLM's SimpleCPUOffloadConnector, which the project never configures",
+}
+
+
+def test_no_other_vllm_module_holds_its_own_copy_of_the_key_function():
+    """A module that imports the key function by name keeps vLLM's own after register(): an unknown one
+    would key an adapter's early blocks apart from the base's."""
+    pkg = Path(kv_cache_utils.__file__).resolve().parents[2]  # .../vllm
+    found = set()
+    for path in pkg.rglob("*.py"):
+        text = path.read_text(errors="replace")
+        if "generate_block_hash_extra_keys" not in text:
+            continue
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.ImportFrom) and any(a.name == "generate_block_hash_extra_keys" for a in node.names):
+                found.add(path.relative_to(pkg.parent).as_posix())
+    assert found == set(NAME_IMPORTERS), (
+        f"{KEYS} is imported by name in {sorted(found)}; the plugin knows {sorted(NAME_IMPORTERS)}")
+
+
+def _state(rid: str, n: int, lora: LoRARequest | None, computed: int = 0) -> CachedRequestState:
+    return CachedRequestState(req_id=rid, prompt_token_ids=list(range(n)), mm_features=[],
+                              sampling_params=SamplingParams(temperature=0.0, max_tokens=4), generator=None,
+                              block_ids=([0],), num_computed_tokens=computed, output_token_ids=[], lora_request=lora)
+
+
+def _input_batch(states) -> InputBatch:
+    batch = InputBatch(max_num_reqs=4, max_model_len=64, max_num_batched_tokens=64, device=torch.device("cpu"),
+                       vocab_size=1000, block_sizes=[16], max_num_blocks_per_req=[4])
+    for s in states:
+        batch.add_request(s)
+    return batch
+
+
+def test_input_batch_holds_what_the_plugin_reads_per_request():
+    h, o = _lora(HANDOVER, 1), _lora(OTHER, 2)
+    batch = _input_batch([_state("a", 10, h, computed=6), _state("b", 5, None, computed=5), _state("c", 6, o)])
+    where = "vllm.v1.worker.gpu_input_batch.InputBatch"
+    assert batch.num_reqs == 3, f"{where}.num_reqs"
+    for attr, want in [("num_prompt_tokens", [10, 5, 6]), ("num_computed_tokens_cpu", [6, 5, 0]),
+                       ("request_lora_mapping", [1, 0, 2])]:
+        got = getattr(batch, attr, None)
+        assert isinstance(got, np.ndarray) and got[:3].tolist() == want, f"{where}.{attr}: {got!r}, wanted {want} first"
+    assert {i: r.lora_name for i, r in batch.lora_id_to_lora_request.items()} == {1: HANDOVER, 2: OTHER}, (
+        f"{where}.lora_id_to_lora_request: {batch.lora_id_to_lora_request!r}")
+    prompt, tokens, requests = batch.make_lora_inputs(np.array([4, 1, 6]), np.array([1, 1, 0]))
+    assert (list(prompt), list(tokens), requests) == ([1, 0], [1] * 4 + [0] + [2] * 6, {h, o}), (
+        f"{MAKE_LORA_INPUTS}: no longer one id per scheduled token, requests in batch order")
+
+
+def test_the_runner_sets_loras_from_the_step_whose_positions_start_at_the_computed_tokens():
+    """The plugin takes a token's position as the request's num_computed_tokens_cpu + its offset in
+    the step, as the runner's _prepare_inputs does; CPU engines run the GPU runner's, always with SGMV."""
+    from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+    from vllm.v1.worker.lora_model_runner_mixin import LoRAModelRunnerMixin
+
+    prepare = inspect.getsource(GPUModelRunner._prepare_inputs)
+    assert "num_computed_tokens_cpu[req_indices]" in prepare and "set_active_loras(" in prepare, (
+        "vllm.v1.worker.gpu_model_runner.GPUModelRunner._prepare_inputs: positions no longer from "
+        "num_computed_tokens_cpu in the step that sets the LoRA inputs")
+    written = [n for n in ast.walk(ast.parse(textwrap.dedent(prepare)))
+               if isinstance(n, (ast.Assign, ast.AugAssign))
+               and "num_computed_tokens_cpu" in ast.dump(n.targets[0] if isinstance(n, ast.Assign) else n.target)]
+    assert not written, "GPUModelRunner._prepare_inputs now changes num_computed_tokens_cpu before the LoRA inputs"
+    assert issubclass(CPUModelRunner, GPUModelRunner)
+    assert not {"_prepare_inputs", "set_active_loras"} & set(vars(CPUModelRunner)), (
+        "vllm.v1.worker.cpu_model_runner.CPUModelRunner overrides the LoRA input path")
+    assert "input_batch.make_lora_inputs(" in inspect.getsource(LoRAModelRunnerMixin.set_active_loras), (
+        f"LoRAModelRunnerMixin.set_active_loras no longer calls {MAKE_LORA_INPUTS}")
+    assert "is_prefill=True" in inspect.getsource(LoRAModelRunnerMixin._set_active_loras), (
+        "LoRAModelRunnerMixin._set_active_loras: CPU steps may now take bgmv_*, which the plugin does not replace")
+
+
+def test_punica_cpu_calls_the_torch_ops_by_the_names_it_imported():
+    tree = ast.parse(inspect.getsource(punica_cpu))
+    imported = {a.name for n in tree.body if isinstance(n, ast.ImportFrom) and n.module == torch_ops.__name__
+                for a in n.names}
+    called = {n.func.id for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)}
+    for label, name in [(SHRINK, "sgmv_shrink"), (EXPAND, "sgmv_expand"), (EXPAND_SLICE, "sgmv_expand_slice")]:
+        assert name in imported and _vllms(label, punica_cpu, name) is getattr(torch_ops, name), (
+            f"{label}: punica_cpu no longer imports it by name from {torch_ops.__name__}")
+        assert name in called, f"{label}: PunicaWrapperCPU no longer calls it by its module-global name"
+
+
+def test_punica_cpu_hands_the_sgmv_ops_runs_of_tokens_with_index_minus_one_for_lora_id_0():
+    """What the replaced sgmv ops get: the six prefill metadata items between the output and the last
+    argument, one run per stretch of tokens with one adapter slot, -1 for LoRA id 0 (no adapter)."""
+    w = punica_cpu.PunicaWrapperCPU(max_num_batched_tokens=16, max_batches=4, device="cpu")
+    # slots: 0 holds LoRA id 1, 1 holds id 2
+    w.update_metadata(LoRAMapping((0, 0, 1, 1, 1, 2, 0, 0), (1,), is_prefill=True), [1, 2, None], 3, 100)
+    starts, lengths, indices, batches, max_len, tokens = w.prefill_metadata
+    assert (starts.tolist(), lengths.tolist(), indices.tolist(), batches, max_len, tokens) == (
+        [0, 2, 5, 6], [2, 3, 1, 2], [-1, 0, 1, -1], 4, 3, 8), (
+        f"vllm.lora.punica_wrapper.punica_base.PunicaWrapperBase.prefill_metadata (what {SHRINK} gets): "
+        f"{w.prefill_metadata}")
+    assert w.is_prefill and not w.no_lora
+
+
+def test_vllms_torch_ops_read_index_minus_one_as_the_last_adapter_slot():
+    """Stock behaviour, the reason the plugin replaces the CPU sgmv ops: a token without an adapter
+    gets the last slot's adapter."""
+    torch.manual_seed(0)
+    a = torch.randn(3, 1, 2, 4)  # 3 slots, rank 2, hidden 4
+    x = torch.randn(1, 4).repeat(2, 1)
+    out = torch.zeros(2, 2)
+    torch_ops.bgmv_shrink(x, a, out, torch.tensor([-1, 2]), 1.0)
+    assert torch.equal(out[0], out[1]) and out[0].abs().sum() > 0, (
+        f"vllm.lora.ops.torch_ops.bgmv_shrink: index -1 no longer reads the last slot ({out.tolist()})")
+    meta = compute_meta(torch.tensor([-1, -1]))[:6]
+    out = torch.zeros(2, 2)
+    _vllms(SHRINK, punica_cpu, "sgmv_shrink")(x, a, out, *meta, 1.0)
+    assert torch.allclose(out, x @ a[2, 0].T), f"{SHRINK}: a run of index -1 no longer gets the last slot"
+    vllm_plugin._sgmv_shrink(x, a, out, *meta, 1.0)
+    assert not out.any()  # the plugin's: no adapter
+
+
+# --- the plugin's replacements ------------------------------------------------------------------------
+
+RUNS = [-1, -1, 0, 0, 0, 2, -1, -1, -1]  # per token: runs of slots [-1, 0, 2, -1]
+
+
+def _meta(token_slots):
+    starts, lengths, indices, batches, max_len, tokens, _ = compute_meta(torch.tensor(token_slots))
+    return starts, lengths, indices, batches, max_len, tokens
+
+
+def _slot(stacked, i):
+    w = stacked[i]
+    return w[0] if w.dim() == 3 else w
+
+
+def _ref_shrink(x, a, out, slots, scaling):
+    out = out.clone()
+    for t, i in enumerate(slots):
+        out[t] = 0 if i < 0 else scaling * (x[t] @ _slot(a, i).T)
+    return out
+
+
+def _ref_expand(x, b, out, slots, offset, add):
+    out = out.clone()
+    for t, i in enumerate(slots):
+        cols = slice(offset, offset + b.shape[-2])
+        if i < 0:
+            if not add:
+                out[t, cols] = 0
+            continue
+        y = x[t] @ _slot(b, i).T
+        out[t, cols] = out[t, cols] + y if add else y
+    return out
+
+
+SHAPES = [(16, 4, 12, 3, True), (24, 8, 8, 4, False), (7, 2, 5, 3, True)]  # hidden, rank, out, slots, 4-d weights
+
+
+@pytest.mark.parametrize("hidden, rank, out_features, slots, four_d", SHAPES)
+@pytest.mark.parametrize("add", [False, True])
+def test_the_sgmv_replacements_apply_each_runs_adapter_and_none_to_index_minus_one(hidden, rank, out_features,
+                                                                                 slots, four_d, add):
+    meta = _meta(RUNS)
+    assert meta[2].tolist() == [-1, 0, 2, -1]
+    n = len(RUNS)
+    none = torch.tensor(RUNS) < 0
+    a = torch.randn(slots, *([1] if four_d else []), rank, hidden)
+    b = torch.randn(slots, *([1] if four_d else []), out_features, rank)
+    x = torch.randn(n, hidden)
+
+    shrunk = torch.randn(n, rank)  # the plugin overwrites (vLLM's buffer is not zeroed)
+    want = _ref_shrink(x, a, shrunk, RUNS, 0.5)
+    vllm_plugin._sgmv_shrink(x, a, shrunk, *meta, 0.5)
+    assert torch.allclose(shrunk, want, atol=1e-5) and not shrunk[none].any() and shrunk[~none].abs().sum() > 0
+
+    h = torch.randn(n, rank)
+    before = torch.randn(n, out_features)
+    out = before.clone()
+    vllm_plugin._sgmv_expand(h, b, out, *meta, add_inputs=add)
+    assert torch.allclose(out, _ref_expand(h, b, before, RUNS, 0, add), atol=1e-5)
+    assert torch.equal(out[none], before[none]) if add else not out[none].any()
+    assert (out - before)[~none].abs().amax(1).min() > 1e-3  # the adapters did act, on every token of theirs
+
+    before = torch.randn(n, 3 * out_features)  # a slice of a merged output (q, k, v)
+    out = before.clone()
+    vllm_plugin._sgmv_expand_slice(h, b, out, *meta, out_features, out_features, add_inputs=add)
+    assert torch.allclose(out, _ref_expand(h, b, before, RUNS, out_features, add), atol=1e-5)
+    others = torch.cat([out[:, :out_features], out[:, 2 * out_features:]], 1)
+    assert torch.equal(others, torch.cat([before[:, :out_features], before[:, 2 * out_features:]], 1))
+
+
+@pytest.mark.parametrize("add", [False, True])
+def test_the_sgmv_replacements_equal_vllms_ops_where_every_token_has_an_adapter(add):
+    slots = [0, 0, 2, 1, 1, 1, 0]
+    meta = _meta(slots)
+    a, b = torch.randn(3, 1, 4, 16), torch.randn(3, 1, 12, 4)
+    x, h = torch.randn(len(slots), 16), torch.randn(len(slots), 4)
+    for ours, theirs, args in [
+        (vllm_plugin._sgmv_shrink, torch_ops.sgmv_shrink, (x, a, torch.zeros(len(slots), 4), *meta, 0.5)),
+        (vllm_plugin._sgmv_expand, torch_ops.sgmv_expand, (h, b, torch.randn(len(slots), 12), *meta, add)),
+        (vllm_plugin._sgmv_expand_slice, torch_ops.sgmv_expand_slice,
+         (h, b, torch.randn(len(slots), 36), *meta, 12, 12, add)),
+    ]:
+        out_ours, out_theirs = args[2].clone(), args[2].clone()
+        ours(*args[:2], out_ours, *args[3:])
+        theirs(*args[:2], out_theirs, *args[3:])
+        assert torch.allclose(out_ours, out_theirs, atol=1e-5), ours.__name__
+
+
+class FakeBatch:
+    """The InputBatch attributes the plugin and vLLM's make_lora_inputs read; one spare slot past
+    num_reqs (an InputBatch holds max_num_reqs rows)."""
+
+    def __init__(self, prompt_lens, computed, lora_ids):
+        self.num_reqs = len(prompt_lens)
+        self.num_prompt_tokens = np.array([*prompt_lens, 99], dtype=np.int32)
+        self.num_computed_tokens_cpu = np.array([*computed, 0], dtype=np.int32)
+        self.request_lora_mapping = np.array([*lora_ids, 1], dtype=np.int64)
+        loras = {1: _lora(HANDOVER, 1), 2: _lora(OTHER, 2)}
+        self.lora_id_to_lora_request = {i: loras[i] for i in lora_ids if i}
+
+
+def _ids(batch, scheduled, sampled=None):
+    sampled = np.ones(len(scheduled), dtype=np.int32) if sampled is None else np.array(sampled)
+    prompt, tokens, requests = vllm_plugin._make_lora_inputs(batch, np.array(scheduled, dtype=np.int32), sampled)
+    stock = InputBatch.make_lora_inputs(batch, np.array(scheduled, dtype=np.int32), sampled)
+    assert list(prompt) == list(stock[0]) and requests == stock[2]  # the sampler's ids and the requests stay vLLM's
+    assert len(tokens) == sum(scheduled)
+    return [int(t) for t in tokens]
+
+
+# (prompt lengths, computed tokens, LoRA ids, scheduled tokens) -> per-token LoRA ids. Request a:
+# the hand-over adapter (id 1), 10 prompt tokens, hand-over point 9; b: the base; c: another adapter.
+STEPS = [
+    ("first prefill chunk", [10, 4, 6], [0, 0, 0], [1, 0, 2], [6, 4, 6], [0] * 6 + [0] * 4 + [2] * 6),
+    ("chunk that reaches the hand-over point", [10, 4, 6], [6, 4, 6], [1, 0, 2], [4, 1, 1], [0, 0, 0, 1, 0, 2]),
+    ("chunk that ends just before it", [10, 4], [0, 0], [1, 0], [9, 4], [0] * 9 + [0] * 4),
+    ("the hand-over token alone", [10, 4], [9, 4], [1, 0], [1, 1], [1, 0]),
+    ("decode", [10, 4, 6], [10, 4, 6], [1, 0, 2], [1, 1, 1], [1, 0, 2]),
+    ("whole prompt in one step, c first", [6, 10], [0, 0], [2, 1], [6, 10], [2] * 6 + [0] * 9 + [1]),
+    ("only another adapter", [6, 3], [0, 0], [2, 0], [6, 3], [2] * 6 + [0] * 3),
+]
+
+
+@pytest.mark.parametrize("prompts, computed, lora_ids, scheduled, want", [s[1:] for s in STEPS],
+                         ids=[s[0] for s in STEPS])
+def test_a_hand_over_adapter_gets_lora_id_0_before_the_hand_over_point(adapters, prompts, computed, lora_ids,
+                                                                         scheduled, want):
+    assert _ids(FakeBatch(prompts, computed, lora_ids), scheduled) == want
+
+
+def test_a_batch_without_hand_over_adapters_keeps_vllms_ids(adapters, monkeypatch):
+    batch = FakeBatch([10, 4, 6], [0, 0, 0], [1, 0, 2])
+    monkeypatch.setattr(vllm_plugin, "_ADAPTERS", frozenset())  # an engine whose adapters are all ordinary
+    assert _ids(batch, [6, 4, 6]) == [1] * 6 + [0] * 4 + [2] * 6
+
+
+def test_the_lora_ids_on_vllms_own_input_batch(adapters):
+    batch = _input_batch([_state("a", 10, _lora(HANDOVER, 1), computed=6), _state("b", 5, None, computed=5),
+                          _state("c", 6, _lora(OTHER, 2))])
+    _, tokens, _ = vllm_plugin._make_lora_inputs(batch, np.array([4, 1, 6]), np.array([1, 1, 0]))
+    assert list(tokens) == [0, 0, 0, 1, 0] + [2] * 6
+
+
+def _keys(rid_lora: LoRARequest | None, n: int, start: int, end: int, salt: str | None = "tenant-a"):
+    req = NS(request_id="r", lora_request=rid_lora, cache_salt=salt, num_prompt_tokens=n, mm_features=None,
+             prompt_embeds=None)
+    keys, mm = vllm_plugin._block_hash_extra_keys(req, start, end, 0)
+    assert mm == 0
+    return keys
+
+
+def test_a_block_before_the_hand_over_point_loses_the_adapter_key_and_keeps_the_salt(adapters):
+    h, lora_key = _lora(HANDOVER, 1), ("lora", HANDOVER, "/adapters/chat-h")
+    # 12 prompt tokens: hand-over point 11
+    assert _keys(h, 12, 0, 4) == (("cache_salt", "tenant-a"),)
+    assert _keys(h, 12, 4, 8) is None  # the base's key of a later block
+    assert _keys(h, 12, 0, 4, salt=None) is None
+    assert _keys(h, 12, 8, 11) == _keys(h, 12, 7, 11) is None  # ends at the hand-over point: still the base's
+    assert _keys(h, 12, 8, 12) == (lora_key,)  # holds the hand-over token: the adapter's
+    assert _keys(h, 12, 12, 16) == (lora_key,)  # generated tokens
+    assert _keys(h, 1, 0, 4) == (lora_key, ("cache_salt", "tenant-a"))  # a one-token prompt: no shared part
+    o = _lora(OTHER, 2)
+    assert _keys(o, 12, 0, 4) == (("lora", OTHER, "/adapters/chat-o"), ("cache_salt", "tenant-a"))
+    assert _keys(o, 12, 4, 8) == (("lora", OTHER, "/adapters/chat-o"),)
+    assert _keys(None, 12, 0, 4) == (("cache_salt", "tenant-a"),) and _keys(None, 12, 4, 8) is None
+
+
+def test_a_hand_over_adapters_block_hashes_are_the_bases_up_to_the_hand_over_point(adapters, monkeypatch, none_hash):
+    monkeypatch.setattr(kv_cache_utils, "generate_block_hash_extra_keys", vllm_plugin._block_hash_extra_keys)
+    hasher = kv_cache_utils.get_request_block_hasher(4, sha256)
+
+    def hashes(n, lora=None, salt="tenant-a"):
+        return _request("r", n, lora, salt, hasher).block_hashes
+
+    h, o = _lora(HANDOVER, 1), _lora(OTHER, 2)
+    base, adapter = hashes(12), hashes(12, h)  # hand-over point 11: in the third block
+    assert len(base) == 3 and adapter[:2] == base[:2] and adapter[2] != base[2]
+    base, adapter = hashes(13), hashes(13, h)  # hand-over point 12: after the third block
+    assert len(base) == 3 and adapter == base
+    assert not set(hashes(13, h, salt="tenant-b")) & set(base)  # another tenant shares nothing
+    assert not set(hashes(13, o)) & set(base)  # an ordinary adapter keeps its own blocks
+
+
+# --- register() -----------------------------------------------------------------------------------
+
+def test_register_without_hand_over_adapters_installs_nothing(monkeypatch):
+    before = {label: _vllms(label, owner, attr) for label, owner, attr, _ in REPLACED}
+    adapters_before = vllm_plugin.handover_adapters()
+    for value in (None, ""):
+        if value is None:
+            monkeypatch.delenv(HANDOVER_ADAPTERS_ENV, raising=False)
+        else:
+            monkeypatch.setenv(HANDOVER_ADAPTERS_ENV, value)
+        vllm_plugin.register()
+        assert {label: getattr(owner, attr) for label, owner, attr, _ in REPLACED} == before
+        assert vllm_plugin.handover_adapters() == adapters_before
+
+
+_REGISTER_CHILD = """
+import json, sys
+from types import SimpleNamespace as NS
+from vllm.lora.punica_wrapper import punica_cpu
+from vllm.v1.core import block_pool, kv_cache_utils
+from vllm.v1.worker.gpu_input_batch import InputBatch
+owners = {"kv_cache_utils": kv_cache_utils, "block_pool": block_pool, "InputBatch": InputBatch,
+          "punica_cpu": punica_cpu}
+targets = json.loads(sys.argv[1])
+stock = {label: getattr(owners[o], attr) for label, o, attr in targets}
+from vllm.plugins import load_general_plugins
+load_general_plugins()  # vLLM's own discovery of the entry point, as in each engine process
+from prefillshare.app.engine import vllm_plugin as p
+def state():
+    return {label: [getattr(owners[o], attr).__module__ + "." + getattr(owners[o], attr).__qualname__,
+                    p._VLLM.get(attr) is stock[label]] for label, o, attr in targets}
+first = state()
+p.register()  # vLLM loads plugins more than once per process
+req = NS(lora_request=NS(lora_name="chat-a", lora_path="/a"), cache_salt=None, num_prompt_tokens=10,
+         mm_features=None, prompt_embeds=None)
+print(json.dumps({"first": first, "again": state(), "adapters": sorted(p.handover_adapters()),
+                  "keys": [kv_cache_utils.generate_block_hash_extra_keys(req, 0, 4, 0)[0],
+                           block_pool.generate_block_hash_extra_keys(req, 8, 12, 0)[0]]}))
+"""
+
+
+def test_register_with_hand_over_adapters_installs_all_six_through_vllms_plugin_loader():
+    """In a fresh process (this one stays unpatched), as vLLM loads it in an engine's."""
+    targets = [(label, {InputBatch: "InputBatch"}.get(owner, owner.__name__.rsplit(".", 1)[-1]), attr)
+               for label, owner, attr, _ in REPLACED]
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_PLUGINS"}  # no allow-list: every plugin installed
+    env[HANDOVER_ADAPTERS_ENV] = json.dumps(["chat-a", "chat-b"])
+    out = subprocess.run([sys.executable, "-c", _REGISTER_CHILD, json.dumps(targets)], env=env, cwd=ROOT,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-4000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    want = {label: [f"{vllm_plugin.__name__}.{ours.__name__}", True] for label, _, _, ours in REPLACED}
+    assert got["first"] == want and got["again"] == want
+    assert got["adapters"] == ["chat-a", "chat-b"]
+    # installed and calling vLLM's own (no recursion): the early block is the base's, the one past it the adapter's
+    assert got["keys"] == [None, [["lora", "chat-a", "/a"]]]
