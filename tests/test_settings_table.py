@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import yaml
 
-from prefillshare.app.config import EngineSettings, LoRAGroup, Placement, PoolConfig, load_config
+from prefillshare.app.config import EngineSettings, LoRAGroup, Placement, PoolConfig, PrefillModuleConfig, load_config
 
 ROOT = Path(__file__).resolve().parent.parent
 BASE = {"prefill_modules": [{"name": "base", "model": "checkpoints/base"}],
@@ -36,6 +36,8 @@ PROBES: dict[str, tuple[dict[str, Any], Any]] = {
     "max_lora_rank": ({"max_lora_rank": 32}, 32),
     "max_loras": ({"max_loras": 3}, 3),
     "adapters": ({}, True),
+    "lora_decoders": ({"lora_decoders": [{"name": "ie", "path": "checkpoints/chat/adapters/lookup", "rank": 8}]},
+                      ("ie",)),
     "placement.num_replicas": ({"num_replicas": 3}, 3),
     "placement.num_cpus": ({"num_cpus": 0.125}, 0.125),
     "placement.num_gpus": ({"num_gpus": 1}, 1),
@@ -54,6 +56,8 @@ PROBES: dict[str, tuple[dict[str, Any], Any]] = {
 }
 # settings outside a deployment and the pool that engines take too
 LIMITS = {"limits.request_timeout_s"}
+# a prefill module's own settings (its engine's in-engine decoders)
+MODULE = set(PrefillModuleConfig.model_fields) - set(LoRAGroup.model_fields) - {"name", "model", "placement", "engine"}
 
 
 def _rows() -> list[list[str]]:
@@ -74,12 +78,14 @@ def documented_defaults() -> dict[str, Any]:
 
 def settings_in_code() -> set[str]:
     return ({f"engine.{f}" for f in EngineSettings.model_fields} | {f"placement.{f}" for f in Placement.model_fields}
-            | set(LoRAGroup.model_fields) | {f"pool.{f}" for f in PoolConfig.model_fields} | LIMITS)
+            | set(LoRAGroup.model_fields) | {f"pool.{f}" for f in PoolConfig.model_fields} | LIMITS | MODULE)
 
 
 def configured_default(setting: str) -> Any:
     """What a config that leaves ``setting`` out runs with (a decoder's, for deployment settings)."""
     cfg = load_config(BASE)
+    if setting in MODULE:
+        return _lookup(cfg.prefill_modules[0], setting)
     return _lookup(cfg if setting.startswith(("pool.", "limits.")) else cfg.decoders[0], setting)
 
 
@@ -119,6 +125,11 @@ def _arrived(setting: str, target: str, monkeypatch) -> list[Any]:
         assert target.startswith("EngineConfig."), f"{setting}: the table names {target!r}"
         return [getattr(engine_config(cfg, cfg.decoders[0].model, cfg.decoders[0].engine, cfg.decoders[0].placement,
                                       None), target.removeprefix("EngineConfig."))]
+    if setting in MODULE:
+        cfg = load_config({**BASE, "prefill_modules": [{**BASE["prefill_modules"][0], "max_lora_rank": 16, **over}]})
+        p = cfg.prefill_modules[0]
+        assert target.startswith("EngineConfig."), f"{setting}: the table names {target!r}"
+        return [getattr(engine_config(cfg, p.model, p.engine, p.placement, None, p), target.removeprefix("EngineConfig."))]
     if setting.startswith("pool."):
         cfg = load_config({**BASE, "pool": over})
         assert target.startswith("PoolSpec."), f"{setting}: a pool setting goes to PoolSpec, not {target!r}"
