@@ -10,7 +10,7 @@ from bench.systems import SYSTEMS
 _STYLE = {"a": ("tab:green", "o"), "b": ("tab:red", "s"), "c": ("tab:blue", "^"),
           "a-lora": ("darkgreen", "P"), "b-lora": ("darkred", "X"), "c-lora": ("navy", "v"),
           "a-sf-lora": ("limegreen", "h"), "a-sys-lora": ("olive", "p"),
-          "v-lora": ("darkorange", "D"), "v-one": ("grey", "*")}
+          "i-lora": ("magenta", "d"), "v-lora": ("darkorange", "D"), "v-one": ("grey", "*")}
 
 
 def _plt():

@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 import torch
 from vllm import SamplingParams
+from vllm.lora import model_manager
 from vllm.lora.layers.utils import LoRAMapping
 from vllm.lora.ops import torch_ops
 from vllm.lora.punica_wrapper import punica_cpu
@@ -40,6 +41,7 @@ ROOT = Path(__file__).resolve().parent.parent
 KEYS = "vllm.v1.core.kv_cache_utils.generate_block_hash_extra_keys"
 POOL_KEYS = "vllm.v1.core.block_pool.generate_block_hash_extra_keys"
 MAKE_LORA_INPUTS = "vllm.v1.worker.gpu_input_batch.InputBatch.make_lora_inputs"
+PUNICA = "vllm.lora.model_manager.get_punica_wrapper"
 SHRINK = "vllm.lora.punica_wrapper.punica_cpu.sgmv_shrink"
 EXPAND = "vllm.lora.punica_wrapper.punica_cpu.sgmv_expand"
 EXPAND_SLICE = "vllm.lora.punica_wrapper.punica_cpu.sgmv_expand_slice"
@@ -48,6 +50,7 @@ REPLACED = [
     (KEYS, kv_cache_utils, "generate_block_hash_extra_keys", vllm_plugin._block_hash_extra_keys),
     (POOL_KEYS, block_pool, "generate_block_hash_extra_keys", vllm_plugin._block_hash_extra_keys),
     (MAKE_LORA_INPUTS, InputBatch, "make_lora_inputs", vllm_plugin._make_lora_inputs),
+    (PUNICA, model_manager, "get_punica_wrapper", vllm_plugin._punica_wrapper),
     (SHRINK, punica_cpu, "sgmv_shrink", vllm_plugin._sgmv_shrink),
     (EXPAND, punica_cpu, "sgmv_expand", vllm_plugin._sgmv_expand),
     (EXPAND_SLICE, punica_cpu, "sgmv_expand_slice", vllm_plugin._sgmv_expand_slice),
@@ -59,6 +62,7 @@ PARAMS = {
     KEYS: ["request", "start_token_idx", "end_token_idx", "start_mm_idx"],
     POOL_KEYS: ["request", "start_token_idx", "end_token_idx", "start_mm_idx"],
     MAKE_LORA_INPUTS: ["self", "num_scheduled_tokens", "num_sampled_tokens"],
+    PUNICA: ["args", "kwargs"],
     SHRINK: ["inputs", "lora_a_weights", *_RUNS, "scaling"],
     EXPAND: ["inputs", "lora_b_weights", *_RUNS, "add_inputs"],
     EXPAND_SLICE: ["inputs", "lora_b_weights", *_RUNS, "slice_offset", "slice_size", "add_inputs"],
@@ -235,6 +239,18 @@ def test_the_runner_sets_loras_from_the_step_whose_positions_start_at_the_comput
         f"LoRAModelRunnerMixin.set_active_loras no longer calls {MAKE_LORA_INPUTS}")
     assert "is_prefill=True" in inspect.getsource(LoRAModelRunnerMixin._set_active_loras), (
         "LoRAModelRunnerMixin._set_active_loras: CPU steps may now take bgmv_*, which the plugin does not replace")
+
+
+def test_the_model_manager_sizes_its_lora_wrapper_by_max_batches_given_by_keyword():
+    """The plugin doubles ``max_batches`` where vLLM's model manager builds its punica wrapper: every
+    call there must pass it by keyword, and the wrapper must size its per-run buffers by it."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(model_manager)))
+    calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and getattr(n.func, "id", None) == "get_punica_wrapper"]
+    assert calls, f"{PUNICA}: vLLM's model manager no longer calls it by that name"
+    assert all(any(k.arg == "max_batches" for k in c.keywords) for c in calls), \
+        f"{PUNICA}: a call in vllm.lora.model_manager does not pass max_batches by keyword"
+    w = punica_cpu.PunicaWrapperCPU(max_num_batched_tokens=64, max_batches=5, device="cpu")
+    assert w._seq_lengths.shape[0] == 5, "vllm.lora.punica_wrapper.punica_base: per-run buffers no longer max_batches"
 
 
 def test_punica_cpu_calls_the_torch_ops_by_the_names_it_imported():
@@ -424,6 +440,32 @@ def test_the_lora_ids_on_vllms_own_input_batch(adapters):
     assert list(tokens) == [0, 0, 0, 1, 0] + [2] * 6
 
 
+def test_a_full_batch_of_hand_over_requests_in_prefill_fits_vllms_lora_run_buffers(adapters, monkeypatch):
+    """vLLM sizes the punica wrapper's per-run buffers for max_num_seqs runs (one per request: its
+    model manager passes max_batches=max_num_seqs); a hand-over request in prefill is two runs (no
+    adapter up to the hand-over point, then its adapter). A full batch of them must still fit: in an
+    engine a misfit raises in update_metadata and kills the engine core."""
+    max_num_seqs, prompt = 16, 6
+    batch = InputBatch(max_num_reqs=max_num_seqs, max_model_len=64, max_num_batched_tokens=256,
+                       device=torch.device("cpu"), vocab_size=1000, block_sizes=[16], max_num_blocks_per_req=[4])
+    for i in range(max_num_seqs):
+        batch.add_request(_state(f"r{i}", prompt, _lora(HANDOVER, 1)))
+    scheduled = np.full(max_num_seqs, prompt, dtype=np.int32)
+    prompt_ids, token_ids, _ = vllm_plugin._make_lora_inputs(batch, scheduled, np.ones(max_num_seqs, dtype=np.int32))
+    assert list(token_ids) == ([0] * (prompt - 1) + [1]) * max_num_seqs
+    # the wrapper as vLLM's model manager builds it, through the plugin's stand-in
+    monkeypatch.setitem(vllm_plugin._VLLM, "get_punica_wrapper", model_manager.get_punica_wrapper)
+    wrapper = vllm_plugin._punica_wrapper(256, max_batches=max_num_seqs, device="cpu", lora_config=None)
+    assert isinstance(wrapper, punica_cpu.PunicaWrapperCPU)
+    mapping = LoRAMapping(token_ids, prompt_ids, is_prefill=True)
+    try:
+        wrapper.update_metadata(mapping, [1, None], 2, 1000)
+    except RuntimeError as e:
+        pytest.fail(f"{max_num_seqs} hand-over requests in prefill are {2 * max_num_seqs} LoRA runs; "
+                    f"vllm.lora.punica_wrapper.punica_base.PunicaWrapperBase holds {max_num_seqs}: {e}")
+    assert wrapper.prefill_metadata[2].tolist() == [-1, 0] * max_num_seqs
+
+
 def _keys(rid_lora: LoRARequest | None, n: int, start: int, end: int, salt: str | None = "tenant-a"):
     req = NS(request_id="r", lora_request=rid_lora, cache_salt=salt, num_prompt_tokens=n, mm_features=None,
              prompt_embeds=None)
@@ -482,11 +524,12 @@ def test_register_without_hand_over_adapters_installs_nothing(monkeypatch):
 _REGISTER_CHILD = """
 import json, sys
 from types import SimpleNamespace as NS
+from vllm.lora import model_manager
 from vllm.lora.punica_wrapper import punica_cpu
 from vllm.v1.core import block_pool, kv_cache_utils
 from vllm.v1.worker.gpu_input_batch import InputBatch
 owners = {"kv_cache_utils": kv_cache_utils, "block_pool": block_pool, "InputBatch": InputBatch,
-          "punica_cpu": punica_cpu}
+          "punica_cpu": punica_cpu, "model_manager": model_manager}
 targets = json.loads(sys.argv[1])
 stock = {label: getattr(owners[o], attr) for label, o, attr in targets}
 from vllm.plugins import load_general_plugins
@@ -505,7 +548,7 @@ print(json.dumps({"first": first, "again": state(), "adapters": sorted(p.handove
 """
 
 
-def test_register_with_hand_over_adapters_installs_all_six_through_vllms_plugin_loader():
+def test_register_with_hand_over_adapters_installs_all_seven_through_vllms_plugin_loader():
     """In a fresh process (this one stays unpatched), as vLLM loads it in an engine's."""
     targets = [(label, {InputBatch: "InputBatch"}.get(owner, owner.__name__.rsplit(".", 1)[-1]), attr)
                for label, owner, attr, _ in REPLACED]

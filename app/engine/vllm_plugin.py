@@ -10,7 +10,7 @@ in an engine whose environment names its hand-over adapters (:data:`HANDOVER_ADA
 list of LoRA names, set from ``EngineConfig.handover_adapters``). Stock engines, the benchmarks'
 baselines included, run unchanged.
 
-What it replaces, each wrapping vLLM's own function (canary: tests/test_vllm_plugin.py, which fails
+What it replaces, each wrapping or standing in for vLLM's own function (canary: tests/test_vllm_plugin.py, which fails
 naming the function on a vLLM whose code changed):
 
 - ``vllm.v1.core.kv_cache_utils.generate_block_hash_extra_keys`` (and the name
@@ -19,6 +19,10 @@ naming the function on a vLLM whose code changed):
   and every hand-over adapter share it. A block that reaches the hand-over point keeps the adapter.
 - ``vllm.v1.worker.gpu_input_batch.InputBatch.make_lora_inputs`` (the CPU and GPU model runners
   share it): a token before the hand-over point gets LoRA id 0 (no adapter).
+- ``vllm.lora.model_manager.get_punica_wrapper``: vLLM sizes the LoRA wrapper's per-run buffers for
+  ``max_num_seqs`` runs of tokens with one adapter, one per request; a hand-over request in prefill
+  is two (no adapter, then its adapter), so the wrapper gets room for twice as many. Without it a
+  full batch of such requests overflows the buffers and kills the engine core.
 - ``vllm.lora.punica_wrapper.punica_cpu``'s ``sgmv_shrink``, ``sgmv_expand`` and
   ``sgmv_expand_slice`` (CPU only): vLLM's torch ops gather one adapter matrix per token and read a
   token without an adapter (index -1) as the last adapter slot, so in a batch that mixes base and
@@ -56,6 +60,7 @@ def register() -> None:
     _ADAPTERS = frozenset(json.loads(names))
     if _VLLM:
         return  # installed already (vLLM loads plugins more than once per process)
+    from vllm.lora import model_manager
     from vllm.lora.punica_wrapper import punica_cpu
     from vllm.v1.core import block_pool, kv_cache_utils
     from vllm.v1.worker import gpu_input_batch
@@ -63,6 +68,7 @@ def register() -> None:
     _replace(kv_cache_utils, "generate_block_hash_extra_keys", _block_hash_extra_keys)
     _replace(block_pool, "generate_block_hash_extra_keys", _block_hash_extra_keys)
     _replace(gpu_input_batch.InputBatch, "make_lora_inputs", _make_lora_inputs)
+    _replace(model_manager, "get_punica_wrapper", _punica_wrapper)
     _replace(punica_cpu, "sgmv_shrink", _sgmv_shrink)
     _replace(punica_cpu, "sgmv_expand", _sgmv_expand)
     _replace(punica_cpu, "sgmv_expand_slice", _sgmv_expand_slice)
@@ -103,6 +109,12 @@ def _make_lora_inputs(self, num_scheduled_tokens: np.ndarray, num_sampled_tokens
     handover = np.repeat([shared_length(int(p)) for p in self.num_prompt_tokens[:n]], counts)
     ids[np.isin(ids, handover_ids) & (positions < handover)] = 0
     return prompt_mapping, tuple(ids.tolist()), requests
+
+
+def _punica_wrapper(*args, **kwargs):
+    """vLLM's LoRA wrapper with room for two runs per request (base part, adapter part); vLLM's model
+    manager passes ``max_batches`` (its max_num_seqs) by keyword."""
+    return _VLLM["get_punica_wrapper"](*args, **{**kwargs, "max_batches": 2 * kwargs["max_batches"]})
 
 
 # --- CPU LoRA ops: one product per run of tokens with one adapter ---------------------------------
