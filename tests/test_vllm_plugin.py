@@ -241,6 +241,22 @@ def test_the_runner_sets_loras_from_the_step_whose_positions_start_at_the_comput
         "LoRAModelRunnerMixin._set_active_loras: CPU steps may now take bgmv_*, which the plugin does not replace")
 
 
+def test_an_engine_with_hand_over_adapters_runs_vllms_v1_model_runner(monkeypatch):
+    """The per-token ids live in the V1 runner's InputBatch; vLLM's V2 runner (its GPU default with
+    Triton) keeps them in gpu/lora_utils.LoraState, which the plugin does not touch. The env the plugin
+    asks for must still select V1."""
+    from vllm import envs
+
+    from prefillshare.app.engine.async_engine import EngineConfig
+
+    ec = EngineConfig(model="checkpoints/base", lora_adapters=(("h", "x"),), handover_adapters=("h",))
+    assert ec.core_env["VLLM_USE_V2_MODEL_RUNNER"] == "0"
+    assert "VLLM_USE_V2_MODEL_RUNNER" not in EngineConfig(model="checkpoints/base").core_env
+    for k, v in vllm_plugin.HANDOVER_ENGINE_ENV.items():
+        monkeypatch.setenv(k, v)
+    assert envs.VLLM_USE_V2_MODEL_RUNNER is False, "vllm.envs.VLLM_USE_V2_MODEL_RUNNER: '0' no longer turns V2 off"
+
+
 def test_the_model_manager_sizes_its_lora_wrapper_by_max_batches_given_by_keyword():
     """The plugin doubles ``max_batches`` where vLLM's model manager builds its punica wrapper: every
     call there must pass it by keyword, and the wrapper must size its per-run buffers by it."""

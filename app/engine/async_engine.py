@@ -37,10 +37,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from prefillshare.app.config import EngineSettings, LimitsConfig, LoRAGroup, default
-from prefillshare.app.engine import alloc_conf, compute_dtype, core_lifetime, niceness
+from prefillshare.app.engine import alloc_conf, compute_dtype, core_lifetime, niceness, vllm_plugin
 from prefillshare.app.engine.handover import KV_ROLE
 from prefillshare.app.engine.pool import kv_pool
-from prefillshare.app.engine.vllm_plugin import HANDOVER_ADAPTERS_ENV
 from prefillshare.app.errors import PrefillShareLibraryError
 from prefillshare.app.sampling import Sampling, TokenLogprob, prompt_logprobs, token_logprobs
 
@@ -161,7 +160,8 @@ class EngineConfig:
         """The engine core's env: ``extra_env``, and the hand-over adapters vLLM's plugin reads."""
         if not self.handover_adapters:
             return dict(self.extra_env)
-        return {**self.extra_env, HANDOVER_ADAPTERS_ENV: json.dumps(sorted(self.handover_adapters))}
+        return {**self.extra_env, vllm_plugin.HANDOVER_ADAPTERS_ENV: json.dumps(sorted(self.handover_adapters)),
+                **vllm_plugin.HANDOVER_ENGINE_ENV}
 
     @property
     def prefix_caching(self) -> bool:

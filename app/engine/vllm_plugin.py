@@ -17,8 +17,9 @@ naming the function on a vLLM whose code changed):
   ``vllm.v1.core.block_pool`` imported, for KV events): a block that lies wholly before the hand-over
   point is keyed as the base's block (the adapter's key dropped; the tenant's salt stays), so the base
   and every hand-over adapter share it. A block that reaches the hand-over point keeps the adapter.
-- ``vllm.v1.worker.gpu_input_batch.InputBatch.make_lora_inputs`` (the CPU and GPU model runners
-  share it): a token before the hand-over point gets LoRA id 0 (no adapter).
+- ``vllm.v1.worker.gpu_input_batch.InputBatch.make_lora_inputs`` (the CPU model runner and vLLM's V1
+  GPU runner share it; such an engine runs the V1 runner, :data:`HANDOVER_ENGINE_ENV`): a token before
+  the hand-over point gets LoRA id 0 (no adapter).
 - ``vllm.lora.model_manager.get_punica_wrapper``: vLLM sizes the LoRA wrapper's per-run buffers for
   ``max_num_seqs`` runs of tokens with one adapter, one per request; a hand-over request in prefill
   is two (no adapter, then its adapter), so the wrapper gets room for twice as many. Without it a
@@ -41,6 +42,9 @@ from prefillshare.app.prompt_split import shared_length
 __all__ = ["HANDOVER_ADAPTERS_ENV", "register", "handover_adapters"]
 
 HANDOVER_ADAPTERS_ENV = "PREFILLSHARE_HANDOVER_ADAPTERS"
+# the rest of such an engine's env: vLLM's V1 model runner, whose InputBatch the CPU runner shares (on
+# GPUs with Triton vLLM 0.32 picks its V2 runner, which keeps its LoRA ids elsewhere)
+HANDOVER_ENGINE_ENV = {"VLLM_USE_V2_MODEL_RUNNER": "0"}
 
 _ADAPTERS: frozenset[str] = frozenset()
 _VLLM: dict[str, object] = {}  # vLLM's own functions, by name
