@@ -9,6 +9,10 @@ tokens; sessions arrive at ``R`` per second. Three systems are sized side by sid
 - ``disagg``: per-model prefill/decode disaggregation without sharing: N prefills of the same
   context (one per decoder's own base), N KV transfers.
 - ``colocated``: every decoder prefills its own prompt; no KV moves.
+- ``in-engine``: the decoders are LoRA adapters served in the prefill module's own engines
+  (``lora_decoders``): one prefill of the context in the prefix cache of the replica the fan-out
+  lands on, every agent's last prompt token and output on the same replica; no KV moves, and the
+  module's replicas do both stages (counted as prefill replicas, no decode group).
 
 Costs are replica-seconds (a replica is one core on the CPU profile, one GPU on the GPU
 profile). Replicas = ceil(load / utilization). Prefill and decode groups live on separate
@@ -26,7 +30,7 @@ from dataclasses import asdict, dataclass, replace
 
 from prefillshare.app.prompt_split import shared_length
 
-SYSTEMS = ("prefillshare", "disagg", "colocated")
+SYSTEMS = ("prefillshare", "in-engine", "disagg", "colocated")
 
 
 @dataclass(frozen=True)
@@ -181,6 +185,9 @@ def size(profile: Profile, w: Workload, system: str, pack: bool = False) -> Sizi
     if system == "colocated":
         p_load, d_load = 0.0, w.rate * n * (profile.prefill_s(ctx) + dec_per_agent)
         kv_req = 0.0
+    elif system == "in-engine":  # one group of replicas: the context once, then every agent's decode
+        p_load, d_load = w.rate * (profile.prefill_s(shared) + n * dec_per_agent), 0.0
+        kv_req = 0.0
     else:
         prefills = 1 if system == "prefillshare" else n
         p_load = w.rate * prefills * profile.prefill_s(shared)
@@ -193,7 +200,7 @@ def size(profile: Profile, w: Workload, system: str, pack: bool = False) -> Sizi
     pulls, total = 0, 0.0
     for _ in range(10_000):  # add nodes until the links carry the KV (pulls grow with decode nodes)
         spread = math.ceil(n / profile.replicas_per_node) if pack else n
-        pulls = 0 if system == "colocated" else (min(spread, d_nodes) if system == "prefillshare" else n)
+        pulls = 0 if system in ("colocated", "in-engine") else (min(spread, d_nodes) if system == "prefillshare" else n)
         total = w.rate * pulls * kv_req
         need_p = math.ceil(total / link_cap - 1e-9) if total else 0
         need_d = math.ceil(total / link_cap - 1e-9) if total else 0

@@ -2,7 +2,8 @@
 
 Both servers run the shipped base (checkpoints/base) and its four chat-format LoRA adapters, and
 both are driven by vLLM's own benchmark client (``vllm.benchmarks.serve``) with the
-``prefix_repetition`` dataset unshuffled, one request at a time: every request after the first
+``prefix_repetition`` dataset unshuffled, one request at a time (``--decoders in-engine``: the adapters in the prefill module's own engine, which
+reads its prefix cache; else a decode group fed the base's KV): every request after the first
 shares its prefix with the one before it, so stock vLLM finds that prefix in its prefix cache and
 the app finds it in the prefill module's cache (and the base's KV in the pool). Requests go to the
 adapters round-robin. The client sends no ``ignore_eos``.
@@ -45,10 +46,21 @@ def _adapter(a: str) -> Path:
     return ROOT / "checkpoints" / "chat" / "adapters" / a
 
 
-def app_config(pool: str) -> dict:
+def app_config(pool: str, decoders: str = "group") -> dict:
     """The app of serve_config.yaml's commented chat group: the base's prefill module and one
-    decode group on the base holding the four chat adapters (no full-weight decoders)."""
+    decode group on the base holding the four chat adapters (no full-weight decoders); with
+    ``decoders="in-engine"`` the prefill module's own engine serves the four adapters instead."""
     ck = ROOT / "checkpoints"
+    if decoders == "in-engine":
+        return {
+            "tokenizer": str(ck / "tokenizer"),
+            "pool": {"path": pool, "capacity_bytes": "512MiB"},
+            "engine_env": {"VLLM_HOST_IP": "127.0.0.1"},
+            "prefill_modules": [{"name": "base", "model": str(ck / "base"), "engine": ENGINE, "max_lora_rank": 8,
+                                 "placement": {"num_replicas": 1, "num_cpus": 0.5},
+                                 "lora_decoders": [{"name": n, "path": str(_adapter(a)), "rank": 8}
+                                                   for n, a in zip(_names(), ADAPTERS)]}],
+        }
     return {
         "tokenizer": str(ck / "tokenizer"),
         "pool": {"path": pool, "capacity_bytes": "512MiB"},
@@ -133,7 +145,7 @@ def run_app(args) -> dict:
         os.environ.update(direct_ingress_env(free_port()))
     pool = f"/dev/shm/ps-ttft-{os.getpid()}"
     ray_tmp = f"/tmp/ps-ttft-ray-{os.getpid()}"
-    cfg = load_config(app_config(pool))
+    cfg = load_config(app_config(pool, args.decoders))
     try:
         with serve_app(cfg, "ttft", ray_tmp, pool) as url:  # stops the app and its cluster, removes the pool
             ports = {"proxy": int(url.rsplit(":", 1)[1])}
@@ -203,6 +215,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--suffix-len", type=int, default=32)
     p.add_argument("--output-len", type=int, default=8)
     p.add_argument("--only", choices=("app", "vllm"))
+    p.add_argument("--decoders", choices=("group", "in-engine"), default="group",
+                   help="the app's adapters: a decode group fed the base's KV, or in the prefill module's engine")
     p.add_argument("--stock-worker", choices=("process", "engine-core"), default="process",
                    help="stock vLLM's worker: in its own process (vLLM's default on the CPU) or inside "
                         "EngineCore, as the app's CPU engines run")

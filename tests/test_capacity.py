@@ -69,10 +69,19 @@ def test_cli_prints_a_row_per_system(capsys):
     assert main(["capacity", "--fanout", "2,8", "--context", "1024", "--output", "32", "--rate", "0.2"]) == 0
     out = capsys.readouterr().out
     rows = [line for line in out.splitlines() if line.startswith("| 2 ") or line.startswith("| 8 ")]
-    assert len(rows) == 6
-    assert {r.split("|")[5].strip() for r in rows} == {"prefillshare", "disagg", "colocated"}
+    assert len(rows) == 8
+    assert {r.split("|")[5].strip() for r in rows} == {"prefillshare", "in-engine", "disagg", "colocated"}
     with pytest.raises(SystemExit, match="fanout"):
         main(["capacity", "--fanout", "0"])
+
+
+def test_in_engine_decoders_move_no_kv_and_run_both_stages_on_the_modules_replicas():
+    w = Workload(8, 4096, 64, rate=2.0)
+    ie, ps = size(H200_PAPER, w, "in-engine"), size(H200_PAPER, w, "prefillshare")
+    assert ie.kv_bytes_per_s == 0 and ie.kv_pulls_per_session == 0 and ie.decode_replicas == 0
+    # the same work as the shared prefill + decoders, less the KV loads, on one group of replicas
+    assert ie.prefill_load == pytest.approx(ps.prefill_load + ps.decode_load
+                                            - w.rate * w.fanout * ps.kv_bytes_per_request / H200_PAPER.kv_load_bytes_per_s)
 
 
 def test_packing_a_sessions_agents_cuts_the_kv_pulls():
