@@ -112,7 +112,8 @@ def test_serve_config_yaml_is_valid_for_serve_and_for_the_app():
 
 def test_the_commented_lora_group_in_serve_config_yaml_plans_as_written():
     """The chat-format decode group that serve_config.yaml documents (commented out) is valid as
-    written: uncommented, the app plans it with the shipped adapters (manifests, ranks, base), no engine."""
+    written: uncommented in place of the base's lora_decoders, the app plans it with the shipped
+    adapters (manifests, ranks, base), no engine."""
     from prefillshare.app.plan import plan_app
 
     lines = (ROOT / "serve_config.yaml").read_text().splitlines()
@@ -124,7 +125,10 @@ def test_the_commented_lora_group_in_serve_config_yaml_plans_as_written():
             break
         out[i] = lines[i][:indent] + lines[i][indent + 2:]
     raw = yaml.safe_load("\n".join(out))
-    cfg = load_config(raw["applications"][0]["args"]["config"])
+    config = raw["applications"][0]["args"]["config"]
+    for p in config["prefill_modules"]:  # the group serves what the base's lora_decoders serve: one or the other
+        p.pop("lora_decoders", None)
+    cfg = load_config(config)
     plan = plan_app(cfg)
     group = [d for d in plan.decoders if d.group == "chat-group"]
     assert [d.name for d in group] == ["chat-lookup", "chat-tool_call", "chat-reschedule", "chat-route"]
