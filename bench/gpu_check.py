@@ -24,6 +24,10 @@ Steps (``--steps``, in this order by default):
   bytes, and the transport UCX chose for the reads (its protocol log, ``UCX_PROTO_INFO``).
 - ``speed-auto``: the same without the CUDA IPC override (``UCX_CUDA_IPC_ENABLE_GET_ZCOPY`` left
   to UCX), to show what the override buys.
+- ``in_engine``: ``python -m bench.in_engine_probe``: the shipped chat adapters as in-engine LoRA
+  decoders of the base (app/engine/vllm_plugin.py): greedy tokens against transformers, base
+  requests in the same engine against the base alone, and a fan-out of the four over one prompt
+  computing it once (vLLM's prefix-cache counters).
 
 Correctness fails the check (tokens, whole pulls, bytes); speed is reported as ratios only.
 """
@@ -289,12 +293,12 @@ def app_setting(device: str) -> str:
     return next(name for name, s in SETTINGS.items() if s == mine)
 
 
-def _probe(args, name: str, probe_args: list[str], limit: float) -> tuple[dict, str]:
-    """One run of bench.nixl_probe in its own process group (killed whole at ``limit``: its
+def _probe(args, name: str, probe_args: list[str], limit: float, module: str = "bench.nixl_probe") -> tuple[dict, str]:
+    """One run of a probe module in its own process group (killed whole at ``limit``: its
     engines are child processes): its JSON and its output (UCX's protocol log included)."""
     work = tempfile.mkdtemp(prefix="ps-gpu-probe-")
     out, log = os.path.join(work, f"{name}.json"), os.path.join(work, f"{name}.log")
-    cmd = [sys.executable, "-m", "bench.nixl_probe", "--device", args.device, "--out", out, *probe_args]
+    cmd = [sys.executable, "-m", module, "--device", args.device, "--out", out, *probe_args]
     print("  $", " ".join(cmd[1:]), flush=True)
     try:
         with open(log, "w") as f:
@@ -314,7 +318,7 @@ def _probe(args, name: str, probe_args: list[str], limit: float) -> tuple[dict, 
         if rc != 0:
             print(text[-4000:], flush=True)
             raise TimeoutError(f"{name}: not done in {limit:.0f} s") if rc is None else RuntimeError(
-                f"{name}: nixl_probe exit {rc}")
+                f"{name}: {module} exit {rc}")
         with open(out) as f:
             return json.load(f), text
     finally:
@@ -422,6 +426,18 @@ def handover(args, results: dict, failures: list[str], step: str, limit: float) 
         ratios["KV GB/s with the CUDA IPC override / without"] = round(on / off, 3) if off else None
 
 
+def in_engine(args, results: dict, failures: list[str], limit: float) -> None:
+    """Step in_engine: bench.in_engine_probe (the shipped chat adapters in the base's own engine)."""
+    res, _ = _probe(args, "in_engine", [], limit, module="bench.in_engine_probe")
+    results["in_engine"] = res
+    failures.extend(f"in_engine: {f}"[:300] for f in res["failures"])
+    share = res["sharing"]
+    print(f"  in_engine: {res['tokens']['compared']} greedy answers compared, {len(res['tokens']['mismatches'])} "
+          f"differ; a fan-out of 4 adapters over {share['prompt_tokens']} tokens computed "
+          f"{share['computed_over_one_prompt']}x one prompt (vLLM's counters)", flush=True)
+    results.setdefault("ratios", {})["in_engine: fan-out of 4 computed / one prompt"] = share["computed_over_one_prompt"]
+
+
 # ---------------------------------------------------------------- the run
 
 # step -> (title, time limit in seconds); the default run's limits add up to BUDGET_S
@@ -430,11 +446,12 @@ STEPS = {
     "transport": ("KV blocks: batched slot copies vs plain copies (torch only)", 30),
     "tokens": ("vllm-nixl, the app's settings: a full decoder's tokens on the pulled KV", 65),
     "lora": ("vllm-nixl, the app's settings: a LoRA adapter consumer's tokens on the pulled KV", 65),
-    "speed": ("vllm-nixl, the app's settings: TTFT shared vs private, KV GB/s vs a copy, UCX's transport", 110),
-    "speed-auto": ("vllm-nixl without the CUDA IPC override: KV GB/s and UCX's transport", 80),
+    "speed": ("vllm-nixl, the app's settings: TTFT shared vs private, KV GB/s vs a copy, UCX's transport", 100),
+    "speed-auto": ("vllm-nixl without the CUDA IPC override: KV GB/s and UCX's transport", 70),
+    "in_engine": ("in-engine LoRA decoders: tokens vs transformers, the base's prefix cache shared", 50),
 }
 DEFAULT_STEPS = tuple(STEPS)
-BUDGET_S = 360
+BUDGET_S = 390
 # --device cpu (the dry run): a 2-core box starts two engines in 20-50 s where a GPU box takes ~10 s
 CPU_SLACK = 5
 
@@ -474,6 +491,8 @@ def run(args) -> int:
                     (environment if key == "env" else transport)(args, results, failures)
                 finally:
                     signal.alarm(0)
+            elif key == "in_engine":
+                in_engine(args, results, failures, limit)
             else:
                 handover(args, results, failures, key, limit)
         except Exception as e:  # noqa: BLE001 - report and go on to the next step

@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# PrefillShare's GPU path on one CUDA GPU, in one call of at most 7 minutes: the vllm-nixl hand-over
-# with the app's own NIXL settings (bench/gpu_check.py has the steps). Installs nothing.
+# PrefillShare's GPU path on one CUDA GPU, in one call of at most 7.5 minutes: the vllm-nixl hand-over
+# with the app's own NIXL settings and in-engine LoRA decoders (bench/gpu_check.py has the steps). Installs nothing.
 #   bash bench/gpu_check.sh --out DIR                        # every step; DIR/gpu_check.json
 #   bash bench/gpu_check.sh --steps env,transport --out DIR  # torch only (no vLLM needed)
 #   bash bench/gpu_check.sh --device cpu --steps env,tokens,lora,speed   # the CPU dry run (CI)
 # On the lent box (torch, no vLLM, no network) the payload of bench/gpu_payload.sh comes first:
 # PAYLOAD=/tmp/p (a folder holding its part.* chunks) unpacks it to /tmp/site and puts it on PYTHONPATH.
-# Time limits: 45 s to unpack + 370 s for the steps (their own limits add up to 360 s) = 415 s.
+# Time limits: 45 s to unpack + 400 s for the steps (their own limits add up to 390 s) = 445 s.
 # Exit: 0 pass, 1 a check failed, 2 no CUDA GPU (nothing run).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -23,10 +23,23 @@ if [ -n "${PAYLOAD:-}" ]; then
   # without flashinfer (not carried) vLLM samples natively instead of JIT-compiling kernels
   export VLLM_USE_FLASHINFER_SAMPLER=0
 fi
+# The project as prefillshare.* without installing it (the lent box has no pip access to it): a folder of
+# links on PYTHONPATH, with the distribution's entry point so vLLM loads the project's plugin
+# (app/engine/vllm_plugin.py: in-engine LoRA decoders) in every engine process.
+if ! "$PY" -c 'import prefillshare.app' 2>/dev/null; then
+  links="$(mktemp -d /tmp/ps-src.XXXX)"
+  mkdir -p "$links/prefillshare" "$links/prefillshare-0.1.0.dist-info"
+  for d in app deployments agents; do ln -s "$PWD/$d" "$links/prefillshare/$d"; done
+  printf 'Metadata-Version: 2.1\nName: prefillshare\nVersion: 0.1.0\n' > "$links/prefillshare-0.1.0.dist-info/METADATA"
+  sed -n '/^\[project.entry-points."vllm.general_plugins"\]/,/^$/p' pyproject.toml \
+    | sed 's/^\[project.entry-points."vllm.general_plugins"\]/[vllm.general_plugins]/; s/"//g' \
+    > "$links/prefillshare-0.1.0.dist-info/entry_points.txt"
+  export PYTHONPATH="$links:$PYTHONPATH"
+fi
 if [[ " $* " != *" --device cpu "* ]]; then
   if ! "$PY" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 2)'; then
     echo "GPU CHECK NOT RUN: this box lacks a CUDA GPU or torch with CUDA."
     exit 2
   fi
 fi
-exec timeout 370 "$PY" bench/gpu_check.py "$@"
+exec timeout 400 "$PY" bench/gpu_check.py "$@"

@@ -4,7 +4,7 @@ On a GPU the same steps run vLLM's NixlConnector between two engines on the devi
 own NIXL settings; here they check that the script runs end to end, that its JSON names the
 versions and the transports, that the pulled KV gives the reference's tokens (a full decoder and a
 LoRA adapter consumer), and that its time limits and payload chunks fit the box (one call of at
-most 7 minutes, at most 64 MiB carried per call).
+most 7.5 minutes, at most 64 MiB carried per call).
 """
 import importlib.util
 import json
@@ -25,14 +25,14 @@ def _module():
     return mod
 
 
-def test_its_time_limits_fit_one_call_of_seven_minutes():
+def test_its_time_limits_fit_one_call_of_seven_and_a_half_minutes():
     gc = _module()
     steps = sum(gc.STEPS[k][1] for k in gc.DEFAULT_STEPS)
     assert steps <= gc.BUDGET_S
     wrapper = open(os.path.join(ROOT, "bench", "gpu_check.sh")).read()
     bounds = [int(n) for n in re.findall(r"timeout (\d+)", wrapper)]  # the payload's unpacking, the steps
     assert len(bounds) == 2 and bounds[1] >= gc.BUDGET_S
-    assert sum(bounds) <= 420, bounds
+    assert sum(bounds) <= 450, bounds
 
 
 def test_its_payload_chunks_fit_the_carry_limit_beside_the_tree(tmp_path):
@@ -58,6 +58,24 @@ def test_env_and_transport_steps_dry_run_on_cpu(tmp_path):
         for k in ("device_gather_gb_s", "device_scatter_gb_s", "ipc_scatter_gb_s", "host_save_gb_s",
                   "host_load_gb_s", "device_copy_gb_s"):
             assert row[k] > 0, k
+
+
+@pytest.mark.engine
+def test_in_engine_step_dry_run_on_cpu(tmp_path):
+    """The in_engine step on the CPU: the shipped chat adapters in the base's own engine answer as
+    transformers' hand-over, base requests beside them as the base, and a fan-out of the four over one
+    prompt computes about one prompt (vLLM's counters) while another tenant reads nothing."""
+    r = subprocess.run([sys.executable, "bench/gpu_check.py", "--device", "cpu", "--steps", "in_engine",
+                        "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    res = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert not res["failures"]
+    probe = res["in_engine"]
+    assert probe["tokens"]["compared"] == 32 and not probe["tokens"]["mismatches"]
+    assert probe["tokens"]["whole_prompt_differs"] >= 1
+    share = probe["sharing"]
+    assert sorted(share["cached_tokens"])[1:] == [share["expected_cached_after_first"]] * 3
+    assert 1.0 <= share["computed_over_one_prompt"] <= 1.1 and share["other_tenant_cached"] == 0
 
 
 @pytest.mark.engine
