@@ -173,9 +173,17 @@ def test_longest_known_prefix_wins_then_overload_falls_back():
     table.record(keys, other)  # this router saw the context served by `other`
     tiers, reason = choose(keys, ["a", "b"], lambda r: 0, table, 4)
     assert tiers[0] == [other] and reason is None
-    load = {other: 9, ("a" if other == "b" else "b"): 1}
-    tiers, reason = choose(keys, ["a", "b"], load.get, table, 4)
+    least = "a" if other == "b" else "b"
+    # the replica holding the whole prompt's blocks carries up to 4x the threshold more than the least loaded
+    tiers, reason = choose(keys, ["a", "b"], {other: 9, least: 1}.get, table, 4)
+    assert tiers[0] == [other] and reason is None
+    tiers, reason = choose(keys, ["a", "b"], {other: 17, least: 1}.get, table, 4)
     assert reason == "prefill_overloaded" and tiers[0][0] != other
+    # holding a minority of the blocks (one of four), it carries the threshold only
+    fresh = LocalityTable()
+    fresh.record(keys[:1], other)
+    tiers, reason = choose(keys, ["a", "b"], {other: 5, least: 1}.get, fresh, 4)
+    assert reason == "prefill_overloaded" and tiers[0][0] == least
 
 
 def test_keys_depend_on_module_and_tokens():

@@ -6,8 +6,9 @@ computes only each agent's suffix. Each handle (Router, Orchestrator) has its ow
 instance, so the choice must agree across processes without shared state: a request goes to
 the replica with the highest rendezvous hash of its first block key (every caller computes
 the same), refined by the longest block-key match this router has seen. When that replica
-has `imbalance_threshold` more ongoing requests than the least loaded one, the request falls
-back to load balancing (counted as a fallback with reason "prefill_overloaded").
+has `imbalance_threshold` more ongoing requests than the least loaded one (4x that when this
+router saw it take most of the prompt's blocks), the request falls back to load balancing
+(counted as a fallback with reason "prefill_overloaded").
 """
 from __future__ import annotations
 
@@ -23,6 +24,8 @@ from prefillshare.app.config import RoutingConfig, default
 from prefillshare.deployments.routing.safe_router import SafeRouter
 
 log = logging.getLogger("ray.serve")
+# how many times imbalance_threshold a replica known to hold most of a prompt's blocks may carry
+CACHED_TOLERANCE = 4
 
 
 def rendezvous_rank(key: str, replica_ids: Sequence[str]) -> list[str]:
@@ -77,10 +80,14 @@ def choose(
     by_load = sorted(ids, key=lambda r: (queue_len(r), random.random()))
     if not keys:
         return [by_load], None
-    preferred, _ = table.longest_match(keys, set(ids))
+    preferred, depth = table.longest_match(keys, set(ids))
     if preferred is None:
         preferred = rendezvous_rank(keys[0], ids)[0]
-    if queue_len(preferred) - queue_len(by_load[0]) >= imbalance_threshold:
+    # A replica known to hold most of the prompt's blocks computes only its tail; anywhere else the
+    # whole prompt is computed again. So it tolerates more in flight before the request moves: the
+    # calls of one fan-out (an in-engine decoder's are one call per agent) stay together.
+    threshold = imbalance_threshold * (CACHED_TOLERANCE if 2 * depth >= len(keys) else 1)
+    if queue_len(preferred) - queue_len(by_load[0]) >= threshold:
         return [by_load], "prefill_overloaded"
     return [[preferred], [r for r in by_load if r != preferred]], None
 
