@@ -38,7 +38,7 @@ from pathlib import Path
 from bench.local_cluster import free_port
 from bench.models import SMALL, ModelShape
 from bench.stock_vllm import STOCK_SYSTEMS
-from bench.systems import CHAT_SYSTEMS, IN_ENGINE_SYSTEMS, SYSTEMS, Topology, decoder_names
+from bench.systems import CHAT_SYSTEMS, SYSTEMS, Topology, decoder_names
 from bench.workload import WorkloadSpec
 
 PROJECT = Path(__file__).resolve().parents[1]
@@ -192,7 +192,6 @@ def _wait_ready(url: str, timeout_s: float) -> None:
 # SEND_EVERY_S): a point's last events reach /metrics within that, so the closing scrape waits,
 # and so does the opening one (else the warm-up's or the probes' last events land in the point).
 METRICS_SETTLE_S = 1.5
-ENGINE_SETTLE_S = 3.0  # the engines' vllm:* samples: pushed every 2 s (deployments/metrics.py ENGINE_PUSH_S)
 
 
 def _metrics(url: str, stock: bool = False) -> dict:
@@ -296,12 +295,9 @@ def _run_point(url: str, cfg: ServeBenchConfig, system: str, spec: WorkloadSpec,
     else:
         count = cfg.max_sessions
     stock = system in STOCK_SYSTEMS
-    # vLLM's own prefix-cache counters tell what a stock server, or an in-engine system's engines, computed;
-    # the app's engines push theirs to /metrics every ENGINE_PUSH_S
-    counters = stock or system in IN_ENGINE_SYSTEMS
-    settle = 0.0 if stock else ENGINE_SETTLE_S if counters else METRICS_SETTLE_S
-    time.sleep(settle)
-    before, cpu0 = _metrics(url, counters), _cluster_cpu_s()
+    if not stock:
+        time.sleep(METRICS_SETTLE_S)
+    before, cpu0 = _metrics(url, stock), _cluster_cpu_s()
 
     async def go():
         stop = asyncio.Event()
@@ -327,8 +323,9 @@ def _run_point(url: str, cfg: ServeBenchConfig, system: str, spec: WorkloadSpec,
     peak_box: list[tuple[float, float]] = []
     results, t0, t_end = asyncio.run(go())
     cpu = _cluster_cpu_s() - cpu0
-    time.sleep(settle)
-    after = _metrics(url, counters)
+    if not stock:
+        time.sleep(METRICS_SETTLE_S)
+    after = _metrics(url, stock)
     held, pinned_blocks = peak_box[0]
     pinned = pinned_blocks * cfg.topology.block_size * kv_bytes_per_token
     p = summarize(system, spec, cfg.mode, load, results, t0, t_end, before, after, held, pinned,

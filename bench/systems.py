@@ -52,8 +52,6 @@ SYSTEMS = {"a": "prefillshare", "b": "disagg", "c": "colocated",
            "i-lora": "prefillshare-in-engine-lora",
            "a-sf-lora": "prefillshare-lora-shared-first", "a-sys-lora": "prefillshare-lora-system-first",
            "v-lora": "vllm-multi-lora", "v-one": "vllm-one-model"}
-# systems whose prompts the engines' own prefix caches account for (no prefill call): vLLM's counters tell
-IN_ENGINE_SYSTEMS = ("i-lora",)
 # the systems --driver chat can send tools to: chat decoders declaring a tool-call format, stock servers
 CHAT_SYSTEMS = ("a-sf-lora", "a-sys-lora", "v-lora", "v-one")
 # (system under test, baseline) pairs the report compares
