@@ -26,7 +26,9 @@ PLAN = AppPlan(
     modules=(ModulePlan("base", "module-id-base", BLOCK),),
     decoders=(DecoderPlan("alpha", "base", None, None, 100, 64),
               DecoderPlan("ad0", "base", None, None, 100, 64, group="group", adapter="ad0"),
-              DecoderPlan("private", None, "incompatible", "other base", 100, 64)),
+              DecoderPlan("private", None, "incompatible", "other base", 100, 64),
+              DecoderPlan("ie0", "base", None, None, 100, 64, adapter="ie0", in_engine=True),
+              DecoderPlan("ie1", "base", None, None, 100, 64, adapter="ie1", in_engine=True)),
     limits=LimitsConfig(max_tokens_default=8, max_tokens_cap=64, max_agents=4, max_rounds=2, prefill_wait_s=0.5))
 
 
@@ -130,6 +132,30 @@ def test_a_single_prompt_routes_on_its_handed_over_part_and_salts_differ_by_tena
         keys[salt] = engines.prefills[0][1].locality_keys
         assert keys[salt] == locality_keys("module-id-base", split_prompt(prompt)[0], BLOCK, salt)
     assert keys["t1"] and keys["t1"] != keys["t2"]
+
+
+def test_in_engine_decoders_need_no_prefill_call_and_route_with_the_fan_outs_keys():
+    """An in-engine decoder's request goes to its module's engine, which reads its own prefix cache:
+    no prefill call for it, and every call of the fan-out carries the module's locality keys (the
+    prefix router keeps them on one replica)."""
+    engines = FakeEngines()
+    shared = list(range(10, 22))
+    legs = [_leg("ie0", shared + [1, 2], "d-0", "a"), _leg("ie1", shared + [3], "d-1", "b")]
+    plans = _run(FanOut(PLAN, engines).prepare(legs, "run-r0", "agents", "salt-t"))
+    assert engines.prefills == [] and engines.fallbacks == []
+    keys = locality_keys("module-id-base", shared, BLOCK, "salt-t")
+    for p, name in zip(plans, ("ie0", "ie1")):
+        assert p.error is None and p.ticket is None and p.model == name
+        assert p.request.adapter == name and p.request.locality_keys == keys and p.request.cache_salt == "salt-t"
+        assert p.request.lease is None and p.request.prefer_node is None
+    # beside a decoder fed the hand-over: one prefill call for it, on the same keys as the in-engine legs
+    engines = FakeEngines()
+    legs.append(_leg("alpha", shared + [7], "d-2", "c"))
+    plans = _run(FanOut(PLAN, engines).prepare(legs, "run-r1", "agents", "salt-t"))
+    [(module, req, _)] = engines.prefills
+    assert module == "base" and req.prompts == (legs[2].prompt,) and req.locality_keys == keys
+    assert [p.request.locality_keys for p in plans] == [keys, keys, ()]
+    assert plans[2].ticket is not None and plans[0].ticket is None
 
 
 def test_private_decoders_skip_prefill_and_count_their_reason():
