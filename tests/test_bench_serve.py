@@ -150,7 +150,7 @@ def test_report_remakes_tables_and_plots_of_a_saved_run(tmp_path):
 
 
 def test_every_system_is_a_valid_app_config(tmp_path):
-    """The six systems' configs load and plan (adapters checked, per-adapter KV where it belongs); no engine starts."""
+    """The app systems' configs load and plan (adapters checked, per-adapter KV where it belongs); no engine starts."""
     from bench.models import SMALL, random_models
     from bench.stock_vllm import STOCK_SYSTEMS
     from bench.systems import SYSTEMS, Topology, app_config
@@ -171,6 +171,8 @@ def test_every_system_is_a_valid_app_config(tmp_path):
     assert all(d.prefill_module == "own" and d.prefill_adapter == d.name for d in plans["b-lora"].decoders)
     assert all(d.prefill_module is None and d.group == "lora-group" for d in plans["c-lora"].decoders)
     assert all(d.adapter is None for s in ("a", "b", "c") for d in plans[s].decoders)
+    assert all(d.in_engine and d.prefill_module == "base" and d.adapter == d.name and d.group is None
+               for d in plans["i-lora"].decoders)
 
 
 @pytest.mark.serve
