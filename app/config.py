@@ -326,7 +326,8 @@ class RoutingConfig(_Strict):
 
     imbalance_threshold: int = Field(
         4, ge=1, description="leave the preferred replica (prefix locality for prefill, the prefill's node for "
-        "decode) when it has this many more ongoing requests than the least loaded"
+        "decode) when it has this many more ongoing requests than the least loaded (prefill: 4x this when the "
+        "router sent it most of the prompt's blocks)"
     )
     max_tracked_prefixes: int = Field(10_000, ge=1)
 

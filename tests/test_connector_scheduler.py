@@ -204,6 +204,24 @@ def test_a_producer_saves_prompt_minus_one_when_its_last_chunk_is_scheduled_with
     assert report == {"prefill_module_id": "base-A", "shared_tokens": 69, "blocks": 3, "last_key": keys[-1].key}
 
 
+def test_a_producer_saves_no_in_engine_decoders_request_but_saves_other_adapters(pool, monkeypatch):
+    """An in-engine LoRA decoder's request (its adapter among the engine's hand-over adapters) hands
+    nothing over: its KV stays in the engine's prefix cache. Another adapter's prompt (a per-adapter
+    prefill's) and the base's are saved as before."""
+    from prefillshare.app.engine import vllm_plugin
+
+    monkeypatch.setattr(vllm_plugin, "_ADAPTERS", frozenset({"ie0"}))
+    s = scheduler(pool, role="producer")
+    reqs = [FakeRequest("ie", prompt(40), lora_request=NS(lora_name="ie0")),
+            FakeRequest("ad", prompt(40, seed=1), lora_request=NS(lora_name="ad0"), kv_transfer_params={"fanout": 1}),
+            FakeRequest("base", prompt(40, seed=2), kv_transfer_params={"fanout": 1})]
+    for r in reqs:
+        s.on_new_request(r)
+    out = FakeOutput(new=[("ie", [1, 2], 0), ("ad", [3, 4], 0), ("base", [5, 6], 0)],
+                     scheduled={"ie": 40, "ad": 40, "base": 40})
+    assert [save.req_id for save in s.build_connector_meta(out).saves] == ["ad", "base"]
+
+
 @pytest.mark.parametrize("params,pins", [(None, 0), ({"fanout": "x"}, 0), ({"fanout": -2}, 0), ({"fanout": "2"}, 2)])
 def test_fan_out_pins_come_from_kv_transfer_params_and_bad_values_pin_nothing(pool, params, pins):
     s = scheduler(pool, role="producer")

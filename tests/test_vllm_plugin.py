@@ -257,6 +257,30 @@ def test_an_engine_with_hand_over_adapters_runs_vllms_v1_model_runner(monkeypatc
     assert envs.VLLM_USE_V2_MODEL_RUNNER is False, "vllm.envs.VLLM_USE_V2_MODEL_RUNNER: '0' no longer turns V2 off"
 
 
+def test_an_engine_with_hand_over_adapters_refuses_to_start_without_the_plugin(monkeypatch):
+    """Fail closed: an engine vLLM would run without the plugin (VLLM_PLUGINS leaving it out, no entry
+    point, the V2 runner forced) would apply its adapters on every prompt token under the base's keys."""
+    import asyncio
+
+    from prefillshare.app.engine.async_engine import Engine, EngineConfig, EngineError
+
+    vllm_plugin.check_loadable({})  # this venv installs the entry point
+    with pytest.raises(vllm_plugin.PluginNotActiveError, match="VLLM_PLUGINS"):
+        vllm_plugin.check_loadable({"VLLM_PLUGINS": "lora_filesystem_resolver"})
+    monkeypatch.setattr(vllm_plugin, "PLUGIN_NAME", "not-installed")
+    with pytest.raises(vllm_plugin.PluginNotActiveError, match="not installed"):
+        vllm_plugin.check_loadable({})
+    monkeypatch.undo()
+    vllm_plugin.check_engine(NS(use_v2_model_runner=False))
+    with pytest.raises(vllm_plugin.PluginNotActiveError, match="V2 model runner"):
+        vllm_plugin.check_engine(NS(use_v2_model_runner=True))
+    cfg = EngineConfig(model=str(ROOT / "checkpoints" / "base"), handover_adapters=("chat-route",),
+                       lora_adapters=(("chat-route", str(ROOT / "checkpoints" / "chat" / "adapters" / "route")),),
+                       extra_env={"VLLM_PLUGINS": "lora_filesystem_resolver"})
+    with pytest.raises(EngineError, match="leaves out 'prefillshare'"):
+        asyncio.run(Engine.start(cfg))  # refused before any engine process starts
+
+
 def test_the_model_manager_sizes_its_lora_wrapper_by_max_batches_given_by_keyword():
     """The plugin doubles ``max_batches`` where vLLM's model manager builds its punica wrapper: every
     call there must pass it by keyword, and the wrapper must size its per-run buffers by it."""

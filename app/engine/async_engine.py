@@ -344,6 +344,12 @@ class Engine:
                 self._llm = AsyncLLM.from_engine_args(cfg.engine_args(), stat_loggers=[_prometheus_stat_logger()])
             except Exception as e:  # noqa: BLE001 - startup failures of any kind
                 raise EngineError(f"engine for {cfg.model!r} failed to start: {e}") from e
+            if cfg.handover_adapters:  # read under the engine's env, as its core read it
+                try:
+                    vllm_plugin.check_engine(self._llm.vllm_config)
+                except vllm_plugin.PluginNotActiveError as e:
+                    self.shutdown()
+                    raise EngineError(f"engine for {cfg.model!r}: {e}") from None
 
     @classmethod
     async def start(cls, cfg: EngineConfig) -> Engine:
@@ -351,6 +357,11 @@ class Engine:
         answers (a bad adapter fails the start, not a request). An allocator setting vLLM would
         refuse beside a KV connector fails here, typed (``alloc_conf.ExpandableSegmentsError``)."""
         alloc_conf.check({**os.environ, **cfg.extra_env}, cfg.kv_transfer_config, cfg.engine_kwargs)
+        if cfg.handover_adapters:
+            try:
+                vllm_plugin.check_loadable({**os.environ, **cfg.core_env})
+            except vllm_plugin.PluginNotActiveError as e:
+                raise EngineError(f"engine for {cfg.model!r}: {e}") from None
         engine = await asyncio.to_thread(cls, cfg)
         for name, req in engine._loras.items():
             try:

@@ -39,7 +39,8 @@ import numpy as np
 
 from prefillshare.app.prompt_split import shared_length
 
-__all__ = ["HANDOVER_ADAPTERS_ENV", "register", "handover_adapters"]
+__all__ = ["HANDOVER_ADAPTERS_ENV", "HANDOVER_ENGINE_ENV", "PluginNotActiveError", "check_engine", "check_loadable",
+           "handover_adapters", "register"]
 
 HANDOVER_ADAPTERS_ENV = "PREFILLSHARE_HANDOVER_ADAPTERS"
 # the rest of such an engine's env: vLLM's V1 model runner, whose InputBatch the CPU runner shares (on
@@ -76,6 +77,35 @@ def register() -> None:
     _replace(punica_cpu, "sgmv_shrink", _sgmv_shrink)
     _replace(punica_cpu, "sgmv_expand", _sgmv_expand)
     _replace(punica_cpu, "sgmv_expand_slice", _sgmv_expand_slice)
+
+
+class PluginNotActiveError(RuntimeError):
+    """An engine names hand-over adapters but vLLM would not run them through this plugin."""
+
+
+PLUGIN_NAME = "prefillshare"  # the entry point's name (pyproject.toml)
+
+
+def check_loadable(environ=os.environ) -> None:
+    """Before an engine with hand-over adapters starts: vLLM must find and be allowed to load this
+    plugin, else its adapters would run on every prompt token and the base's cache keys would lie."""
+    from importlib.metadata import entry_points
+
+    found = [e for e in entry_points(group="vllm.general_plugins") if e.name == PLUGIN_NAME]
+    if not found:
+        raise PluginNotActiveError(f"vLLM's plugin entry point {PLUGIN_NAME!r} (group vllm.general_plugins) is not "
+                                   "installed: install the project (pip install -e .) so vLLM loads app/engine/vllm_plugin.py")
+    allowed = environ.get("VLLM_PLUGINS")
+    if allowed is not None and PLUGIN_NAME not in [a.strip() for a in allowed.split(",")]:
+        raise PluginNotActiveError(f"VLLM_PLUGINS={allowed!r} leaves out {PLUGIN_NAME!r}: in-engine LoRA decoders need it")
+
+
+def check_engine(vllm_config) -> None:
+    """Once an engine with hand-over adapters is built: it runs vLLM's V1 model runner, whose input
+    batch the plugin masks (a config that forces the V2 runner would apply adapters everywhere)."""
+    if getattr(vllm_config, "use_v2_model_runner", False):
+        raise PluginNotActiveError("the engine runs vLLM's V2 model runner (a setting forces it over "
+                                   "VLLM_USE_V2_MODEL_RUNNER=0): in-engine LoRA decoders need the V1 runner")
 
 
 def _replace(owner, name: str, replacement) -> None:

@@ -53,7 +53,7 @@ class _Agent:
         return self.output.error
 
     def result(self, round_: int) -> dict:
-        first, out = self.output.seq(0), self.output
+        first, output = self.output.seq(0), self.output
         out = {
             "round": round_,
             "name": self.name,
@@ -67,8 +67,8 @@ class _Agent:
                 "completion_tokens": self.output.num_generated,
                 "cached_tokens": self.output.num_cached_tokens,
             },
-            "prefill": None if out.prefill_module is None else {"module": out.prefill_module,
-                                                                "replica": out.prefill_replica},
+            "prefill": None if output.prefill_module is None else {"module": output.prefill_module,
+                                                                   "replica": output.prefill_replica},
         }
         if self.sampling.n > 1 or self.sampling.logprobs is not None:  # every sequence, OpenAI's chat shape
             out["choices"] = [

@@ -17,6 +17,8 @@ import pytest
 from keyless_test_app import IN_ENGINE, MAX_NEW, keyless_config
 
 CONTEXT = "order\nname: ines\nitem: desk\nqty: 2\ncity: lima\nday: fri\nnote: leave it at the back door please"
+# a context no other test sends: what is cached of it, the test's own requests computed
+FRESH = "order\nname: tomas\nitem: chair\nqty: 5\ncity: kyiv\nday: mon\nnote: ring twice and wait by the gate"
 AGENTS = [("ie0", "what is the city?"), ("ie1", "call the shipping tool."), ("lookup", "what is the city?"),
           ("ad0", "what is the item?")]
 FIELD = r"prefill_modules\[0\]\.lora_decoders\[0\]"
@@ -112,9 +114,9 @@ def reference(models):
         decoders[a] = PeftModel.from_pretrained(load_model(models["base"], torch.float32),
                                                 str(models[a])).merge_and_unload().eval()
 
-    def expected(model: str, instruction: str, whole: bool = False) -> tuple[list[int], list[int]]:
+    def expected(model: str, instruction: str, whole: bool = False, context: str = CONTEXT) -> tuple[list[int], list[int]]:
         """(prompt ids, greedy tokens); ``whole``: the adapter on every prompt token (no hand-over)."""
-        ids = tok(render_prompt(CONTEXT, instruction))["input_ids"]
+        ids = tok(render_prompt(context, instruction))["input_ids"]
         if whole:
             return ids, private_greedy(decoders[model], ids, MAX_NEW, tok.eos_token_id)
         return ids, shared_greedy(base, decoders[model], ids, MAX_NEW, tok.eos_token_id)
@@ -167,12 +169,17 @@ def test_in_engine_decoders_answer_on_the_openai_routes_and_stream(app_url, refe
     oa = openai.OpenAI(base_url=app_url + "/v1", api_key="unused", max_retries=0, timeout=300)
     listed = {m.id: json.loads(m.model_dump_json()) for m in oa.models.list().data}
     assert listed["ie0"].get("parent") == "base" and listed["ie0"].get("prefill_module") == "base"
-    prompt = render_prompt(CONTEXT, AGENTS[1][1])
-    ids, want = reference("ie1", AGENTS[1][1])
+    prompt = render_prompt(FRESH, AGENTS[1][1])
+    ids, want = reference("ie1", AGENTS[1][1], context=FRESH)
     before = _metric(app_url, "vllm:prefix_cache_hits_total")
+    first = oa.completions.create(model="ie0", prompt=prompt, max_tokens=MAX_NEW, temperature=0)
+    assert first.choices[0].text == tok.decode(reference("ie0", AGENTS[1][1], context=FRESH)[1],
+                                               skip_special_tokens=True)
     out = oa.completions.create(model="ie1", prompt=prompt, max_tokens=MAX_NEW, temperature=0)
     assert out.choices[0].text == tok.decode(want, skip_special_tokens=True)
-    assert out.usage.prompt_tokens == len(ids) and out.usage.prompt_tokens_details.cached_tokens > 0
+    # ie1 reads every full block before the hand-over point that ie0 computed: keyed as the base's
+    assert out.usage.prompt_tokens == len(ids) and first.usage.prompt_tokens_details.cached_tokens == 0
+    assert out.usage.prompt_tokens_details.cached_tokens == (len(ids) - 1) // 32 * 32 > 0
     streamed = "".join(c.choices[0].text for c in oa.completions.create(
         model="ie1", prompt=prompt, max_tokens=MAX_NEW, temperature=0, stream=True))
     assert streamed == out.choices[0].text

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 from prefillshare.app.engine.pool.connector.metadata import ConnectorSettings, LoadSpec, PrefillShareMeta, SaveSpec
 from prefillshare.app.engine.pool.kv_keys import BlockKey, key_salt, shared_block_keys
 from prefillshare.app.engine.pool.kv_pool import BlockEntry, KVPool
+from prefillshare.app.engine.vllm_plugin import handover_adapters
 from prefillshare.app.prompt_split import shared_length
 
 if TYPE_CHECKING:
@@ -157,7 +158,7 @@ class ShareScheduler:
         saves = []
         for rid, before in steps:
             req = self._requests.get(rid)
-            if req is None or (req.lora_request is not None and not self.settings.adapter_keys):
+            if req is None or (req.lora_request is not None and req.lora_request.lora_name in handover_adapters()):
                 continue  # an in-engine LoRA decoder's request: its KV stays in this engine's prefix cache
             n = req.num_prompt_tokens
             after = before + scheduler_output.num_scheduled_tokens.get(rid, 0)
