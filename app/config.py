@@ -187,18 +187,21 @@ class LoRAGroup(_Strict):
     def _lora_limits(self):
         if self.max_lora_rank not in LORA_RANKS:
             raise ValueError(f"max_lora_rank: {self.max_lora_rank} is not one of {LORA_RANKS}")
-        names = [a.name for a in self.adapters]
+        self._check_adapters("adapters", self.adapters, "group")
+        return self
+
+    def _check_adapters(self, field: str, adapters: list[AdapterConfig], owner: str) -> None:
+        """Names once each, ranks within max_lora_rank, no more than max_loras; ValueError naming the field."""
+        names = [a.name for a in adapters]
         dup = sorted({n for n in names if names.count(n) > 1})
         if dup:
-            raise ValueError(f"adapters: duplicate name(s) {dup}")
-        for j, a in enumerate(self.adapters):
+            raise ValueError(f"{field}: duplicate name(s) {dup}")
+        for j, a in enumerate(adapters):
             if a.rank > self.max_lora_rank:
-                raise ValueError(f"adapters[{j}].rank: {a.rank} is above the group's max_lora_rank "
+                raise ValueError(f"{field}[{j}].rank: {a.rank} is above the {owner}'s max_lora_rank "
                                  f"{self.max_lora_rank}")
-        if self.max_loras is not None and len(self.adapters) > self.max_loras:
-            raise ValueError(f"adapters: {len(self.adapters)} declared, the group allows max_loras="
-                             f"{self.max_loras}")
-        return self
+        if self.max_loras is not None and len(adapters) > self.max_loras:
+            raise ValueError(f"{field}: {len(adapters)} declared, the {owner} allows max_loras={self.max_loras}")
 
 
 class PrefillModuleConfig(LoRAGroup):
@@ -222,17 +225,7 @@ class PrefillModuleConfig(LoRAGroup):
         if self.adapters:
             raise ValueError("lora_decoders: a per-adapter prefill module (adapters) computes each adapter's own "
                              "KV, so it cannot also serve in-engine decoders on the base's KV; use two modules")
-        names = [a.name for a in self.lora_decoders]
-        dup = sorted({n for n in names if names.count(n) > 1})
-        if dup:
-            raise ValueError(f"lora_decoders: duplicate name(s) {dup}")
-        for j, a in enumerate(self.lora_decoders):
-            if a.rank > self.max_lora_rank:
-                raise ValueError(f"lora_decoders[{j}].rank: {a.rank} is above the module's max_lora_rank "
-                                 f"{self.max_lora_rank}")
-        if self.max_loras is not None and len(self.lora_decoders) > self.max_loras:
-            raise ValueError(f"lora_decoders: {len(self.lora_decoders)} declared, the module allows max_loras="
-                             f"{self.max_loras}")
+        self._check_adapters("lora_decoders", self.lora_decoders, "module")
         return self
 
 

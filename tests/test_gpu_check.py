@@ -60,17 +60,22 @@ def test_env_and_transport_steps_dry_run_on_cpu(tmp_path):
             assert row[k] > 0, k
 
 
+def _dry_run(tmp_path, steps: str, timeout: int) -> dict:
+    """bench/gpu_check.py's ``steps`` on the CPU, passed with no failure: its JSON."""
+    r = subprocess.run([sys.executable, "bench/gpu_check.py", "--device", "cpu", "--steps", steps,
+                        "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    res = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert not res["failures"]
+    return res
+
+
 @pytest.mark.engine
 def test_in_engine_step_dry_run_on_cpu(tmp_path):
     """The in_engine step on the CPU: the shipped chat adapters in the base's own engine answer as
     transformers' hand-over, base requests beside them as the base, and a fan-out of the four over one
     prompt computes about one prompt (vLLM's counters) while another tenant reads nothing."""
-    r = subprocess.run([sys.executable, "bench/gpu_check.py", "--device", "cpu", "--steps", "in_engine",
-                        "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    res = json.loads((tmp_path / "gpu_check.json").read_text())
-    assert not res["failures"]
-    probe = res["in_engine"]
+    probe = _dry_run(tmp_path, "in_engine", 600)["in_engine"]
     assert probe["tokens"]["compared"] == 32 and not probe["tokens"]["mismatches"]
     assert probe["tokens"]["whole_prompt_differs"] >= 1
     share = probe["sharing"]
@@ -83,11 +88,7 @@ def test_handover_steps_dry_run_on_cpu(tmp_path):
     """The vllm-nixl steps on the CPU with the app's CPU settings: the shipped base and a decoder
     with other weights, then a LoRA adapter consumer, one 300-token prompt each; then a toy dummy
     Llama's TTFT and GB/s against a copy of the same bytes (two engine processes per step)."""
-    r = subprocess.run([sys.executable, "bench/gpu_check.py", "--device", "cpu", "--steps", "env,tokens,lora,speed",
-                        "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=1500)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    res = json.loads((tmp_path / "gpu_check.json").read_text())
-    assert not res["failures"]
+    res = _dry_run(tmp_path, "env,tokens,lora,speed", 1500)
     steps = res["handover"]
     for name in ("tokens", "lora"):
         step = steps[name]
