@@ -50,7 +50,7 @@ def test_fan_out_equals_single_completions(client):
     from prefillshare.app.training.tasks import render_prompt
 
     models = {m.id: m for m in client.models()}
-    assert set(models) == {"lookup", "tool_call", "verify", "ad0", "prüf-ágent-1", "tmpl"}
+    assert set(models) == {"lookup", "tool_call", "verify", "ad0", "prüf-ágent-1", "tmpl", "ie0", "ie1"}
     assert models["lookup"].prefill_module == "base" and models["verify"].prefill_module is None
     res = client.run(CONTEXT, AGENTS).raise_for_errors()
     for a in AGENTS:
