@@ -14,6 +14,7 @@ COMMANDS = {
     "engine": ("bench.engine_bench", "engine level: one shared prefill + N decoders vs N private prefills"),
     "lora-ops": ("bench.lora_ops", "vLLM's CPU LoRA ops vs the plugin's on in-engine batches: time and what base tokens get"),
     "in-engine-eval": ("bench.in_engine_eval", "the chat suite's held-out exact match with its adapters served in-engine, beside the offline table"),
+    "in-engine-steps": ("bench.in_engine_steps", "an in-engine engine's decode step, base vs adapters, side by side, with a profile"),
     "footprint": ("bench.footprint", "engine memory, CPU and start-up: vLLM's worker process vs the worker inside EngineCore"),
     "hops": ("bench.hop_bench", "per-token cost of the Orchestrator's stream hop: decoder alone, relayed, completion path"),
     "soak": ("bench.soak", "mixed fan-out/completion traffic for a fixed time: errors by code, p50/p95 per window, p95 drift"),

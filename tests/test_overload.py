@@ -205,7 +205,9 @@ def test_the_multinode_runs_config_loads_and_places_engines_on_both_nodes():
                      "route": "prefill_node"}
     assert [next(iter(m.placement.placement_group_bundles[0])) for m in cfg.prefill_modules] == ["prefill_node"]
     plan = plan_app(cfg)
-    assert {d.name: d.prefill_module for d in plan.decoders} == dict.fromkeys(nodes, "base")
+    in_engine = [a.name for p in cfg.prefill_modules for a in p.lora_decoders]  # serve_config's chat adapters
+    assert {d.name: d.prefill_module for d in plan.decoders} == dict.fromkeys([*nodes, *in_engine], "base")
+    assert {d.name for d in plan.decoders if d.in_engine} == set(in_engine)
 
 
 def test_the_restart_runs_arms_differ_only_in_every_engines_serving_niceness(monkeypatch):

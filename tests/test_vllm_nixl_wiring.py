@@ -36,7 +36,10 @@ def _engine_configs(handover: str, gpus: bool = False, **update):
     router = build(cfg)._bound_deployment
     prefill, decoders = router.init_args[2], router.init_args[3]
     out = {f"prefill:{k}": a._bound_deployment.init_args[1] for k, a in prefill.items()}
-    out.update({f"decode:{k}": a._bound_deployment.init_args[1] for k, a in decoders.items()})
+    # an in-engine LoRA decoder streams from its prefill module's deployment: that engine is the producer
+    in_engine = {k for k, a in decoders.items() if any(a is p for p in prefill.values())}
+    assert in_engine == {a.name for p in cfg.prefill_modules for a in p.lora_decoders}
+    out.update({f"decode:{k}": a._bound_deployment.init_args[1] for k, a in decoders.items() if k not in in_engine})
     # every engine replica is given the plan's one hand-over
     handovers = {a._bound_deployment.init_args[2] for a in [*prefill.values(), *decoders.values()]}
     assert len(handovers) == 1, handovers

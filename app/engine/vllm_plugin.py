@@ -37,6 +37,7 @@ import os
 
 import numpy as np
 
+from prefillshare.app.errors import PrefillShareLibraryError
 from prefillshare.app.prompt_split import shared_length
 
 __all__ = ["HANDOVER_ADAPTERS_ENV", "HANDOVER_ENGINE_ENV", "PluginNotActiveError", "check_engine", "check_loadable",
@@ -79,7 +80,7 @@ def register() -> None:
     _replace(punica_cpu, "sgmv_expand_slice", _sgmv_expand_slice)
 
 
-class PluginNotActiveError(RuntimeError):
+class PluginNotActiveError(PrefillShareLibraryError, RuntimeError):
     """An engine names hand-over adapters but vLLM would not run them through this plugin."""
 
 
