@@ -72,8 +72,8 @@ def run(args) -> dict:
                     "output": args.output, "cases": {}}
 
     def prompts() -> list[dict]:  # a fresh shared context per run: nothing cached from the run before
-        ctx = [rng.randrange(10, 900) for _ in range(args.context)]
-        return [{"prompt_token_ids": ctx + [rng.randrange(10, 900) for _ in range(16)]} for _ in names]
+        ctx = [rng.randrange(10, 500) for _ in range(args.context)]
+        return [{"prompt_token_ids": ctx + [rng.randrange(10, 500) for _ in range(16)]} for _ in names]
 
     def timed(lora: list | None, max_tokens: int, prof: cProfile.Profile | None = None) -> float:
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
