@@ -30,18 +30,18 @@ APP_ENGINE_ARGS = frozenset({
 })
 
 
-def lora_args(lora: LoRAGroup | None) -> dict:
-    """A LoRA group's engine settings: its adapters as (name, path) pairs, the in-engine decoders
-    among them (a prefill module's ``lora_decoders``), ``max_lora_rank`` and ``max_loras`` (None: as
-    many as its adapters; EngineConfig also gives vLLM's max_cpu_loras that number, so every
-    adapter stays loaded)."""
+def lora_args(cfg: AppConfig, lora: LoRAGroup | None) -> dict:
+    """A LoRA group's engine settings: its adapters as (name, resolved path) pairs, the in-engine
+    decoders among them (a prefill module's ``lora_decoders``), ``max_lora_rank`` and ``max_loras``
+    (None: as many as its adapters; EngineConfig also gives vLLM's max_cpu_loras that number, so
+    every adapter stays loaded)."""
     if lora is None:
         return {}
     in_engine = getattr(lora, "lora_decoders", [])
     adapters = lora.adapters + in_engine
     if not adapters:
         return {}
-    return {"lora_adapters": tuple((a.name, str(a.path)) for a in adapters),
+    return {"lora_adapters": tuple((a.name, str(cfg.path(a.path))) for a in adapters),
             "handover_adapters": tuple(a.name for a in in_engine),
             "max_lora_rank": lora.max_lora_rank, "max_loras": lora.max_loras}
 
@@ -98,9 +98,6 @@ def engine_config(cfg: AppConfig, model: str, eng: EngineSettings, placement: Pl
     """The EngineConfig of one engine deployment: ``eng``'s settings under their vLLM names, its LoRA group's."""
     from prefillshare.app.engine.async_engine import EngineConfig
 
-    lora_kw = lora_args(lora)
-    if lora_kw:
-        lora_kw["lora_adapters"] = tuple((name, str(cfg.path(path))) for name, path in lora_kw["lora_adapters"])
     return EngineConfig(
         model=str(cfg.path(model)), tokenizer=engine_tokenizer(cfg, model), dtype=eng.dtype,
         kv_cache_memory_bytes=eng.kv_cache_memory_bytes, max_model_len=eng.max_model_len, block_size=eng.block_size,
@@ -108,7 +105,7 @@ def engine_config(cfg: AppConfig, model: str, eng: EngineSettings, placement: Pl
         serving_niceness=eng.serving_niceness,
         gpu_memory_utilization=eng.gpu_memory_utilization, engine_kwargs=dict(eng.engine_kwargs),
         kv_transfer_config=kv_transfer_config, request_timeout_s=cfg.limits.request_timeout_s,
-        extra_env=engine_env(cfg, placement, eng), **lora_kw,
+        extra_env=engine_env(cfg, placement, eng), **lora_args(cfg, lora),
     )
 
 

@@ -244,11 +244,10 @@ def _sharing(cfg: AppConfig, s: _Served, module_ids: dict[str, str]) -> tuple[st
     return name, own, None
 
 
-def _resolve(cfg: AppConfig, s: _Served, module_ids: dict[str, str], group_ids: dict[str, str],
+def _resolve(cfg: AppConfig, s: _Served, module_ids: dict[str, str], group_ids: dict[str, str], bpt: int,
              tok: _Tokenizer) -> DecoderPlan:
     """One served name's plan."""
     d = s.decoder
-    bpt = kv_bytes_per_token(cfg.path(d.model), d.engine.dtype)
     lora = {}
     if s.in_engine:
         _check_adapter(s, module_ids[d.name])
@@ -291,8 +290,10 @@ def plan_app(cfg: AppConfig) -> AppPlan:
     module_ids = {p.name: prefill_module_id(cfg.path(p.model)) for p in cfg.prefill_modules}
     group_ids = {d.name: prefill_module_id(cfg.path(d.model)) for d in cfg.decoders if d.adapters}
     tok = _Tokenizer(cfg.path(cfg.tokenizer))
+    # KV bytes per token of each engine entry (a decoder, a decode group, a module with lora_decoders), read once
+    bpt = {id(e): kv_bytes_per_token(cfg.path(e.model), e.engine.dtype) for e in [*cfg.decoders, *cfg.prefill_modules]}
     served = _served(cfg)
-    decoders = tuple(_resolve(cfg, s, module_ids, group_ids, tok) for s in served)
+    decoders = tuple(_resolve(cfg, s, module_ids, group_ids, bpt[id(s.decoder)], tok) for s in served)
     for i, d in enumerate(cfg.decoders):
         modules = sorted({p.prefill_module for p in decoders if p.group == d.name and p.prefill_module})
         if len(modules) > 1:

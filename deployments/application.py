@@ -2,8 +2,8 @@
 
 The plan (app/plan.py) is resolved first, before any engine starts. Then: one PrefillServer
 deployment per prefill module (prefix-locality router; it also serves the module's in-engine LoRA
-decoders), one DecodeServer deployment per decoder or decode group (its own placement-group bundles, node-affinity router), the Orchestrator, the
-Metrics holder and the Router ingress. The plan's hand-over (app/engine/handover.py) gives each
+decoders), one DecodeServer deployment per decoder or decode group (its own placement-group
+bundles, node-affinity router), the Orchestrator, the Metrics holder and the Router ingress. The plan's hand-over (app/engine/handover.py) gives each
 engine's connector config and goes to every engine replica whole.
 """
 from __future__ import annotations
