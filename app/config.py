@@ -296,11 +296,11 @@ class LimitsConfig(_Strict):
     )
     admission_target_s: float | None = Field(
         None, gt=0, description="the time from admission to a request's complete answer that admission steers "
-        "to: while the 90th percentile over a window of requests exceeds it, a Router replica admits fewer at "
+        "to: while the 95th percentile over a window of requests exceeds it, a Router replica admits fewer at "
         "once (down to min_inflight_requests) and sheds the rest with 429, and more again while it is met; "
         "null: a fixed bound of max_inflight_requests. Set it above the answers' time at a load they meet")
     min_inflight_requests: int = Field(
-        8, ge=1, description="the fewest requests admission_target_s may leave a Router replica to run at once "
+        2, ge=1, description="the fewest requests admission_target_s may leave a Router replica to run at once "
         "(at most max_inflight_requests)")
     max_body_bytes: int = Field(1 << 20, ge=1024, description="larger request bodies get 413")
     max_header_bytes: int = Field(32 << 10, ge=1024, description="larger header blocks get 431")

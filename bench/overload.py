@@ -11,7 +11,8 @@ while more work arrives than it can do, with replicas dying under it. The run ha
    send bad input. Faults (bench/faults.py) fire at the times given.
 
 Every answer is classified (:func:`classify`): a complete answer; ``shed`` (429 with
-Retry-After: admission said no, nothing ran); a typed error (its code); a deliberate
+Retry-After: admission said no, nothing ran; or 503 ``decoder_unavailable`` with Retry-After:
+refused before admission because a decoder it names is restarting); a typed error (its code); a deliberate
 disconnect; the right 4xx for bad input; or **lost** (a reset connection, a timeout, a
 stream that ended without its end marker, an error without the app's JSON shape). The
 report (:mod:`bench.overload_report`) checks the promises: nothing lost, 429s only with
@@ -82,6 +83,7 @@ class OverloadSpec:
     max_outstanding: int = 256  # requests in flight from this client at most (more: recorded not_sent)
     settle_s: float = 40.0  # after the drain, before the last sample: longer than the pool's lease_timeout_s
     faults: tuple[FaultSpec, ...] = ()
+    admission_target_s: float | None = None  # the app's limits.admission_target_s: judged per minute
     models: tuple[str, ...] = ()
     api_key: str | None = None
     mix: Mix = field(default_factory=Mix)
@@ -107,6 +109,7 @@ class Sample:
     sent_s: float  # since the overload phase started
     latency_s: float
     outcome: str  # ok | shed | disconnected | bad_input_ok | not_sent | error <code> | lost <why> | bad_input_wrong <status>
+    lag_s: float = 0.0  # how late the generator sent it (its own CPU share, not the app's doing)
 
 
 def _error_code(raw: bytes) -> str | None:
@@ -131,8 +134,10 @@ def classify_response(kind: str, status: int, headers, raw: bytes, n_agents: int
         return "bad_input_ok" if ok else f"bad_input_wrong {status}"
     if status == 429:
         return "shed" if headers.get("retry-after") else "lost 429 without Retry-After"
+    code = _error_code(raw) if status != 200 else None
+    if status == 503 and code == "decoder_unavailable":  # refused before admission: its decoder restarts
+        return "shed" if headers.get("retry-after") else "lost 503 without Retry-After"
     if status != 200:
-        code = _error_code(raw)
         return f"error {code}" if code else f"lost {status} without an error body"
     try:
         body = json.loads(raw)
@@ -188,7 +193,9 @@ class Traffic:
                 "max_tokens": m.max_tokens, "temperature": 0, "stream": stream}
         return "completion", stream, disconnect, "/v1/completions", json.dumps(body).encode(), 1
 
-    async def send(self, client, t0: float, arrival) -> Sample:
+    async def send(self, client, t0: float, arrival, due_s: float = 0.0) -> Sample:
+        """``due_s``: when the arrival was due (since ``t0``); how late it was sent is the
+        generator's lag, reported apart from the app's latency (which counts from the send)."""
         kind, stream, disconnect, path, body, n_agents = arrival
         sent = time.perf_counter()
         headers = {**self.headers, "Content-Type": "application/json"}
@@ -200,7 +207,7 @@ class Traffic:
                 outcome = classify_response(kind, r.status_code, r.headers, r.content, n_agents)
         except Exception as e:  # noqa: BLE001 - a failed request is a data point
             outcome = f"lost {type(e).__name__}"
-        return Sample(kind, stream, sent - t0, time.perf_counter() - sent, outcome)
+        return Sample(kind, stream, sent - t0, time.perf_counter() - sent, outcome, max(0.0, sent - t0 - due_s))
 
     async def _stream(self, client, kind, path, body, headers, disconnect, n_agents) -> str:
         async with client.stream("POST", self.spec.url + path, content=body, headers=headers) as r:
@@ -239,10 +246,10 @@ async def open_loop(traffic: Traffic, rate: float, duration_s: float, seed: int,
         outstanding = 0
         done = asyncio.Event()
 
-        async def one(arrival) -> Sample:
+        async def one(arrival, due_s: float) -> Sample:
             nonlocal outstanding
             try:
-                return await traffic.send(client, t0, arrival)
+                return await traffic.send(client, t0, arrival, due_s)
             finally:
                 outstanding -= 1
 
@@ -265,7 +272,7 @@ async def open_loop(traffic: Traffic, rate: float, duration_s: float, seed: int,
                 skipped.append(Sample(arrival[0], arrival[1], next_at, 0.0, "not_sent"))
             else:
                 outstanding += 1
-                tasks.append(asyncio.create_task(one(arrival)))
+                tasks.append(asyncio.create_task(one(arrival, next_at)))
             next_at += rng.expovariate(rate)
         samples = list(await asyncio.gather(*tasks)) + skipped
         done.set()
@@ -435,9 +442,12 @@ def run(spec: OverloadSpec, log=print) -> dict:
     log(f"overload: {rate:.2f} arrivals/s for {spec.duration_s:.0f} s")
     before, fallbacks_before = admission(spec.url), fallbacks(spec.url)
     t0 = time.perf_counter()
+    cpu0, machine0 = time.process_time(), _machine_busy_s()
     sampler = Sampler(spec.url, spec.app, spec.sample_s).start(t0)
     clock = FaultClock(spec, log)
     samples, wall = asyncio.run(open_loop(traffic, rate, spec.duration_s, spec.seed, clock))
+    client = {"cpu_s": time.process_time() - cpu0, "machine_busy_cpu_s": _machine_busy_s() - machine0,
+              "wall_s": time.perf_counter() - t0, "cores": os.cpu_count()}
     drain_until = time.perf_counter() + spec.drain_s
     while time.perf_counter() < drain_until:  # let pins and leases expire, the pool settle
         after = admission(spec.url)
@@ -449,12 +459,22 @@ def run(spec: OverloadSpec, log=print) -> dict:
     mem.append({"t_s": time.perf_counter() - t0, **memory_now(spec.app), **app_gauges(spec.url)})
     return {"spec": _spec_dict(spec), "saturation_per_s": saturation, "rate_per_s": rate, "search": search,
             "wall_s": wall, "samples": [s.__dict__ for s in samples], "memory": mem, "faults": clock.fired,
+            "client": client,
             "server_before": before, "server_after": admission(spec.url),
             "fallbacks_before": fallbacks_before, "fallbacks_after": fallbacks(spec.url)}
 
 
+def _machine_busy_s() -> float:
+    """CPU seconds this machine has spent busy (every process, every core), for the generator's share."""
+    import psutil
+
+    t = psutil.cpu_times()
+    return t.user + t.system + getattr(t, "nice", 0.0) + getattr(t, "irq", 0.0) + getattr(t, "softirq", 0.0)
+
+
 def _spec_dict(spec: OverloadSpec) -> dict:
-    d = {k: getattr(spec, k) for k in ("url", "app", "duration_s", "overload", "rate", "window_s", "seed")}
+    d = {k: getattr(spec, k) for k in ("url", "app", "duration_s", "overload", "rate", "window_s", "seed",
+                                        "admission_target_s")}
     d["mix"] = spec.mix.__dict__
     d["faults"] = [f.label + f" at {f.at_s:g}s" for f in spec.faults]
     return d
@@ -471,6 +491,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--fault", action="append", default=[], metavar="AT:KIND:DEPLOYMENT[:SECONDS]",
                         help="e.g. 120:kill:Decode-lookup, 300:stall:Prefill-base:20, 400:stall:side/Sidecar:20 "
                         "(another application's deployment as APP/DEPLOYMENT; repeatable)")
+    parser.add_argument("--target", type=float, default=None,
+                        help="the app's limits.admission_target_s: the report judges each minute's p95 against it")
     parser.add_argument("--window", type=float, default=10.0, help="seconds per report window")
     parser.add_argument("--drain", type=float, default=60.0, help="max seconds to wait for answers after the end")
     parser.add_argument("--settle", type=float, default=40.0,
@@ -494,7 +516,9 @@ def spec_from_args(args: argparse.Namespace) -> OverloadSpec:
               disconnect_share=args.disconnect_share, bad_share=args.bad_share, max_tokens=args.max_tokens)
     return OverloadSpec(url=args.url.rstrip("/"), app=args.app, duration_s=args.duration, overload=args.overload,
                         rate=args.rate, search_start=args.search_start, search_step_s=args.search_step,
-                        window_s=args.window, drain_s=args.drain, max_outstanding=args.max_outstanding, settle_s=args.settle, faults=tuple(FaultSpec.parse(f) for f in args.fault),
+                        window_s=args.window, drain_s=args.drain, max_outstanding=args.max_outstanding,
+                        settle_s=args.settle, faults=tuple(FaultSpec.parse(f) for f in args.fault),
+                        admission_target_s=args.target,
                         models=tuple(m for m in args.models.split(",") if m), api_key=args.api_key, mix=mix,
                         seed=args.seed)
 

@@ -11,7 +11,14 @@ Each promise of docs/reliability.md "Overload and faults" is one boolean in
 - no_leaks: process memory and /dev/shm flat (last minute's median within ``LEAK_FACTOR`` of the
   first's; the pool's held bytes are a cache, only reported, and /dev/shm is judged without them) and no pinned blocks once
   traffic stopped and the pins' lease ran out;
-- server_accounted: the Router's own counts balance (admitted = completed + failed + cancelled).
+- server_accounted: the Router's own counts balance (admitted = completed + failed + cancelled);
+- errors_within_budget: admitted requests that ended in a typed error are under
+  ``ERROR_BUDGET`` of those admitted (split by cause and by the fault before them in ``errors``);
+- p95_within_target (runs given the app's ``admission_target_s``): each minute's p95 of complete
+  answers is within it, the ``AFTER_KILL_S`` after each kill left out (``minutes``).
+
+The generator's own lag (how late it sent each arrival) and its CPU use are reported apart from
+the app's (``client``), so a late client is not read as a slow app.
 
 Not a promise but counted: ``fallbacks``, the run's increments of ``prefillshare_fallbacks_total``
 by reason, whose ``decoder_retry`` (a decode repeated once because its replica died before any
@@ -30,6 +37,9 @@ RECOVERY_LIMIT_S = 60.0
 LEAK_FACTOR = 1.10
 BEFORE_FAULT_S = 30.0
 MIN_SAMPLES = 3  # a window with fewer complete answers says nothing about p95
+ERROR_BUDGET = 0.02  # admitted requests that may end in a typed error
+AFTER_KILL_S = 30.0  # left out of the per-minute target check after each kill
+NOT_ADMITTED = ("shed", "bad_input_ok", "not_sent")  # and "bad_input_wrong <status>"
 
 
 def _ok_latencies(samples: list[dict], start: float, end: float) -> list[float]:
@@ -112,6 +122,57 @@ def fallback_delta(raw: dict) -> dict[str, float] | None:
     return {k: v - before.get(k, 0.0) for k, v in sorted(after.items()) if v - before.get(k, 0.0)}
 
 
+def _admitted(outcome: str) -> bool:
+    return outcome not in NOT_ADMITTED and not outcome.startswith("bad_input_wrong")
+
+
+def errors(samples: list[dict], faults: list[dict]) -> dict:
+    """Admitted requests and those that ended in a typed error, by cause (the error's code) and
+    by the fault fired last before they were sent ("before any fault" for the first ones)."""
+    fired = sorted(faults, key=lambda f: f["at_s"])
+    admitted = [s for s in samples if _admitted(s["outcome"])]
+    failed = [s for s in admitted if s["outcome"].startswith("error")]
+    by_cause: dict[str, int] = {}
+    by_fault: dict[str, dict[str, int]] = {}
+    for s in failed:
+        cause = s["outcome"].removeprefix("error ").strip()
+        by_cause[cause] = by_cause.get(cause, 0) + 1
+        label = next((f["label"] for f in reversed(fired) if f["at_s"] <= s["sent_s"]), "before any fault")
+        row = by_fault.setdefault(label, {})
+        row[cause] = row.get(cause, 0) + 1
+    return {"admitted": len(admitted), "errors": len(failed),
+            "share": len(failed) / len(admitted) if admitted else 0.0,
+            "by_cause": dict(sorted(by_cause.items())), "by_fault": by_fault}
+
+
+def minutes(samples: list[dict], faults: list[dict], duration_s: float, target_s: float | None) -> list[dict]:
+    """Each minute's p95 of complete answers (by send time), the ``AFTER_KILL_S`` after each kill
+    left out, against the admission target."""
+    kills = [f["at_s"] for f in faults if f.get("kind") == "kill"]
+    rows = []
+    for i in range(max(1, int(-(-duration_s // 60)))):
+        start, end = i * 60.0, min((i + 1) * 60.0, duration_s)
+        lat = [s["latency_s"] for s in samples if s["outcome"] == "ok" and start <= s["sent_s"] < end
+               and not any(k <= s["sent_s"] < k + AFTER_KILL_S for k in kills)]
+        p95 = percentile(lat, 95) if len(lat) >= MIN_SAMPLES else None
+        rows.append({"start_s": start, "answers": len(lat), "p95_s": p95,
+                     "within_target": None if p95 is None or target_s is None else p95 <= target_s})
+    return rows
+
+
+def client_share(raw: dict) -> dict | None:
+    """The generator's lag (how late it sent arrivals) and its CPU against the machine's."""
+    samples, c = raw["samples"], raw.get("client")
+    lags = [s.get("lag_s", 0.0) for s in samples if s["outcome"] != "not_sent"]
+    if c is None or not lags:
+        return None
+    busy = c["machine_busy_cpu_s"]
+    return {"lag_p50_s": percentile(lags, 50), "lag_p95_s": percentile(lags, 95), "lag_max_s": max(lags),
+            "not_sent": sum(1 for s in samples if s["outcome"] == "not_sent"),
+            "client_cpu_s": c["cpu_s"], "machine_busy_cpu_s": busy, "app_and_rest_cpu_s": busy - c["cpu_s"],
+            "client_share_of_busy": c["cpu_s"] / busy if busy else None, "wall_s": c["wall_s"], "cores": c["cores"]}
+
+
 def summarize(raw: dict) -> dict:
     spec, samples = raw["spec"], raw["samples"]
     duration, window_s = spec["duration_s"], spec["window_s"]
@@ -122,6 +183,9 @@ def summarize(raw: dict) -> dict:
     first, last = _p95(samples, 0, 60), _p95(samples, duration - 60, duration)
     mem = leaks(raw["memory"], duration)
     acc = accounting(raw)
+    target = spec.get("admission_target_s")
+    errs = errors(samples, raw["faults"])
+    per_minute = minutes(samples, raw["faults"], duration, target)
     # the pool's held bytes are a cache that fills by design: reported, not judged; /dev/shm is
     # judged without them where the pool was sampled
     unjudged = {"held_bytes"} | ({"dev_shm_used_bytes"} if mem["dev_shm_beyond_pool_bytes"]["ratio"] else set())
@@ -129,17 +193,21 @@ def summarize(raw: dict) -> dict:
                if isinstance(v, dict) and k not in unjudged)
     promises = {
         "nothing_lost": not any(k.startswith("lost") for k in outcomes),
-        "shed_with_retry_after": "lost 429 without Retry-After" not in outcomes,
+        "shed_with_retry_after": not {"lost 429 without Retry-After", "lost 503 without Retry-After"} & set(outcomes),
         "bad_input_refused": not any(k.startswith("bad_input_wrong") for k in outcomes),
         "recovered": all(f["recovery_s"] is not None and f["recovery_s"] <= RECOVERY_LIMIT_S for f in faults),
         "no_drift": first is not None and last is not None and last <= RECOVERY_FACTOR * first,
         "no_leaks": flat and not mem["pinned_blocks_after"],
         "server_accounted": acc is not None and acc["admitted"] == acc["completed"] + acc["failed"] + acc["cancelled"]
         and acc["inflight_after"] == 0,
+        "errors_within_budget": errs["share"] < ERROR_BUDGET,
     }
+    if target is not None:
+        promises["p95_within_target"] = all(m["within_target"] is not False for m in per_minute)
     return {"requests": len(samples), "outcomes": dict(sorted(outcomes.items())), "faults": faults,
             "p95_first_minute_s": first, "p95_last_minute_s": last, "leaks": mem, "server": acc,
-            "fallbacks": fallback_delta(raw),
+            "fallbacks": fallback_delta(raw), "errors": errs, "minutes": per_minute, "admission_target_s": target,
+            "client": client_share(raw),
             "windows": windows(samples, duration, window_s), "promises": promises,
             "saturation_per_s": raw.get("saturation_per_s"), "rate_per_s": raw.get("rate_per_s")}
 
@@ -160,6 +228,30 @@ def render(report: dict) -> str:
     lines += [f"| {f['label']} | {f['at_s']:.0f} s | {ms(f['p95_before_s'])} | "
               f"{secs(f['recovery_s'])} |" for f in report["faults"]]
     lines += ["", f"p95 first minute {ms(report['p95_first_minute_s'])}, last minute {ms(report['p95_last_minute_s'])}"]
+    e = report.get("errors")
+    if e is not None:
+        lines += ["", f"admitted requests ending in a typed error: {e['errors']} of {e['admitted']} "
+                  f"({100 * e['share']:.2f}%; budget {100 * ERROR_BUDGET:.0f}%)"]
+        if e["by_fault"]:
+            causes = sorted(e["by_cause"])
+            lines += ["", "| after | " + " | ".join(causes) + " |", "|---|" + "---|" * len(causes)]
+            lines += [f"| {label} | " + " | ".join(str(row.get(c, 0)) for c in causes) + " |"
+                      for label, row in e["by_fault"].items()]
+    target = report.get("admission_target_s")
+    if report.get("minutes"):
+        head = f"p95 of complete answers per minute ({AFTER_KILL_S:.0f} s after each kill left out)"
+        lines += ["", head + (f", target {target:g} s" if target is not None else "") + ":",
+                  "| minute | answers | p95 | within target |", "|---|---|---|---|"]
+        lines += [f"| {int(m['start_s'] // 60)} | {m['answers']} | {ms(m['p95_s'])} | "
+                  f"{'-' if m['within_target'] is None else 'yes' if m['within_target'] else 'NO'} |"
+                  for m in report["minutes"]]
+    c = report.get("client")
+    if c is not None:
+        share = "-" if c["client_share_of_busy"] is None else f"{100 * c['client_share_of_busy']:.0f}%"
+        lines += ["", f"load generator: sent arrivals late by p50 {ms(c['lag_p50_s'])}, p95 {ms(c['lag_p95_s'])}, "
+                  f"max {ms(c['lag_max_s'])}; {c['not_sent']} not sent (its cap); its CPU {c['client_cpu_s']:.0f} s "
+                  f"= {share} of the machine's busy {c['machine_busy_cpu_s']:.0f} s over {c['wall_s']:.0f} s on "
+                  f"{c['cores']} cores (the app and the rest: {c['app_and_rest_cpu_s']:.0f} s)"]
     for k, v in report["leaks"].items():
         if isinstance(v, dict) and v["ratio"] is not None:
             lines.append(f"{k}: first minute {v['first_minute'] / 2**20:.0f} MiB, last {v['last_minute'] / 2**20:.0f} MiB"

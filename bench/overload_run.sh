@@ -1,15 +1,18 @@
 #!/usr/bin/env bash
 # The 10-minute overload run of docs/reliability.md "Overload and faults", in one command:
-# serves the default app plus the shipped chat LoRA decode group (serve_config.yaml with its
-# commented group switched on) on a private loopback-only Ray cluster, runs
-# `python -m bench overload` at 2x the searched saturation rate with the faults below, then
-# stops the app and checks that nothing it started is left (processes, /dev/shm).
-#   bash bench/overload_run.sh [OUT_DIR] [DURATION_S]
-# Needs root for the network namespace (as scripts/test.sh); ~15 minutes on 2 cores.
+# serves a variant of the default app that fits this 2-core box (the base prefill module with
+# its in-engine chat adapters, decoders lookup and route, and a LoRA decode group of two chat
+# adapters), REPLICAS replicas of every deployment on the request path, on a private
+# loopback-only Ray cluster; runs `python -m bench overload` at 2x the searched saturation rate
+# with the faults below, judged against the app's admission target; then stops the app and
+# checks that nothing it started is left (processes, /dev/shm).
+#   bash bench/overload_run.sh [OUT_DIR] [DURATION_S] [REPLICAS]     (REPLICAS: 2 by default)
+# Needs root for the network namespace (as scripts/test.sh); ~17 minutes on 2 cores.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${1:-runs/overload}"
 DURATION="${2:-600}"
+REPLICAS="${3:-2}"
 source scripts/netns.sh
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false RAY_AUTH_MODE=disabled VLLM_HOST_IP=127.0.0.1
 export RAY_TMPDIR="/tmp/ps-overload-$$"
@@ -17,19 +20,24 @@ PY=.venv/bin/python
 mkdir -p "$OUT"
 CONFIG="$OUT/serve_config.yaml"
 POOL=/dev/shm/prefillshare-overload-$$
-"$PY" - "$CONFIG" "$POOL" <<'EOF'
+"$PY" - "$CONFIG" "$POOL" "$REPLICAS" <<'EOF'
 import sys, yaml
 cfg = yaml.safe_load(open("serve_config.yaml"))
 app = cfg["applications"][0]
 c = app["args"]["config"]
 c["pool"]["path"] = sys.argv[2]
-engine = c["decoders"][0]["engine"]
-placement = c["decoders"][0]["placement"]
-names = ("lookup", "tool_call", "reschedule", "route")
-c["decoders"].append({"name": "chat-group", "model": "checkpoints/base", "max_lora_rank": 8, "max_loras": 4,
-                      "adapters": [{"name": f"chat-{n}", "path": f"checkpoints/chat/adapters/{n}", "rank": 8}
-                                   for n in names],
+replicas = int(sys.argv[3])
+keep = ("lookup", "route")  # 2 of the 4 full decoders: 8 engines at 2 replicas fit 24 GiB
+c["decoders"] = [d for d in c["decoders"] if d["name"] in keep]
+engine, placement = c["decoders"][0]["engine"], dict(c["decoders"][0]["placement"])
+c["decoders"].append({"name": "chat-group", "model": "checkpoints/base", "max_lora_rank": 8, "max_loras": 2,
+                      "adapters": [{"name": f"group-{n}", "path": f"checkpoints/chat/adapters/{n}", "rank": 8}
+                                   for n in ("tool_call", "reschedule")],
                       "placement": placement, "engine": engine})
+for d in c["prefill_modules"] + c["decoders"]:
+    d["placement"] = {**d["placement"], "num_replicas": replicas}
+for small in ("router", "orchestrator"):
+    c[small] = {**c.get(small, {}), "num_replicas": replicas}
 yaml.safe_dump(cfg, open(sys.argv[1], "w"), sort_keys=False)
 EOF
 APP=$("$PY" -c "import yaml,sys; print(yaml.safe_load(open(sys.argv[1]))['applications'][0]['name'])" "$CONFIG")
@@ -47,7 +55,10 @@ for _ in $(seq 1 300); do
 done
 echo "app ready at $(date -u +%T); load average: $(cut -d' ' -f1-3 /proc/loadavg)" | tee "$OUT/run.log"
 t=$((DURATION / 6))
+TARGET=$("$PY" -c "import yaml,sys; print(yaml.safe_load(open(sys.argv[1]))['applications'][0]['args']['config']['limits']['admission_target_s'])" "$CONFIG")
+echo "replicas per deployment: $REPLICAS; admission target: $TARGET s" | tee -a "$OUT/run.log"
 .venv/bin/python -m bench overload --url http://127.0.0.1:8000 --app "$APP" --duration "$DURATION" --out "$OUT" \
+  --target "$TARGET" \
   --fault "$((t * 1)):kill:Prefill-base" --fault "$((t * 2)):kill:Decode-lookup" \
   --fault "$((t * 3)):kill:Decode-chat-group" --fault "$((t * 4)):kill:Orchestrator" \
   --fault "$((t * 5)):fill-pool:$POOL:30" 2>&1 | tee -a "$OUT/run.log"

@@ -14,7 +14,7 @@ from prefillshare.app.config import LimitsConfig
 from prefillshare.app.plan import AppPlan, DecoderPlan, ModulePlan
 from prefillshare.app.prompt_split import shared_length, split_prompt
 from prefillshare.app.sampling import Sampling
-from prefillshare.deployments.errors import ErrorCode, Shed, Unreachable
+from prefillshare.deployments.errors import ErrorCode, Failure, Shed, Unreachable
 from prefillshare.deployments.ingress.prompts import locality_keys
 from prefillshare.deployments.messages import DecodeChunk, PrefillTicket
 from prefillshare.deployments.path.decode_call import Output, Sequence
@@ -53,9 +53,13 @@ class FakeEngines:
     """Records every call; ``prefill_raises``/``decode_raises`` make those calls fail."""
 
     def __init__(self, prefill_raises: Exception | None = None, decode_raises: Exception | None = None,
-                 cached: int = 7, dead_before_output: int = 0):
+                 cached: int = 7, dead_before_output: int = 0, engine_failed_before_output: int = 0,
+                 prefill_fails: int | None = None):
         self.prefill_raises, self.decode_raises, self.cached = prefill_raises, decode_raises, cached
         self.dead_before_output = dead_before_output  # this many decode calls fail before any chunk
+        # this many decode calls end at once with the in-band engine_error chunk of a dead engine core
+        self.engine_failed_before_output = engine_failed_before_output
+        self.prefill_fails = prefill_fails  # only this many prefill calls raise (None: every call)
         self.prefills: list[tuple[str, object, float]] = []
         self.decodes: list[tuple[str, object]] = []
         self.decode_waits: list[float | None] = []  # the wait_s of each decode call
@@ -65,7 +69,9 @@ class FakeEngines:
 
     async def prefill(self, module, req, wait_s):
         self.prefills.append((module, req, wait_s))
-        if self.prefill_raises is not None:
+        if self.prefill_raises is not None and (self.prefill_fails is None or self.prefill_fails > 0):
+            if self.prefill_fails is not None:
+                self.prefill_fails -= 1
             raise self.prefill_raises
         return PrefillTicket(req.request_id, module, "replica-1", tuple(shared_length(len(p)) for p in req.prompts),
                              num_computed_tokens=11, num_cached_tokens=0, seconds=0.01, node_id="node-a")
@@ -82,6 +88,10 @@ class FakeEngines:
         if self.dead_before_output > 0:
             self.dead_before_output -= 1
             return FakeStream([], ConnectionError("replica died"))
+        if self.engine_failed_before_output > 0:
+            self.engine_failed_before_output -= 1
+            return FakeStream([DecodeChunk(rid, model, "", [], True, "error",
+                                           error=Failure(ErrorCode.ENGINE_ERROR, "EngineDeadError: core died"))])
         return FakeStream(chunks[:1] if self.decode_raises else chunks, self.decode_raises)
 
     def fallback(self, reason):
@@ -165,13 +175,26 @@ def test_private_decoders_skip_prefill_and_count_their_reason():
     assert plan.ticket is None and plan.request.prefer_node is None and plan.shared_tokens_expected == 0
 
 
-@pytest.mark.parametrize("raised, reason", [(Unreachable("gone"), "prefill_unavailable"),
-                                            (RuntimeError("boom"), "prefill_error")])
-def test_a_failed_or_unreachable_prefill_degrades_to_private_prefill(raised, reason):
+@pytest.mark.parametrize("raised, reasons", [(Unreachable("gone"), ["prefill_unavailable"]),
+                                             (RuntimeError("boom"), ["prefill_retry", "prefill_error"])])
+def test_a_failed_or_unreachable_prefill_degrades_to_private_prefill(raised, reasons):
     engines = FakeEngines(prefill_raises=raised)
     [plan] = _run(FanOut(PLAN, engines).prepare([_leg("alpha", [1, 2, 3, 4, 5])], "c", "completions", None))
-    assert engines.fallbacks == [reason]
+    assert engines.fallbacks == reasons
+    assert len(engines.prefills) == len(reasons)  # a dead replica's call is repeated once; an unreachable one is not
     assert plan.error is None and plan.ticket is None and plan.shared_tokens_expected == 0
+
+
+def test_a_prefill_whose_replica_died_is_repeated_once_and_its_legs_share_the_kv():
+    """The replica died under the call (it never handed over): the repeat goes to a survivor and
+    every leg gets its ticket, as if nothing had happened."""
+    engines = FakeEngines(prefill_raises=RuntimeError("ActorDiedError"), prefill_fails=1)
+    shared = list(range(10, 22))
+    plans = _run(FanOut(PLAN, engines).prepare([_leg("alpha", shared + [1], "d-a"), _leg("ad0", shared + [3], "d-b")],
+                                               "r", "agents", None))
+    assert engines.fallbacks == ["prefill_retry"] and len(engines.prefills) == 2
+    assert engines.prefills[0][1] == engines.prefills[1][1]  # the same request, keys and salt
+    assert all(p.ticket is not None and p.error is None for p in plans)
 
 
 def test_a_shed_prefill_fails_its_legs_as_overloaded_without_decoding():
@@ -249,6 +272,24 @@ def test_a_decoder_that_died_before_any_output_is_retried_once_then_fails_typed(
     chunks = _run(_drain(call))
     assert len(chunks) == 1 and chunks[0].error.code is ErrorCode.DECODER_UNAVAILABLE
     assert len(twice.decodes) == 2 and twice.fallbacks == ["decoder_retry"]  # one retry, never more
+
+
+def test_an_engine_that_failed_before_any_output_is_retried_once_then_its_error_is_told():
+    engines = FakeEngines(engine_failed_before_output=1)
+    fan = FanOut(PLAN, engines)
+    [plan] = _run(fan.prepare([_leg("alpha", list(range(1, 12)))], "c", "completions", None))
+    call = fan.decode(plan, time.perf_counter())
+    chunks = _run(_drain(call))
+    assert [c.delta_text for c in chunks] == ["he", "llo"] and call.output.error is None
+    assert [req.request_id for _, req in engines.decodes] == ["d-1", "d-1-retry"]
+    assert engines.fallbacks == ["decoder_retry"]
+
+    twice = FakeEngines(engine_failed_before_output=2)
+    fan = FanOut(PLAN, twice)
+    [plan] = _run(fan.prepare([_leg("alpha", list(range(1, 12)))], "c", "completions", None))
+    chunks = _run(_drain(fan.decode(plan, 0.0)))
+    assert len(chunks) == 1 and chunks[0].error.code is ErrorCode.ENGINE_ERROR and "core died" in chunks[0].error.message
+    assert len(twice.decodes) == 2 and twice.fallbacks == ["decoder_retry"]
 
 
 def test_a_leg_whose_decoder_has_no_replica_fails_before_its_prefill_and_the_others_run():

@@ -3,6 +3,8 @@ against a real app, at twice its saturation with the Orchestrator killed (-9) un
 tests/shared_app/test_serve_faults.py's last test."""
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from bench.faults import FaultError, FaultSpec, replica_pids
@@ -121,6 +123,10 @@ def test_answers_are_classified_typed_or_lost():
     body = b'{"error": {"message": "m", "type": "rate_limit_error", "param": null, "code": "overloaded"}}'
     assert classify_response("completion", 429, {"retry-after": "1"}, body, 1) == "shed"
     assert classify_response("completion", 429, {}, body, 1) == "lost 429 without Retry-After"
+    restarting = json.dumps({"error": {"message": "decoder x: no replica", "type": "server_error", "param": None,
+                                       "code": "decoder_unavailable"}}).encode()
+    assert classify_response("fanout", 503, {"retry-after": "1"}, restarting, 2) == "shed"  # before admission
+    assert classify_response("fanout", 503, {}, restarting, 2) == "lost 503 without Retry-After"
     assert classify_response("completion", 503, {}, body.replace(b"overloaded", b"unavailable"), 1) == "error unavailable"
     assert classify_response("completion", 500, {}, b"Internal Server Error", 1).startswith("lost")
     assert classify_response("completion", 200, {}, b'{"choices": [{"text": "x"}]}', 1) == "ok"
@@ -169,7 +175,8 @@ def test_report_measures_recovery_drift_leaks_and_accounting():
     f = rep["faults"][0]
     assert f["p95_before_s"] == 1.0 and 15 <= f["recovery_s"] <= 25
     assert rep["promises"] == {"nothing_lost": True, "shed_with_retry_after": True, "bad_input_refused": True,
-                               "recovered": True, "no_drift": True, "no_leaks": True, "server_accounted": True}
+                               "recovered": True, "no_drift": True, "no_leaks": True, "server_accounted": True,
+                               "errors_within_budget": True}  # no target given: p95 not judged against one
     assert "kill Decode-x" in render(rep)
     assert rep["fallbacks"] is None and "retried where safe" not in render(rep)  # /metrics not read
     counted = summarize({**_raw(fast, [fault], mem, before=before, after=after),
@@ -188,6 +195,43 @@ def test_report_measures_recovery_drift_leaks_and_accounting():
     assert summarize(_raw(fast + back, [], cache))["promises"]["no_leaks"]
     shm = [dict(m, dev_shm_used_bytes=m["dev_shm_used_bytes"] + 2 * m["t_s"]) for m in cache]
     assert not summarize(_raw(fast + back, [], shm))["promises"]["no_leaks"]
+
+
+def test_report_counts_admitted_errors_by_cause_and_fault_and_judges_each_minute_against_the_target():
+    kill = {"at_s": 60.0, "label": "kill Prefill-base", "kind": "kill"}
+    ok = [_s(t, 2.0) for t in range(0, 180)]
+    slow_after_kill = [_s(60 + t / 2, 30.0) for t in range(20)]  # the 30 s after the kill: left out
+    shed = [_s(t, 0.01, "shed") for t in range(0, 180, 3)]  # not admitted: never an error
+    failed = [_s(10, 1.0, "error overloaded"), _s(70, 1.0, "error decoder_unavailable"),
+              _s(75, 1.0, "error decoder_unavailable")]
+    raw = _raw(ok + slow_after_kill + shed + failed, [kill], duration=180.0)
+    raw["spec"]["admission_target_s"] = 5.0
+    rep = summarize(raw)
+    e = rep["errors"]
+    assert (e["admitted"], e["errors"]) == (180 + 20 + 3, 3)
+    assert e["by_cause"] == {"decoder_unavailable": 2, "overloaded": 1}
+    assert e["by_fault"] == {"before any fault": {"overloaded": 1}, "kill Prefill-base": {"decoder_unavailable": 2}}
+    assert rep["promises"]["errors_within_budget"] is (3 / 203 < 0.02)
+    assert [m["within_target"] for m in rep["minutes"]] == [True, True, True]
+    assert rep["promises"]["p95_within_target"] is True
+    text = render(rep)
+    assert "3 of 203" in text and "| kill Prefill-base | 2 | 0 |" in text and "target 5 s" in text
+
+    late = _raw(ok + [_s(100 + t / 4, 9.0) for t in range(40)], [kill], duration=180.0)  # minute 1 past the target
+    late["spec"]["admission_target_s"] = 5.0
+    rep = summarize(late)
+    assert [m["within_target"] for m in rep["minutes"]] == [True, False, True]
+    assert rep["promises"]["p95_within_target"] is False
+    many = summarize(_raw(ok + [_s(t, 1.0, "error engine_error") for t in range(10)], duration=180.0))
+    assert not many["promises"]["errors_within_budget"]  # 10 of 190 is over 2%
+
+    # the generator's lag and CPU are its own, apart from the app's
+    lagged = _raw([dict(_s(t, 1.0), lag_s=0.5 if t % 2 else 0.0) for t in range(100)] + [_s(5, 0.0, "not_sent")],
+                  duration=120.0)
+    lagged["client"] = {"cpu_s": 30.0, "machine_busy_cpu_s": 200.0, "wall_s": 120.0, "cores": 2}
+    c = summarize(lagged)["client"]
+    assert (c["lag_max_s"], c["not_sent"], c["client_share_of_busy"], c["app_and_rest_cpu_s"]) == (0.5, 1, 0.15, 170.0)
+    assert "load generator: sent arrivals late" in render(summarize(lagged))
 
 
 def test_the_multinode_runs_config_loads_and_places_engines_on_both_nodes():

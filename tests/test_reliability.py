@@ -221,7 +221,7 @@ def test_every_error_code_has_one_http_shape_used_for_json_and_streams():
 
 def test_latency_limit_shrinks_on_a_slow_window_and_grows_back_only_while_binding():
     lim = LatencyLimit(ceiling=64, floor=8, target_s=1.0, window=4)
-    for wait in (0.1, 0.2, 0.3, 5.0):  # one slow sample of four: the 90th percentile is 5 s
+    for wait in (0.1, 0.2, 0.3, 5.0):  # one slow sample of four: the 95th percentile is 5 s
         lim.observe(wait, lim.epoch)
     assert lim.limit == 48 and lim.epoch == 1
     lim.observe(9.0, 0)  # admitted under the old limit: not judged

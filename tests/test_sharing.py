@@ -56,6 +56,20 @@ def test_the_plan_names_a_system_first_decoder_and_counts_what_a_fanout_costs(tm
     assert all(d["shares"] and d["problem"] is None for d in shared_only.sharing[0].to_dict()["decoders"])
 
 
+def test_the_default_app_shares_a_framework_shaped_fanout():
+    """serve_config.yaml: every decoder (the full-weight suite decoders and the in-engine chat
+    adapters) renders an agent's own system prompt after the shared context, so GET /sharing on
+    `make serve` answers true; one probe fan-out costs the base well under one prompt per agent."""
+    from prefillshare.app.plan import plan_app
+
+    plan = plan_app(load_config(ROOT / "serve_config.yaml"))
+    (report,) = plan.sharing
+    verdict = {d.decoder: d.shares for d in report.decoders}
+    assert set(verdict) >= {"lookup", "tool_call", "reschedule", "route", "chat-lookup", "chat-route"}, verdict
+    assert all(verdict.values()), verdict
+    assert report.ratio < len(verdict) / 2, report.to_dict()
+
+
 def test_sharing_require_fails_the_build_naming_the_decoder(tmp_path):
     from prefillshare.app.plan import plan_app
 

@@ -15,10 +15,17 @@ AGENTS = tuple(tasks.AGENTS)
 
 
 def test_shipped_layout_manifests_and_size():
+    from prefillshare.app.training.recipe import AGENT_SYSTEMS
+
     for agent in AGENTS:
         assert check(CKPT / "base", CKPT / "decoders" / agent).shared, agent
         assert read_manifest(CKPT / "baselines" / "fullft" / agent).method == "full_ft"
         assert read_manifest(CKPT / "baselines" / "layersplit" / agent).method == "layer_split"
+        # shared-first with the agent's own system prompt, as the recipe trains them (the default
+        # app's decoders share a framework-shaped fan-out: tests/test_sharing.py)
+        for sub in ("decoders", "baselines/fullft", "baselines/layersplit"):
+            prompt = read_manifest(CKPT / sub / agent).prompt
+            assert (prompt.format, prompt.layout, prompt.system) == ("suite", "shared_first", AGENT_SYSTEMS[agent])
     total = sum(f.stat().st_size for f in CKPT.rglob("*") if f.is_file())
     assert total < 42 * 2**20, f"shipped checkpoints are {total / 2**20:.1f} MiB"
 

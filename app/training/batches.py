@@ -17,6 +17,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import Cache, DynamicLayer
 
 from prefillshare.app.prompt_split import split_prompt
+from prefillshare.app.rendering import Renderer
 from prefillshare.app.training import tasks
 
 
@@ -27,12 +28,16 @@ class Encoded:
     response: tuple[int, ...]  # answer tokens, ending in eos
 
 
-def encode(tokenizer, examples: Sequence[tasks.Example]) -> list[Encoded]:
-    """Suite examples in the suite rendering (the shipped decoders' format)."""
-    prompts = tokenizer([e.prompt for e in examples])["input_ids"]
-    answers = tokenizer([tasks.render_response(e.answer) for e in examples], add_special_tokens=False)["input_ids"]
-    eos = tokenizer.eos_token_id
-    return [Encoded(e.agent, tuple(p), tuple(a) + (eos,)) for e, p, a in zip(examples, prompts, answers)]
+def encode(tokenizer, examples: Sequence[tasks.Example], renderer: Renderer | None = None) -> list[Encoded]:
+    """Suite examples rendered as ``renderer`` renders an agent request (default: the plain suite
+    rendering ``context\\ninstruction``), so training, evaluation and serving make the same ids."""
+    renderer = renderer or Renderer()
+    out = []
+    for e in examples:
+        prompt, response = renderer.training_ids(
+            tokenizer, [*renderer.agent_messages(e.context, e.instruction), ("assistant", e.answer)])
+        out.append(Encoded(e.agent, tuple(prompt), tuple(response)))
+    return out
 
 
 def pad_id_of(tokenizer) -> int:

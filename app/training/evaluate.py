@@ -27,6 +27,7 @@ from prefillshare.app.models.identity import CheckpointError, load_config_dict, 
 from prefillshare.app.models.manifest import read_manifest
 from prefillshare.app.prompt_split import split_prompt
 from prefillshare.app.reference import SharedKV, batched_greedy_from_kv
+from prefillshare.app.rendering import Renderer
 from prefillshare.app.training import batches, tasks
 from prefillshare.app.training.tokenizer import load_tokenizer
 
@@ -131,9 +132,9 @@ def evaluate(data_path: str | Path, models: ModelSet, batch_size: int = 64, limi
     table: dict[str, dict[str, Cell]] = {}
     for agent in agents:
         data = [e for e in examples if e.agent == agent][:limit]
-        enc = batches.encode(tok, data)
-        saved_share = sum(len(split_prompt(e.prompt)[0]) / len(e.prompt) for e in enc) / len(enc)
         paths = _agent_models(models, agent)
+        enc = batches.encode(tok, data, Renderer.for_decoder(paths["prefillshare"]))  # as trained and served
+        saved_share = sum(len(split_prompt(e.prompt)[0]) / len(e.prompt) for e in enc) / len(enc)
         fullft = checkpoint.load_decoder(paths["full_ft"], models.base)
         cc = checkpoint.load_decoder(paths["prefillshare"], models.base)
         ls = checkpoint.load_decoder(paths["layer_split"], models.base)

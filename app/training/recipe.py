@@ -13,7 +13,8 @@ from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from prefillshare.app.models.manifest import read_manifest
+from prefillshare.app.models.manifest import PromptFormat, read_manifest
+from prefillshare.app.rendering import Renderer
 from prefillshare.app.training import tasks
 from prefillshare.app.training.pretrain import PretrainConfig, pretrain_base
 from prefillshare.app.training.trainer import TrainConfig, has_checkpoint, train_decoder
@@ -48,6 +49,23 @@ QUICK_RECIPE = Recipe(contexts=200, pretrain=PretrainConfig(steps=20, max_steps=
                       decoder=TrainConfig(steps=5, batch_size=8, lr=1e-3, warmup=2))
 
 
+# Each agent has its own system prompt, as agents are defined in agent frameworks. Both recipes
+# train shared-first: the record is the shared part and the agent's system prompt and question
+# follow it (the suite: ``record\nsystem\nquestion``; the chat suite: chat_record).
+AGENT_SYSTEMS = {
+    "lookup": "You are the lookup agent of the order desk. Answer with the value the question asks for.",
+    "tool_call": "You are the shipping agent of the order desk. Answer with the shipping tool call.",
+    "reschedule": "You are the scheduling agent of the order desk. Answer with the new delivery day.",
+    "route": "You are the routing agent of the order desk. Answer with the hub for the order's city.",
+}
+
+
+def suite_renderer(agent: str) -> Renderer:
+    """How the suite's decoders render an agent request: the record, then the agent's system prompt
+    and question (shared-first), with no chat template."""
+    return Renderer(PromptFormat("suite", system=AGENT_SYSTEMS[agent], layout="shared_first"))
+
+
 def _done(path: Path) -> bool:
     try:
         read_manifest(path)
@@ -61,7 +79,8 @@ def _train_one(base_dir, train, agent, out, cfg, state, resume, progress, thread
 
     torch.set_num_threads(threads)
     t0 = time.perf_counter()
-    train_decoder(base_dir, train, agent, out, cfg, state_dir=state, resume=resume, progress=progress)
+    train_decoder(base_dir, train, agent, out, cfg, state_dir=state, resume=resume, progress=progress,
+                  renderer=suite_renderer(agent))
     loss = read_manifest(out).training.get("final_loss")
     return f"{cfg.method}:{agent} -> {out} ({time.perf_counter() - t0:.0f}s, final loss {loss})"
 
@@ -123,14 +142,6 @@ def run_recipe(which: str, models: Path, work: Path, quick: bool = False, resume
 
 
 # --- the chat-format suite: the same records as conversations, LoRA decoders through the CLI ---
-# Each agent has its own system prompt, as agents are defined in agent frameworks; the record is
-# the shared user turn and the agent's question closes its own text (chat_record).
-CHAT_SYSTEMS = {
-    "lookup": "You are the lookup agent of the order desk. Answer with the value the question asks for.",
-    "tool_call": "You are the shipping agent of the order desk. Answer with the shipping tool call.",
-    "reschedule": "You are the scheduling agent of the order desk. Answer with the new delivery day.",
-    "route": "You are the routing agent of the order desk. Answer with the hub for the order's city.",
-}
 # Role headers before each turn and no generation prompt: shared-first, the last prompt token
 # is the question's last word (the field name), the token the decoder runs itself; answers are
 # " value" then eos, the way values are written everywhere in the suite.
@@ -154,12 +165,18 @@ class ChatRecipe(SuiteSplit):
     batch_size: int = 32
     lr: float = 5e-3
     lora_rank: int = 8
+    # route (retrieve the city, then classify it) needs more steps than a rank-8 adapter's other
+    # tasks: 45.2% EM at 120 steps, 100% at 600 (docs/training.md)
+    agent_steps: dict = field(default_factory=lambda: {"route": 600})
+
+    def steps_for(self, agent: str) -> int:
+        return self.agent_steps.get(agent, self.steps)
 
 
 def chat_record(e: tasks.Example) -> dict:
     """A suite example as an agent framework sends it: the agent's system prompt and its question
     (its own text), the record as the user turn (what every agent shares), the answer."""
-    return {"agent": e.agent, "messages": [{"role": "system", "content": f"{CHAT_SYSTEMS[e.agent]}\n{e.instruction}"},
+    return {"agent": e.agent, "messages": [{"role": "system", "content": f"{AGENT_SYSTEMS[e.agent]}\n{e.instruction}"},
                                            {"role": "user", "content": e.context},
                                            {"role": "assistant", "content": e.answer}]}
 
@@ -193,7 +210,7 @@ def run_chat_recipe(models: Path, work: Path, quick: bool = False, resume: bool 
     baseline (adapters under ``models/chat``), then the table (base, Full-FT, PrefillShare, naive reuse)."""
     from prefillshare.app.training.evaluate import evaluate_paths, merge_results, to_markdown, write_results
 
-    r = recipe or (ChatRecipe(contexts=120, steps=4, batch_size=8) if quick else ChatRecipe())
+    r = recipe or (ChatRecipe(contexts=120, steps=4, batch_size=8, agent_steps={}) if quick else ChatRecipe())
     t0 = time.perf_counter()
 
     def log(msg: str) -> None:
@@ -217,10 +234,10 @@ def run_chat_recipe(models: Path, work: Path, quick: bool = False, resume: bool 
                 log(f"{method}:{agent} ({layout}) exists, skipped")
                 continue
             argvs.append(["train", "--base", str(base_dir), "--data", str(data / "train.jsonl"), "--agent", agent,
-                          "--chat-template", str(template), "--system", CHAT_SYSTEMS[agent], "--layout", layout,
+                          "--chat-template", str(template), "--system", AGENT_SYSTEMS[agent], "--layout", layout,
                           "--lora", "--lora-rank", str(r.lora_rank),
-                          "--method", method, "--steps", str(r.steps), "--batch-size", str(r.batch_size),
-                          "--lr", str(r.lr), "--warmup", str(max(1, r.steps // 10)), "--threads", str(threads),
+                          "--method", method, "--steps", str(r.steps_for(agent)), "--batch-size", str(r.batch_size),
+                          "--lr", str(r.lr), "--warmup", str(max(1, r.steps_for(agent) // 10)), "--threads", str(threads),
                           "--no-progress", "--out", str(data / "merged" / sub / agent),
                           "--adapter-out", str(adapter)])
     ctx = multiprocessing.get_context("spawn")

@@ -281,10 +281,10 @@ def train_decoder(
     base_dir, out_dir = Path(base_dir), Path(out_dir)
     renderer = renderer or Renderer()
     tok = tokenizer or load_tokenizer(base_dir)
-    data = _encoded([e for e in examples if e.agent == agent], tok)
+    data = _encoded([e for e in examples if e.agent == agent], tok, renderer)
     if not data:
         raise ValueError(f"no training examples for agent {agent!r}")
-    evals = _encoded([e for e in (eval_examples or []) if e.agent == agent], tok)
+    evals = _encoded([e for e in (eval_examples or []) if e.agent == agent], tok, renderer)
     state_dir = Path(state_dir) if state_dir else out_dir.with_name(out_dir.name + ".state")
     if resume and _last_checkpoint(state_dir) is None:
         raise FileNotFoundError(f"--resume: no trainer checkpoint in {state_dir}")
@@ -329,7 +329,7 @@ def train_decoder(
     return path
 
 
-def _encoded(items: Sequence, tok) -> list[batches.Encoded]:
+def _encoded(items: Sequence, tok, renderer: Renderer) -> list[batches.Encoded]:
     if not items or isinstance(items[0], batches.Encoded):
         return list(items)
-    return batches.encode(tok, items)
+    return batches.encode(tok, items, renderer)

@@ -26,8 +26,8 @@ OUTCOMES: tuple[Outcome, ...] = ("completed", "failed", "cancelled")
 class LatencyLimit:
     """AIMD on the time from admission to a request's complete answer, as TCP does on loss.
 
-    Samples are judged a window at a time: when the window's 90th percentile exceeds the target
-    the limit shrinks by ``backoff`` (not below ``floor``); when the target is met while the
+    Samples are judged a window at a time: when the window's 95th percentile (the percentile the
+    target promises) exceeds the target the limit shrinks by ``backoff`` (not below ``floor``); when the target is met while the
     limit was binding (a request was turned away) it grows by one (not above ``ceiling``). Each
     change starts an epoch, and only requests admitted in the current epoch are judged: those
     admitted under the old limit would otherwise shrink it again. The whole answer is judged,
@@ -61,9 +61,9 @@ class LatencyLimit:
         self._waits.append(wait_s)
         if len(self._waits) < self.window:
             return
-        p90 = sorted(self._waits)[math.ceil(0.9 * len(self._waits)) - 1]
+        p95 = sorted(self._waits)[math.ceil(0.95 * len(self._waits)) - 1]
         old = self.value
-        if p90 > self.target_s:
+        if p95 > self.target_s:
             self.value = max(float(self.floor), self.value * self.backoff)
         elif self._binding:
             self.value = min(float(self.ceiling), self.value + 1.0)

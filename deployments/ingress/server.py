@@ -183,6 +183,15 @@ class Router:
         raw = await read_body(request, self.limits.max_body_bytes)
         return parse(raw, schema), tenant
 
+    def _restarting(self, models) -> None:
+        """A request for a decoder with no replica running (it restarts) is shed at once, before
+        admission: 503 + Retry-After, and no slot held through the restart."""
+        down = sorted({m for m in models if self.fanout.engines.decoder_down(m)})
+        if down:
+            self.events.send("overloaded", "decoder_restarting")
+            raise ApiError(503, f"decoder {', '.join(down)}: no replica is running (it is restarting); retry later",
+                           None, "decoder_unavailable", "server_error", {"Retry-After": str(self.limits.retry_after_s)})
+
     def _admit(self, route: str) -> Slot:
         if not self.admission.try_enter():
             self.events.send("overloaded", "ingress")
@@ -222,31 +231,36 @@ class Router:
             self.events.send("overloaded", "engine_queue")
         return ApiError.from_failure(failure, route, self.limits.retry_after_s)
 
-    async def _serve(self, route: str, gen, stream: bool,
+    async def _serve(self, route: str, start: Callable[[], Any], stream: bool,
                      events: Callable[[Any, Any], AsyncIterator[str]],
-                     collect: Callable[[Any, Any], Awaitable[Any]]):
+                     collect: Callable[[Any, Any], Awaitable[Any]], repeatable: bool = False):
         """Admit -> first item -> stream or collect -> release, for every generation route.
 
         The first item is awaited before any status is sent, so a request shed downstream or
         failed before any output still gets its own status (a stream's status is fixed once it
         starts). The admission slot is held until the answer (or its stream) ends, however it ends.
+        ``start`` makes the call once admitted; a ``repeatable`` call (to another deployment) whose
+        replica died before its first item is made once more (a completion's own path retries
+        below, in DecoderCall).
         """
         slot = self._admit(route)
         deadline = asyncio.get_running_loop().time() + self.limits.request_timeout_s
-        call = gen()
-        streaming = False
+        call = start()
+        streaming = repeated = False
         outcome: Outcome = "failed"
         try:
             async with asyncio.timeout_at(deadline):
                 try:
                     head = await self._first(call)
-                except _ReplicaGone:  # e.g. the Orchestrator died: nothing reached the client, so repeat it once
+                except _ReplicaGone as gone:  # e.g. the Orchestrator died: nothing reached the client
+                    if not repeatable:
+                        raise self._unavailable(gone.cause) from None
                     self.events.send("fallback", "router_retry", 1)
-                    call = gen()
+                    call, repeated = start(), True
                     try:
                         head = await self._first(call)
-                    except _ReplicaGone as gone:
-                        raise self._unavailable(gone.cause) from None
+                    except _ReplicaGone as gone_again:
+                        raise self._unavailable(gone_again.cause) from None
             if isinstance(head, DecodeChunk) and head.error:
                 raise self._failure(head.error, route)
             if stream:
@@ -257,7 +271,15 @@ class Router:
                 async with asyncio.timeout_at(deadline):
                     result = await collect(head, call)
             except RayActorError as e:  # the replica died mid-answer; the client has received nothing yet
-                raise self._unavailable(e) from None
+                if not repeatable or repeated:
+                    raise self._unavailable(e) from None
+                self.events.send("fallback", "router_retry", 1)  # so the whole call is made once more
+                async with asyncio.timeout_at(deadline):
+                    call = start()
+                    try:
+                        result = await collect(await self._first(call), call)
+                    except (_ReplicaGone, RayActorError) as again:
+                        raise self._unavailable(getattr(again, "cause", again)) from None
             outcome = "completed"
             return result
         except TimeoutError:
@@ -429,6 +451,7 @@ class Router:
 
     async def _completion(self, job: CompletionJob, body, tools: ToolPlan | None, chat: bool,
                           echo: str | None = None, logprobs: bool = False, **options):
+        self._restarting([job.model])
         call = _Completion(self.fanout, job)
         answer = Answer(job, chat, call.output, echo, logprobs, **options)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -492,8 +515,9 @@ class Router:
                 raise ApiError(500, "the agent run ended without a result", None, "internal", "server_error")
             return {"id": req.request_id, "object": "agents.run", "created": int(time.time()), **final}
 
+        self._restarting(a.model for r in req.rounds for a in r)
         return await self._serve("agents", lambda: self.orch.options(stream=True).run.remote(req), body.stream,
-                                 events, collect)
+                                 events, collect, repeatable=True)
 
     def _agent_run(self, body: AgentRunBody, tenant: Tenant | None) -> AgentRunRequest:
         """Validate an agent run; the first round's prompts are tokenized here, once."""

@@ -104,12 +104,22 @@ class Output:
         return q
 
 
+class _EngineFailed(Exception):
+    """A replica's engine failed the request before any output (its engine core died): retried."""
+
+    def __init__(self, failure: Failure):
+        super().__init__(str(failure))
+        self.failure = failure
+
+
 class DecoderCall:
     """Streams ``plan.request`` to decoder ``plan.model`` through ``engines``.
 
     ``chunks()`` always ends with a finished chunk (an error chunk when the call failed:
     ``overloaded`` when Serve shed it, ``decoder_unavailable`` when the replica died or could not
-    be reached); every chunk is in ``output`` by the time the caller sees it. Latencies count
+    be reached); every chunk is in ``output`` by the time the caller sees it. A call whose replica
+    died, or whose engine failed it, before any output reached the caller is repeated once
+    (``decoder_retry``): Serve routes the repeat to a surviving replica, or to the restarted one. Latencies count
     from ``t0``, when the request reached its first deployment (prefill included). ``cancel()``
     stops the decoder's request (a client that went away). ``wait_s`` bounds the wait for a
     replica while the decoder has none (``limits.decoder_wait_s``): a restarting decoder's calls
@@ -147,6 +157,8 @@ class DecoderCall:
             try:
                 self._stream = self.engines.decode(plan.model, request, self._retry_wait() if retried else self.wait_s)
                 async for chunk in self._stream:
+                    if chunk.error and not sent and chunk.error.code is ErrorCode.ENGINE_ERROR:
+                        raise _EngineFailed(chunk.error)  # its engine died before any output: retried below
                     if chunk.error:
                         out.error = chunk.error
                     else:
@@ -163,16 +175,17 @@ class DecoderCall:
                 yield self._failed(Failure(ErrorCode.OVERLOADED, f"decoder {plan.model}: {e}"))
             except Unreachable as e:  # no replica running: not retried (it would wait the same)
                 yield self._failed(Failure(ErrorCode.DECODER_UNAVAILABLE, str(e)))
-            except Exception as e:  # noqa: BLE001 - a dead replica fails this request only
+            except Exception as e:  # noqa: BLE001 - a dead replica or engine fails this request only
                 if not sent and not retried:
-                    # Nothing of it reached the caller: repeat it once, on the restarted replica or
-                    # another; its connector loads the shared KV if the pool still holds it, else
-                    # it prefills privately (counted as kv_miss).
+                    # Nothing of it reached the caller: repeat it once, on a surviving replica or the
+                    # restarted one; its connector loads the shared KV if the pool still holds it,
+                    # else it prefills privately (counted as kv_miss).
                     retried = True
                     self.engines.fallback("decoder_retry")
                     request = replace(request, request_id=f"{request.request_id}-retry")
                     continue
-                yield self._failed(Failure(ErrorCode.DECODER_UNAVAILABLE, f"decoder {plan.model}: {type(e).__name__}: {e}"))
+                yield self._failed(e.failure if isinstance(e, _EngineFailed) else Failure(
+                    ErrorCode.DECODER_UNAVAILABLE, f"decoder {plan.model}: {type(e).__name__}: {e}"))
             break
         self._record()
 

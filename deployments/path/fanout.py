@@ -7,8 +7,9 @@ deployment's prefix router picks the replica from ``PrefillRequest.locality_keys
 the tenant. Each leg then becomes a :class:`DecodePlan`: the decoder request (cache salt, the
 prefill's node to prefer, the LoRA adapter of a decode group) or the failure that ended it
 before decoding. Decoders without a compatible module prefill privately (their reason is
-counted); a prefill that fails, or that no replica takes within ``limits.prefill_wait_s``,
-degrades to private prefill; a prefill deployment that sheds the call (:class:`Shed`) fails
+counted); a prefill call whose replica died is repeated once (Serve routes the repeat to a
+surviving replica); a prefill that fails again, or that no replica takes within
+``limits.prefill_wait_s``, degrades to private prefill; a prefill deployment that sheds the call (:class:`Shed`) fails
 its legs as ``overloaded``. A leg whose decoder has no replica running (it died and restarts)
 fails as ``decoder_unavailable`` before any prefill: the base's work and the caller's admission
 slot go to requests that can be answered. :meth:`FanOut.decode` streams a plan (deployments/path/decode_call.py).
@@ -111,18 +112,23 @@ class FanOut:
             cache_salt=salt,
             adapters=tuple(self.plan.decoder(p.leg.model).prefill_adapter for p in group),
         )
-        try:
-            ticket = await self.engines.prefill(module, req, self.plan.limits.prefill_wait_s)
-        except Shed as e:
-            for p in group:
-                p.error = Failure(ErrorCode.OVERLOADED, f"prefill module {module}: {e}")
-            return
-        except Unreachable:
-            self.engines.fallback("prefill_unavailable")
-            return
-        except Exception:  # noqa: BLE001 - the decoders prefill privately instead
-            self.engines.fallback("prefill_error")
-            return
+        for attempt in range(2):
+            try:
+                ticket = await self.engines.prefill(module, req, self.plan.limits.prefill_wait_s)
+                break
+            except Shed as e:
+                for p in group:
+                    p.error = Failure(ErrorCode.OVERLOADED, f"prefill module {module}: {e}")
+                return
+            except Unreachable:
+                self.engines.fallback("prefill_unavailable")
+                return
+            except Exception:  # noqa: BLE001 - its replica died: once more on a survivor, then privately
+                if attempt == 0:
+                    self.engines.fallback("prefill_retry")
+                    continue
+                self.engines.fallback("prefill_error")
+                return
         for i, p in enumerate(group):
             p.ticket, p.index = ticket, i
 
