@@ -13,6 +13,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from prefillshare.app.bad_words import EXTRA_ARG
 from prefillshare.app.errors import PrefillShareLibraryError
 
 INT64_MIN, INT64_MAX = -(2 ** 63), 2 ** 63 - 1
@@ -84,7 +85,10 @@ class Sampling:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
-    bad_words: tuple[str, ...] = ()  # never generated (vLLM bans each word's token sequence)
+    bad_words: tuple[str, ...] = ()  # never generated, in any form
+    # the words' token sequences, both forms (app/bad_words.py: the ingress tokenizes them once);
+    # empty with bad_words given: vLLM's own tokenization of them, which may miss a form
+    bad_word_ids: tuple[tuple[int, ...], ...] = ()
     allowed_token_ids: tuple[int, ...] | None = None  # the only tokens that may be sampled
     prompt_logprobs: int | None = None  # alternatives per prompt token: needs the decoder's own prefill
     presence_penalty: float = 0.0
@@ -104,6 +108,7 @@ class Sampling:
             object.__setattr__(self, "logit_bias", tuple(sorted(self.logit_bias.items())))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         object.__setattr__(self, "bad_words", tuple(self.bad_words))
+        object.__setattr__(self, "bad_word_ids", tuple(tuple(w) for w in self.bad_word_ids))
         if self.allowed_token_ids is not None:
             object.__setattr__(self, "allowed_token_ids", tuple(self.allowed_token_ids))
             if not self.allowed_token_ids:
@@ -170,7 +175,8 @@ class Sampling:
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens,
             spaces_between_special_tokens=self.spaces_between_special_tokens,
-            bad_words=list(self.bad_words) or None,
+            bad_words=None if self.bad_word_ids else list(self.bad_words) or None,
+            extra_args={EXTRA_ARG: [list(w) for w in self.bad_word_ids]} if self.bad_word_ids else None,
             allowed_token_ids=list(self.allowed_token_ids) if self.allowed_token_ids is not None else None,
             prompt_logprobs=self.prompt_logprobs,
             presence_penalty=self.presence_penalty,

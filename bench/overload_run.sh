@@ -34,8 +34,13 @@ c["decoders"].append({"name": "chat-group", "model": "checkpoints/base", "max_lo
                       "adapters": [{"name": f"group-{n}", "path": f"checkpoints/chat/adapters/{n}", "rank": 8}
                                    for n in ("tool_call", "reschedule")],
                       "placement": placement, "engine": engine})
-for d in c["prefill_modules"] + c["decoders"]:
-    d["placement"] = {**d["placement"], "num_replicas": replicas}
+# Ray's CPU bookkeeping of the 2 cores: 2 prefill + 6 decode replicas, the small deployments and
+# Serve's proxy must fit (their engines share the real cores whatever they are given)
+for d in c["prefill_modules"]:
+    d["placement"] = {**d["placement"], "num_replicas": replicas, "num_cpus": 0.5 / replicas}
+for d in c["decoders"]:
+    d["placement"] = {**d["placement"], "num_replicas": replicas, "num_cpus": 0.25 / replicas,
+                      "placement_group_bundles": [{"CPU": 0.25 / replicas}]}
 for small in ("router", "orchestrator"):
     c[small] = {**c.get(small, {}), "num_replicas": replicas}
 yaml.safe_dump(cfg, open(sys.argv[1], "w"), sort_keys=False)

@@ -36,6 +36,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from prefillshare.app.bad_words import PROCESSOR as BAD_WORDS_PROCESSOR
 from prefillshare.app.config import EngineSettings, LimitsConfig, LoRAGroup, default
 from prefillshare.app.engine import alloc_conf, compute_dtype, core_lifetime, niceness, vllm_plugin
 from prefillshare.app.engine.handover import KV_ROLE
@@ -206,10 +207,13 @@ class EngineConfig:
             from vllm.config import KVTransferConfig
 
             kw["kv_transfer_config"] = KVTransferConfig(**self.kv_transfer_config)
-        clash = sorted(set(self.engine_kwargs) & set(kw))
+        extra = dict(self.engine_kwargs)
+        # bad_words in every form (app/bad_words.py), beside any processors of the user's own
+        kw["logits_processors"] = [BAD_WORDS_PROCESSOR, *(extra.pop("logits_processors", None) or ())]
+        clash = sorted(set(extra) & set(kw))
         if clash:
             raise ValueError(f"EngineConfig.engine_kwargs: {clash} are set from EngineConfig's own fields")
-        return AsyncEngineArgs(**kw, **self.engine_kwargs)
+        return AsyncEngineArgs(**kw, **extra)
 
 
 @dataclass

@@ -9,8 +9,10 @@ from __future__ import annotations
 import functools
 import json
 import re
+from collections.abc import Callable
 from typing import Any
 
+from prefillshare.app.bad_words import word_sequences
 from prefillshare.app.config import LimitsConfig
 from prefillshare.app.sampling import Sampling, SamplingError, StructuredOutput
 from prefillshare.deployments.errors import ApiError
@@ -159,8 +161,10 @@ def schema_constraint(schema: dict[str, Any], param: str) -> StructuredOutput:
 def sampling_from(body, limits: LimitsConfig, eos_token_id: int | None, vocab_size: int, *, prefix: str = "",
                   max_tokens: int | None = None, max_tokens_param: str = "max_tokens",
                   logprobs: int | None = None, logprobs_param: str = "logprobs",
-                  constraint: StructuredOutput | None = None, prompt_logprobs: int | None = None) -> Sampling:
-    """The request's Sampling, within the app's caps (limits.*), or ApiError naming the field."""
+                  constraint: StructuredOutput | None = None, prompt_logprobs: int | None = None,
+                  encode: Callable[[str], list[int]] | None = None) -> Sampling:
+    """The request's Sampling, within the app's caps (limits.*), or ApiError naming the field.
+    ``encode`` (text -> token ids, no special tokens) tokenizes ``bad_words`` once, every form."""
     p = prefix
     if max_tokens is None:
         max_tokens = body.max_tokens if body.max_tokens is not None else limits.max_tokens_default
@@ -202,10 +206,7 @@ def sampling_from(body, limits: LimitsConfig, eos_token_id: int | None, vocab_si
         raise ApiError.invalid(p + "prompt_logprobs", f"{p}prompt_logprobs must be <= {limits.max_logprobs}, "
                                f"got {prompt_logprobs}")
     ignore_eos = bool(body.ignore_eos)
-    # eos ends a sequence through stop_token_ids (the decoders' own generation configs may not name
-    # it); ignore_eos leaves it out, as vLLM's server leaves out the eos check
-    stop_ids = [] if ignore_eos or eos_token_id is None else [eos_token_id]
-    stop_ids += [t for t in body.stop_token_ids or () if t not in stop_ids]
+    stop_ids = _stop_ids(body, eos_token_id, ignore_eos)
     defaults = Sampling()
     try:
         return Sampling(
@@ -224,6 +225,7 @@ def sampling_from(body, limits: LimitsConfig, eos_token_id: int | None, vocab_si
             skip_special_tokens=_flag(body.skip_special_tokens, True),
             spaces_between_special_tokens=_flag(body.spaces_between_special_tokens, True),
             bad_words=tuple(body.bad_words or ()),
+            bad_word_ids=word_sequences(encode, body.bad_words) if encode and body.bad_words else (),
             allowed_token_ids=tuple(body.allowed_token_ids) if body.allowed_token_ids is not None else None,
             prompt_logprobs=prompt_logprobs,
             presence_penalty=_num(body.presence_penalty, 0.0),
@@ -236,6 +238,13 @@ def sampling_from(body, limits: LimitsConfig, eos_token_id: int | None, vocab_si
     except SamplingError as e:
         param = {"max_tokens": max_tokens_param, "logprobs": logprobs_param}.get(e.param, e.param)
         raise ApiError.invalid(p + param, f"{p}{param}: {e.detail}") from None
+
+
+def _stop_ids(body, eos_token_id: int | None, ignore_eos: bool) -> list[int]:
+    """eos ends a sequence through stop_token_ids (the decoders' own generation configs may not name
+    it); ignore_eos leaves it out, as vLLM's server leaves out the eos check."""
+    stop_ids = [] if ignore_eos or eos_token_id is None else [eos_token_id]
+    return stop_ids + [t for t in body.stop_token_ids or () if t not in stop_ids]
 
 
 def _num(value, default: float) -> float:

@@ -346,7 +346,8 @@ class Router:
         return dp
 
     def _sampling(self, body, **kw) -> Sampling:
-        return sampling_from(body, self.limits, self.prompter.eos_token_id, self.prompter.vocab_size, **kw)
+        return sampling_from(body, self.limits, self.prompter.eos_token_id, self.prompter.vocab_size,
+                             encode=lambda text: self.prompter.encode(text, add_special_tokens=False), **kw)
 
     def _check_length(self, ids: list[int], sampling: Sampling, limit: int, param: str,
                       mt_param: str = "max_tokens") -> None:
