@@ -214,10 +214,12 @@ def test_gpu_prefill_and_decoders_share_multi_gpu_pods(gpu_manifest):
     # every engine's bundle asks for the one group resource: prefill and decoders land on the same pods
     assert {tuple(sorted(k for k in b if k not in ("CPU", "GPU"))) for e in engines
             for b in e["placement"]["placement_group_bundles"]} == {("gpu_node",)}
-    # one pod holds a prefill replica and every decoder (the initial cluster is one such pod)
+    # one pod holds a replica of the prefill and of every decoder, and the initial cluster holds
+    # every replica of every engine
     (group,) = [g for g in gpu_manifest["spec"]["rayClusterConfig"]["workerGroupSpecs"] if g["groupName"] == "gpu-node"]
+    assert len(engines) <= node.per_pod["GPU"]
     need = sum(e["placement"]["num_replicas"] for e in engines)
-    assert need <= node.per_pod["GPU"] and group["replicas"] >= 1
+    assert need <= node.per_pod["GPU"] * group["replicas"]
     limits = group["template"]["spec"]["containers"][0]["resources"]["limits"]
     assert limits["nvidia.com/gpu"] == node.per_pod["GPU"] == node.per_pod["gpu_node"]
     assert cfg["handover"] == "vllm-nixl"
