@@ -10,8 +10,6 @@ if __name__ != "prefillshare.agents":  # e.g. `import agents` with the repositor
         "repository root is on sys.path (the current directory?); run from another directory, or import "
         "prefillshare.agents")
 
-from prefillshare.app.sampling import StructuredOutput
-
 from .errors import (
     AgentFailedError,
     APIConnectionError,
@@ -27,6 +25,7 @@ from .errors import (
     StreamError,
     WorkflowError,
 )
+from .sampling import Sampling, SamplingError, StructuredOutput
 from .sdk import AsyncClient, Client, RunStream
 from .types import (
     AgentChoice,
@@ -44,6 +43,6 @@ from .types import (
     Usage,
     one_line,
 )
-from .workflow import Agent, Join, Sampling, Workflow, join_lines
+from .workflow import Agent, Join, Workflow, join_lines
 
 __all__ = [n for n in dir() if not n.startswith("_")]

@@ -22,8 +22,6 @@ from typing import Any
 
 import httpx
 
-from prefillshare.app.sampling import StructuredOutput
-
 from .errors import (
     APIConnectionError,
     APITimeoutError,
@@ -32,6 +30,7 @@ from .errors import (
     WorkflowError,
     error_from_response,
 )
+from .sampling import StructuredOutput
 from .types import (
     AgentDelta,
     AgentDone,

@@ -9,55 +9,18 @@ on the client, one request per round, for formats the server does not offer.
 from __future__ import annotations
 
 import enum
-import json
 import re
 import string
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from prefillshare.app.sampling import Sampling as _Sampling
-from prefillshare.app.sampling import SamplingError
-
 from .errors import WorkflowError
+from .sampling import Sampling
 from .types import AgentResult
 
 # The config's name rule (prefillshare.app.config): letters of any script, digits, '_', '.', '-'.
 _NAME = re.compile(r"^[^\W_][\w.\-]{0,62}$")
-
-
-@dataclass(frozen=True)
-class Sampling(_Sampling):
-    """The app's one sampling type (app/sampling.py), with the SDK's error type: what an agent
-    may ask for (stop, n, logprobs, penalties, logit_bias, a JSON schema via
-    ``structured=StructuredOutput.for_schema(...)``) is checked here, before anything is sent."""
-
-    def __post_init__(self):
-        try:
-            super().__post_init__()
-        except SamplingError as e:
-            raise WorkflowError(f"sampling.{e}") from None
-
-    def to_json(self) -> dict[str, Any]:
-        """The agent-body fields of /v1/agents/run that differ from the server's defaults."""
-        body: dict[str, Any] = {"temperature": self.temperature, "top_p": self.top_p}
-        if self.max_tokens is not None:
-            body["max_tokens"] = self.max_tokens
-        defaults = _Sampling()
-        for name in ("seed", "top_k", "min_p", "n", "presence_penalty", "frequency_penalty", "repetition_penalty",
-                     "logprobs"):
-            if getattr(self, name) != getattr(defaults, name):
-                body[name] = getattr(self, name)
-        if self.stop:
-            body["stop"] = list(self.stop)
-        if self.logit_bias:
-            body["logit_bias"] = {str(t): b for t, b in self.logit_bias}
-        if self.structured is not None:
-            body["response_format"] = (
-                {"type": "json_object"} if self.structured.json_object else
-                {"type": "json_schema", "json_schema": {"name": "output",
-                                                        "schema": json.loads(self.structured.json_schema)}})
-        return body
 
 
 @dataclass(frozen=True)

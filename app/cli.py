@@ -33,7 +33,12 @@ COMMANDS: list[Command] = [
 
 def _configure(command: Command, parser: argparse.ArgumentParser) -> None:
     module, func = command.target.split(":")
-    getattr(importlib.import_module(module), func)(parser)
+    try:
+        configure = getattr(importlib.import_module(module), func)
+    except ModuleNotFoundError as e:  # the SDK alone is installed (`pip install prefillshare`)
+        raise SystemExit(f"prefillshare {command.name}: needs the server, which is not installed ({e}); "
+                                 "install it with an engine: pip install 'prefillshare[cpu]' (or [gpu])") from None
+    configure(parser)
 
 
 def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
@@ -48,14 +53,25 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     return parser
 
 
+# Import names of the `server` extra's packages (pyproject.toml): the SDK alone lacks them.
+SERVER_MODULES = {"ray", "torch", "vllm", "transformers", "tokenizers", "safetensors", "peft", "prometheus_client",
+                  "pydantic", "yaml", "tqdm", "psutil"}
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = build_parser(argv)
-    args = parser.parse_args(argv)
-    if not getattr(args, "func", None):
-        parser.print_help()
-        return 2 if args.command is None else 1
-    return int(args.func(args) or 0)
+    try:
+        parser = build_parser(argv)
+        args = parser.parse_args(argv)
+        if not getattr(args, "func", None):
+            parser.print_help()
+            return 2 if args.command is None else 1
+        return int(args.func(args) or 0)
+    except ModuleNotFoundError as e:  # the SDK alone is installed (`pip install prefillshare`)
+        if (e.name or "").split(".")[0] not in SERVER_MODULES:
+            raise
+        raise SystemExit(f"prefillshare: this command needs the server, which is not installed (no module "
+                         f"{e.name!r}); install it with an engine: pip install 'prefillshare[cpu]' (or [gpu])") from None
 
 
 if __name__ == "__main__":

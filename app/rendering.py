@@ -1,7 +1,7 @@
 """Prompt rendering: one function from a request (or a training record) to token ids.
 
 Training renders every record with a :class:`Renderer` built from the decoder's prompt format
-and records that format in the manifest; serving (deployments/ingress/prompts.py) rebuilds the same
+and records that format in the manifest; serving (deployments/prompts.py) rebuilds the same
 Renderer from the manifest, so the token ids of a request are the ids the decoder was trained
 on. Three formats (``PromptFormat``): the suite's ``context\\ninstruction``, plain
 prompt/completion text, and a Jinja chat template applied with ``add_generation_prompt``.

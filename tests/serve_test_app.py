@@ -24,7 +24,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from hang_report import Stuck, bounded
+from hang_report import bounded
 
 ROOT = Path(__file__).resolve().parent.parent
 CONTEXT = "order\nname:maya\nitem:lamp\nqty:3\ncity:oslo\nday:tue\ncolor:teal\nnote:please call before noon thanks"
@@ -213,27 +213,17 @@ def _ingress_state(app) -> dict:
     return json.loads(body)["admission"]
 
 
-def prefill_call(app_name: str, module: str, make_request, timeout_s: float = 120):
-    """A Prefill replica's ticket for ``make_request(attempt)``, called from the test process and
-    bounded as a whole (handle lookup, router start, result: tests/hang_report.bounded). Twice in CI
-    such a call held a test until pytest-timeout; a call stuck for ``timeout_s`` is made once more
-    through a new handle (and router) with a new request id, then fails naming the frame it was
-    stuck in."""
+def prefill_call(app_name: str, module: str, request, timeout_s: float = 120):
+    """A Prefill replica's ticket for ``request``, called from the test process and bounded
+    as a whole (handle lookup, router start, result: tests/hang_report.bounded). A call stuck for
+    ``timeout_s`` fails the test with the frame it was stuck in (``Stuck``), instead of holding it
+    until pytest-timeout: a hang is a defect to see, not to retry past."""
     from ray import serve
-    from ray.serve.handle import DeploymentHandle
 
     name = f"Prefill-{module}"
-
-    def call(attempt: int):
-        # serve.get_deployment_handle gives this process's cached handle (its router included)
-        handle = serve.get_deployment_handle(name, app_name) if attempt == 0 else DeploymentHandle(name, app_name)
-        return handle.prefill.remote(make_request(attempt)).result()  # bounded() holds the deadline
-
-    try:
-        return bounded(lambda: call(0), timeout_s, f"{name}.prefill")
-    except Stuck as first:
-        print(f"prefill_call: {first}; trying once more through a new handle")
-    return bounded(lambda: call(1), timeout_s, f"{name}.prefill (second try)")
+    # serve.get_deployment_handle gives this process's cached handle (its router included)
+    return bounded(lambda: serve.get_deployment_handle(name, app_name).prefill.remote(request).result(),
+                   timeout_s, f"{name}.prefill")
 
 
 def nixl_events(url: str, module: str, event: str) -> float:

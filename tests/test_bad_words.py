@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from prefillshare.app.bad_words import EXTRA_ARG, PROCESSOR, word_sequences
-from prefillshare.app.sampling import Sampling
+from prefillshare.app.sampling import Sampling, to_sampling_params
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -26,9 +26,9 @@ def test_both_forms_of_a_word_are_banned_whatever_their_lengths():
     assert len(bare) != len(spaced)  # the shipped tokenizer: vLLM's own rule keeps the bare form only
     assert word_sequences(encode, ["lamp", " lamp", "rome"]) == (
         tuple(bare), tuple(spaced), tuple(encode("rome")), tuple(encode(" rome")))
-    params = Sampling(bad_words=("lamp",), bad_word_ids=word_sequences(encode, ["lamp"])).to_vllm()
+    params = to_sampling_params(Sampling(bad_words=("lamp",), bad_word_ids=word_sequences(encode, ["lamp"])))
     assert params.bad_words == [] and params.extra_args[EXTRA_ARG] == [bare, spaced]
-    plain = Sampling(bad_words=("lamp",)).to_vllm()  # not tokenized by the ingress: vLLM's own rule
+    plain = to_sampling_params(Sampling(bad_words=("lamp",)))  # not tokenized by the ingress: vLLM's own rule
     assert plain.bad_words == ["lamp"] and not (plain.extra_args or {}).get(EXTRA_ARG)
 
 

@@ -363,9 +363,9 @@ def _chat_prompts(tmp_path, layout: str, n: int = 2):
     from bench.models import SMALL, random_models
     from bench.workload import agent_profiles
     from prefillshare.app.rendering import Renderer
-    from prefillshare.deployments.ingress.prompts import Prompter
     from prefillshare.deployments.ingress.schemas import ChatBody
     from prefillshare.deployments.ingress.tools import tools_line
+    from prefillshare.deployments.prompts import Prompter
 
     mset = random_models(tmp_path / "m", n, SMALL, TOKENIZER, "float32", lora_rank=8)
     dirs = {"shared_first": mset.shared_first, "system_first": mset.system_first}[layout]

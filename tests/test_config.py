@@ -7,7 +7,8 @@ import pytest
 import yaml
 
 from prefillshare.app.config import AppConfig, ConfigError, load_config
-from prefillshare.deployments.ingress.prompts import common_prefix, locality_keys
+from prefillshare.deployments.prompts import common_prefix
+from prefillshare.deployments.routing.locality import locality_keys
 from prefillshare.deployments.routing.prefix_router import LocalityTable, choose, rendezvous_rank
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -15,10 +15,10 @@ from prefillshare.app.plan import AppPlan, DecoderPlan, ModulePlan
 from prefillshare.app.prompt_split import shared_length, split_prompt
 from prefillshare.app.sampling import Sampling
 from prefillshare.deployments.errors import ErrorCode, Failure, Shed, Unreachable
-from prefillshare.deployments.ingress.prompts import locality_keys
 from prefillshare.deployments.messages import DecodeChunk, PrefillTicket
 from prefillshare.deployments.path.decode_call import Output, Sequence
 from prefillshare.deployments.path.fanout import FanOut, Leg
+from prefillshare.deployments.routing.locality import locality_keys
 
 BLOCK = 4
 PLAN = AppPlan(

@@ -14,7 +14,7 @@ from prefillshare.app.rendering import Renderer
 from prefillshare.app.training import tasks
 from prefillshare.app.training.data import read_records, render_records, truncate
 from prefillshare.app.training.tokenizer import load_tokenizer
-from prefillshare.deployments.ingress.prompts import Prompter
+from prefillshare.deployments.prompts import Prompter
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKENIZER = ROOT / "checkpoints" / "tokenizer"

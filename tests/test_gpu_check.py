@@ -57,7 +57,8 @@ def test_env_and_transport_steps_dry_run_on_cpu(tmp_path):
         assert row["bytes_equal"]
         for k in ("device_gather_gb_s", "device_scatter_gb_s", "ipc_scatter_gb_s", "host_save_gb_s",
                   "host_load_gb_s", "device_copy_gb_s"):
-            assert row[k] > 0, k
+            # a rate a CPU's memory can give: a timer or unit slip (bytes, ns) lands outside
+            assert 0.01 < row[k] < 2000, (k, row[k])
 
 
 def _dry_run(tmp_path, steps: str, timeout: int) -> dict:
@@ -102,8 +103,11 @@ def test_handover_steps_dry_run_on_cpu(tmp_path):
         # UCX's own protocol table for the reads (UCX_PROTO_INFO): on one CPU host, CMA (measured here)
         assert step["transport_chosen"] and step["ucx_version"].startswith("Version ")
     speed = steps["speed"]
-    assert speed["copy_gb_s"] > 0 and speed["kv_over_copy"] > 0
+    # bounds that a broken measurement leaves: a KV pull is not 10x faster than a plain copy of its
+    # bytes, and a decoder's TTFT after its own prefill is neither 20x below nor 100x above one that
+    # pulled the base's KV (a zero or a unit slip in either lands outside)
+    assert 0.01 < speed["copy_gb_s"] < 2000 and 0 < speed["kv_over_copy"] <= 10, speed
     (row,) = speed["summary"].values()
-    assert row["ttft_private_over_shared"] > 0 and row["all_pulled"]
+    assert 0.05 < row["ttft_private_over_shared"] < 100 and row["all_pulled"], row
     assert (tmp_path / "speed.log").is_file()
     assert set(res["ratios"]) == {"speed: decoder TTFT private / shared", "speed: KV GB/s / device copy GB/s"}

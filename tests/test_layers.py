@@ -34,6 +34,22 @@ def test_app_imports_nothing_from_deployments():
     assert not offenders, offenders
 
 
+SDK_IMPORTS = {"httpx"}  # pyproject.toml's base dependencies: what `pip install prefillshare` brings
+
+
+def test_the_sdk_imports_only_the_standard_library_and_httpx():
+    """agents/ is the SDK an agent application installs alone (docs/sdk.md): it imports nothing of
+    the server (app/, deployments/) and no package outside the standard library but httpx."""
+    import sys
+
+    offenders = []
+    for path in sorted((ROOT / "agents").rglob("*.py")):
+        rel = path.relative_to(ROOT).as_posix()
+        offenders += [f"{rel}:{line} imports {m}" for line, m in _imports(path)
+                      if m.split(".")[0] not in sys.stdlib_module_names | SDK_IMPORTS | {"__future__"}]
+    assert not offenders, offenders
+
+
 def test_the_scan_sees_imports_inside_functions(tmp_path):
     f = tmp_path / "m.py"
     f.write_text("def f():\n    from prefillshare.deployments.ingress.server import Router\n    import prefillshare.deployments.messages\n")
@@ -86,6 +102,18 @@ def test_the_hand_over_mode_is_read_only_by_the_config_and_the_plan():
                 found[rel] = hits
     assert not found, found
     assert _handover_mentions(ROOT / "app" / "plan.py")  # the scan sees the one reader
+
+
+def test_the_request_path_below_the_ingress_imports_nothing_of_it():
+    """deployments/ reads top to bottom (docs/DESIGN.md): ingress/ calls path/, replicas/ and
+    routing/; none of those imports ingress/ (what both need is in deployments/ itself)."""
+    offenders = []
+    for pkg in ("path", "replicas", "routing"):
+        for path in sorted((ROOT / "deployments" / pkg).rglob("*.py")):
+            rel = path.relative_to(ROOT).as_posix()
+            offenders += [f"{rel}:{line} imports {m}" for line, m in _imports(path)
+                          if m.startswith("deployments.ingress")]
+    assert not offenders, offenders
 
 
 def test_no_import_cycle_between_modules():

@@ -28,7 +28,7 @@ def shipped_with_group():
 def test_each_manifest_is_read_once_and_each_rendering_checked_once(shipped_with_group, monkeypatch):
     from prefillshare.app.models import compat, manifest
     from prefillshare.app.plan import plan_app
-    from prefillshare.deployments.ingress.prompts import Prompter
+    from prefillshare.deployments.prompts import Prompter
 
     reads: Counter[str] = Counter()
     real = manifest.read_manifest

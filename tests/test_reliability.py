@@ -14,7 +14,7 @@ import yaml
 from prefillshare.app.auth import AuthError, KeyRing, load_keyring, tenant_salt
 from prefillshare.app.config import ConfigError, LimitsConfig, load_config
 from prefillshare.deployments.ingress.admission import Admission, LatencyLimit, Slot, admission_for
-from prefillshare.deployments.ingress.prompts import locality_keys
+from prefillshare.deployments.routing.locality import locality_keys
 
 ROOT = Path(__file__).resolve().parent.parent
 KEY_A, KEY_B = "sk-unit-acme-00112233445566", "sk-unit-globex-778899aabbcc"
@@ -180,6 +180,7 @@ def test_serve_script_keeps_ray_token_auth_on_unless_told_otherwise():
 
 def test_openai_options_become_one_sampling_and_unimplemented_ones_are_refused():
     from prefillshare.app.config import LimitsConfig
+    from prefillshare.app.sampling import to_sampling_params
     from prefillshare.deployments.errors import ApiError
     from prefillshare.deployments.ingress.request_options import check_unsupported, sampling_from
     from prefillshare.deployments.ingress.schemas import AgentBody, ChatBody, CompletionBody
@@ -190,7 +191,7 @@ def test_openai_options_become_one_sampling_and_unimplemented_ones_are_refused()
                                      logit_bias={"5": 1}, seed=3, user="u"), limits, 2, 1000, logprobs=2)
     assert (s.stop, s.n, s.frequency_penalty, s.logit_bias, s.seed, s.logprobs, s.stop_token_ids) == \
         (("\n",), 2, 0.5, ((5, 1.0),), 3, 2, (2,))
-    params = s.to_vllm()
+    params = to_sampling_params(s)
     assert (params.stop, params.n, params.logit_bias, params.logprobs) == (["\n"], 2, {5: 1.0}, 2)
     for body, field in ((CompletionBody(model="m", prompt="p", best_of=3), "best_of"),
                         (CompletionBody(model="m", prompt="p", suffix="x"), "suffix"),

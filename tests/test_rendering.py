@@ -18,7 +18,7 @@ from prefillshare.app.models.manifest import (
 )
 from prefillshare.app.rendering import Renderer, RenderError, template_sha256
 from prefillshare.app.training.tasks import render_prompt
-from prefillshare.deployments.ingress.prompts import Prompter, common_prefix
+from prefillshare.deployments.prompts import Prompter, common_prefix
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKENIZER = ROOT / "checkpoints" / "tokenizer"

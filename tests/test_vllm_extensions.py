@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from prefillshare.app.config import LimitsConfig
-from prefillshare.app.sampling import Sampling, TokenLogprob, TopLogprob
+from prefillshare.app.sampling import Sampling, TokenLogprob, TopLogprob, private_prefill_reason, to_sampling_params
 from prefillshare.deployments.errors import ApiError
 from prefillshare.deployments.ingress.prompt_options import (
     cache_salt,
@@ -27,22 +27,22 @@ def _sampling(**fields) -> Sampling:
 
 
 def test_sampling_extensions_reach_vllm_sampling_params():
-    p = _sampling(min_tokens=3, stop_token_ids=[7, 9], include_stop_str_in_output=True, skip_special_tokens=False,
-                  spaces_between_special_tokens=False, bad_words=["lamp"], allowed_token_ids=[5, 6, 7]).to_vllm()
+    p = to_sampling_params(_sampling(min_tokens=3, stop_token_ids=[7, 9], include_stop_str_in_output=True, skip_special_tokens=False,
+                  spaces_between_special_tokens=False, bad_words=["lamp"], allowed_token_ids=[5, 6, 7]))
     assert (p.min_tokens, p.stop_token_ids, p.include_stop_str_in_output, p.skip_special_tokens,
             p.spaces_between_special_tokens, p.bad_words, p.allowed_token_ids) == \
         (3, [EOS, 7, 9], True, False, False, ["lamp"], [5, 6, 7])
     # ignore_eos: eos leaves the stop ids (the app stops on eos through them), the engine ignores it
-    p = _sampling(ignore_eos=True, stop_token_ids=[7]).to_vllm()
+    p = to_sampling_params(_sampling(ignore_eos=True, stop_token_ids=[7]))
     assert (p.ignore_eos, p.stop_token_ids) == (True, [7])
-    assert _sampling().to_vllm().stop_token_ids == [EOS]
+    assert to_sampling_params(_sampling()).stop_token_ids == [EOS]
 
 
 @pytest.mark.parametrize("so, kind", [({"choice": ["yes", "no"]}, "choice"), ({"regex": "[a-z]{3}"}, "regex"),
                                       ({"grammar": 'root ::= "a" | "b"'}, "grammar"),
                                       ({"json": {"type": "object"}}, "json"), ({"json_object": True}, "json_object")])
 def test_structured_outputs_of_each_kind_become_vllms(so, kind):
-    got = _sampling(structured_outputs=so).to_vllm().structured_outputs
+    got = to_sampling_params(_sampling(structured_outputs=so)).structured_outputs
     want = {"json": '{"type": "object"}', "json_object": True}.get(kind, so.get(kind))
     assert getattr(got, kind) == want
 
@@ -85,8 +85,8 @@ def test_extensions_that_cannot_hold_here_are_refused_by_name(field, value):
 def test_prompt_logprobs_ask_for_a_private_prefill():
     body = CompletionBody(model="m", prompt="p", prompt_logprobs=2)
     s = sampling_from(body, LIMITS, EOS, 1000, prompt_logprobs=prompt_logprobs_of(body, None))
-    assert (s.private_prefill_reason, s.to_vllm().prompt_logprobs) == ("prompt_logprobs", 2)
-    assert _sampling().private_prefill_reason is None
+    assert (private_prefill_reason(s), to_sampling_params(s).prompt_logprobs) == ("prompt_logprobs", 2)
+    assert private_prefill_reason(_sampling()) is None
     assert prompt_logprobs_of(CompletionBody(model="m", prompt="p", echo=True, logprobs=1), 1) == 1
     assert prompt_logprobs_of(CompletionBody(model="m", prompt="p", logprobs=1), 1) is None
     with pytest.raises(ApiError) as e:

@@ -42,7 +42,7 @@ from prefillshare.app.engine import alloc_conf, compute_dtype, core_lifetime, ni
 from prefillshare.app.engine.handover import KV_ROLE
 from prefillshare.app.engine.pool import kv_pool
 from prefillshare.app.errors import PrefillShareLibraryError
-from prefillshare.app.sampling import Sampling, TokenLogprob, prompt_logprobs, token_logprobs
+from prefillshare.app.sampling import Sampling, TokenLogprob, prompt_logprobs, to_sampling_params, token_logprobs
 
 __all__ = [
     "EngineConfig",
@@ -417,7 +417,7 @@ class Engine:
             raise EngineRequestError(
                 f"prompt_token_ids: {len(ids)} tokens, max_model_len is {self.cfg.max_model_len}"
             )
-        params = sampling.to_vllm() if isinstance(sampling, Sampling) else sampling
+        params = to_sampling_params(sampling) if isinstance(sampling, Sampling) else sampling
         if kv_transfer_params:
             params.extra_args = {**(params.extra_args or {}), "kv_transfer_params": dict(kv_transfer_params)}
         rid = request_id or uuid.uuid4().hex

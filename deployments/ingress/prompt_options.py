@@ -4,7 +4,7 @@ before the shared prefill: whatever they change, the base's KV and the decoder s
 ``truncate_prompt_tokens`` cuts the ids, the chat switches (``add_generation_prompt``,
 ``continue_final_message``, ``chat_template_kwargs``) reach the decoder's recorded rendering,
 ``prompt_logprobs`` (and ``echo`` with logprobs) ask for the decoder's own prompt scores (the
-request then prefills privately, see Sampling.private_prefill_reason), and ``cache_salt`` joins
+request then prefills privately, see app/sampling.py private_prefill_reason), and ``cache_salt`` joins
 the tenant's salt. Every refusal is an ApiError naming the field.
 """
 from __future__ import annotations

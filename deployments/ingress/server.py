@@ -44,7 +44,6 @@ from prefillshare.deployments.ingress.prompt_options import (
     prompt_logprobs_of,
     truncated,
 )
-from prefillshare.deployments.ingress.prompts import Prompter, RenderError
 from prefillshare.deployments.ingress.request_options import check_unsupported, load_grammar_backend, sampling_from
 from prefillshare.deployments.ingress.schemas import AgentRunBody, ChatBody, CompletionBody, parse, read_body
 from prefillshare.deployments.ingress.tools import ToolPlan, plan_tools, read_tool_output
@@ -60,6 +59,7 @@ from prefillshare.deployments.metrics import MetricsSender
 from prefillshare.deployments.path.decode_call import DecoderCall, Output
 from prefillshare.deployments.path.fanout import FanOut, Leg
 from prefillshare.deployments.path.serve_engines import ServeEngines
+from prefillshare.deployments.prompts import Prompter, RenderError
 
 
 class _ReplicaGone(Exception):

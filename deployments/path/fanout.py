@@ -28,12 +28,13 @@ from dataclasses import dataclass
 
 from prefillshare.app.plan import AppPlan
 from prefillshare.app.prompt_split import split_prompt
-from prefillshare.app.sampling import Sampling
+from prefillshare.app.sampling import Sampling, private_prefill_reason
 from prefillshare.deployments.errors import ErrorCode, Failure, Shed, Unreachable
-from prefillshare.deployments.ingress.prompts import common_prefix, locality_keys
 from prefillshare.deployments.messages import DecodeRequest, PrefillRequest, PrefillTicket
 from prefillshare.deployments.path.decode_call import DecodePlan, DecoderCall, Output
 from prefillshare.deployments.path.engines import Engines
+from prefillshare.deployments.prompts import common_prefix
+from prefillshare.deployments.routing.locality import locality_keys
 
 
 @dataclass(frozen=True)
@@ -75,8 +76,8 @@ class FanOut:
                 served.setdefault(dp.prefill_module, []).append(p)
             elif dp.prefill_module is None:
                 self.engines.fallback(dp.private_reason or "private")
-            elif p.leg.sampling.private_prefill_reason is not None:  # e.g. the decoder's own prompt logprobs
-                self.engines.fallback(p.leg.sampling.private_prefill_reason)
+            elif (reason := private_prefill_reason(p.leg.sampling)) is not None:  # e.g. the decoder's own prompt logprobs
+                self.engines.fallback(reason)
             elif len(p.leg.prompt) > 1:  # a one-token prompt has nothing to hand over
                 groups.setdefault(dp.prefill_module, []).append(p)
                 served.setdefault(dp.prefill_module, []).append(p)

