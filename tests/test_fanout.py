@@ -245,6 +245,28 @@ def test_a_decoder_failing_mid_stream_ends_with_one_typed_error_chunk(raised, co
     assert engines.records[0].ok is False and engines.fallbacks == []  # a failed call is no kv_miss
 
 
+async def _until_failure(call) -> list:
+    """Read as the Router does: stop at the first failure chunk, leaving the generator suspended."""
+    out = []
+    async for chunk in call.chunks():
+        out.append(chunk)
+        if chunk.error:
+            break
+    return out
+
+
+def test_a_failed_call_is_recorded_when_its_reader_stops_at_the_failure():
+    """The Router stops reading a decoder call at its failure chunk (its stream ends there), so the
+    call records itself before that chunk: /metrics counts the error, once."""
+    engines = FakeEngines(decode_raises=ConnectionError("dead"))
+    fan = FanOut(PLAN, engines)
+    [plan] = _run(fan.prepare([_leg("alpha", list(range(1, 12)))], "c", "completions", None))
+    call = fan.decode(plan, 0.0)
+    chunks = _run(_until_failure(call))
+    assert chunks[-1].error.code is ErrorCode.DECODER_UNAVAILABLE
+    assert [r.ok for r in engines.records] == [False]
+
+
 def test_a_decoder_that_died_before_any_output_is_retried_once_then_fails_typed():
     engines = FakeEngines(dead_before_output=1)
     fan = FanOut(PLAN, engines)

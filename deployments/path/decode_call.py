@@ -136,19 +136,24 @@ class DecoderCall:
         if plan.ticket is not None:
             self.output.prefill_module, self.output.prefill_replica = plan.ticket.prefill_module, plan.ticket.replica_id
         self._stream = None
+        self._recorded = False
 
     def cancel(self) -> None:
         if self._stream is not None:
             self._stream.cancel()
 
-    def _failed(self, failure: Failure) -> DecodeChunk:
+    def _failed(self, failure: Failure, record: bool = True) -> DecodeChunk:
+        """The call's last chunk, a failure, recorded first (unless it never reached a decoder): a
+        caller stops reading at a failure, so nothing after its yield would run."""
         self.output.error = failure
+        if record:
+            self._record()
         return DecodeChunk(self.plan.request.request_id, self.plan.model, "", [], True, "error", error=failure)
 
     async def chunks(self) -> AsyncIterator[DecodeChunk]:
         plan, out = self.plan, self.output
-        if plan.error is not None:
-            yield self._failed(plan.error)
+        if plan.error is not None:  # failed before any decoder (shed, no replica): nothing to record
+            yield self._failed(plan.error, record=False)
             return
         module, replica = out.prefill_module, out.prefill_replica
         request, retried = plan.request, False
@@ -161,6 +166,7 @@ class DecoderCall:
                         raise _EngineFailed(chunk.error)  # its engine died before any output: retried below
                     if chunk.error:
                         out.error = chunk.error
+                        self._record()  # the caller stops reading at a failure
                     else:
                         if out.ttft_s is None and chunk.delta_token_ids:
                             out.ttft_s = time.perf_counter() - self.t0
@@ -194,6 +200,10 @@ class DecoderCall:
         return None if self.deadline is None else max(0.0, self.deadline - time.perf_counter())
 
     def _record(self) -> None:
+        """The call's metrics record, once."""
+        if self._recorded:
+            return
+        self._recorded = True
         plan, req, out = self.plan, self.plan.request, self.output
         if plan.shared_tokens_expected and out.error is None and out.num_cached_tokens == 0:
             self.engines.fallback("kv_miss")
