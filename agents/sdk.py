@@ -487,7 +487,7 @@ class RunStream:
 
     def __init__(self, client: AsyncClient, body: dict, timeout: float | None):
         self._client, self._body, self._timeout = client, body, timeout
-        rounds = body.get("rounds") if isinstance(body.get("rounds"), list) else []
+        rounds = body["rounds"] if isinstance(body.get("rounds"), list) else []
         names = {a["name"] for a in body.get("agents") or []} | {a["name"] for r in rounds for a in r}
         self._agent_q: dict[str, asyncio.Queue] = {n: asyncio.Queue() for n in names}
         self._events: asyncio.Queue = asyncio.Queue()

@@ -7,7 +7,16 @@ docs/serving.md's settings table lists where each setting goes (tests/test_setti
 """
 from __future__ import annotations
 
-from prefillshare.app.config import AppConfig, ConfigError, EngineSettings, LoRAGroup, Placement, PoolConfig
+from prefillshare.app.config import (
+    AppConfig,
+    ConfigError,
+    DecoderConfig,
+    EngineSettings,
+    LoRAGroup,
+    Placement,
+    PoolConfig,
+    PrefillModuleConfig,
+)
 
 # vLLM on the CPU runs its worker in a third process unless this is off; inside EngineCore it
 # measured less memory and CPU per session (docs/benchmarks.md, "Engine footprint"). Only with
@@ -51,7 +60,8 @@ def check_engine_kwargs(cfg: AppConfig) -> None:
     ConfigError naming the field otherwise (before any engine starts)."""
     import dataclasses
 
-    deployments = [(f"prefill_modules[{i}]", p) for i, p in enumerate(cfg.prefill_modules)]
+    deployments: list[tuple[str, PrefillModuleConfig | DecoderConfig]] = [
+        (f"prefill_modules[{i}]", p) for i, p in enumerate(cfg.prefill_modules)]
     deployments += [(f"decoders[{i}]", d) for i, d in enumerate(cfg.decoders)]
     if not any(dep.engine.engine_kwargs for _, dep in deployments):
         return  # nothing to check: vLLM is not imported

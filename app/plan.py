@@ -18,6 +18,7 @@ neither read a manifest nor check a rendering again.
 """
 from __future__ import annotations
 
+import functools
 import json
 import logging
 from dataclasses import dataclass, field
@@ -76,11 +77,21 @@ class AppPlan:
     sharing: tuple[ModuleSharing, ...] = ()  # per prefill module: what its decoders share of a probe
     handover: Handover | None = None  # how the base's KV reaches the decoders (handover_of)
 
-    def decoder(self, name: str) -> DecoderPlan | None:
-        return next((d for d in self.decoders if d.name == name), None)
+    @functools.cached_property
+    def _by_name(self) -> tuple[dict[str, DecoderPlan], dict[str, ModulePlan]]:
+        """Built once per process (the plan crosses Ray pickled): requests look names up, not scan."""
+        return {d.name: d for d in self.decoders}, {m.name: m for m in self.modules}
 
-    def module(self, name: str) -> ModulePlan | None:
-        return next((m for m in self.modules if m.name == name), None)
+    def serves(self, name: str) -> bool:
+        return name in self._by_name[0]
+
+    def decoder(self, name: str) -> DecoderPlan:
+        """The served decoder ``name`` (KeyError if none: the ingress checks names with :meth:`serves`)."""
+        return self._by_name[0][name]
+
+    def module(self, name: str) -> ModulePlan:
+        """The prefill module ``name`` (KeyError if none)."""
+        return self._by_name[1][name]
 
     @property
     def renderers(self) -> dict[str, Renderer]:

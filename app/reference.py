@@ -149,7 +149,7 @@ def batched_greedy_from_kv(
     nxt = logits[torch.arange(len(own_tokens)), last].argmax(-1)
     # later steps sit after the padded own block: positions continue from each row's real end
     kv = SharedKV(kv.cache, torch.cat([kv.mask, mask], 1), kv.lengths + mask.sum(1))
-    out = [[] for _ in own_tokens]
+    out: list[list[int]] = [[] for _ in own_tokens]
     done = [False] * len(own_tokens)
     for step in range(max_new_tokens):
         for i, t in enumerate(nxt.tolist()):

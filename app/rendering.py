@@ -69,6 +69,9 @@ class Renderer:
         fmt = manifest.prompt
         if fmt.format != "chat_template":
             return cls(fmt)
+        if fmt.template_file is None or fmt.template_sha256 is None:
+            raise RenderError(f"{decoder_dir / MANIFEST_NAME}: prompt format chat_template without template_file "
+                              "and template_sha256")
         path = decoder_dir / fmt.template_file
         if not path.is_file():
             raise RenderError(f"{decoder_dir / MANIFEST_NAME}: prompt.template_file {fmt.template_file!r} is not in "
@@ -112,7 +115,9 @@ class Renderer:
 
     def extra_files(self) -> dict[str, str]:
         """Files an exported decoder carries so the rendering can be rebuilt from its directory."""
-        return {self.fmt.template_file: self.template} if self.format == "chat_template" else {}
+        if self.format != "chat_template" or self.fmt.template_file is None or self.template is None:
+            return {}
+        return {self.fmt.template_file: self.template}
 
     # --- chat templates ---
     def _render(self, tok, messages: Messages, add_generation_prompt: bool, continue_final_message: bool = False,

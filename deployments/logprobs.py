@@ -2,6 +2,7 @@
 agent results, show the engines' TokenLogprob the same way."""
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from prefillshare.app.sampling import TokenLogprob
@@ -13,7 +14,7 @@ def _token(t, as_ids: bool) -> str:
     return f"token_id:{t.token_id}" if as_ids else t.token
 
 
-def completion_logprobs(items: list[TokenLogprob | None], offset: int, as_ids: bool = False,
+def completion_logprobs(items: Sequence[TokenLogprob | None], offset: int, as_ids: bool = False,
                         unscored: str = "") -> dict[str, Any]:
     """Completions' shape: parallel lists; ``offset`` is the text length before the first token.
     A None item is a token without a log-probability (an echoed prompt's first token, shown as

@@ -18,12 +18,16 @@ import re
 import socket
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import Metric
 from ray import serve
 
 from prefillshare.app.engine.nixl.side_channel_auth import REFUSED_METRIC
+
+if TYPE_CHECKING:
+    from prefillshare.app.engine.pool.kv_pool import KVPool
 
 log = logging.getLogger("ray.serve")
 disable_created_metrics()  # no *_created series: they double every counter's lines for no use here
@@ -86,7 +90,7 @@ class PoolReader:
 
     def __init__(self, path: str) -> None:
         self.path = path
-        self._pool = None
+        self._pool: KVPool | None = None
 
     def families(self) -> list[EngineFamily]:
         if self._pool is None:

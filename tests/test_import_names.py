@@ -110,13 +110,16 @@ def test_every_package_folder_is_installed_under_the_projects_name():
     """pyproject lists its packages (a renamed one rules out `find`): every package folder of app/ and
     deployments/ is there, as prefillshare.<folder path>, and nothing else."""
     setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
-    assert setuptools["package-dir"] == {"prefillshare.app": "app", "prefillshare.deployments": "deployments",
-                                         "prefillshare.agents": "agents"}
+    # src/prefillshare/<folder> is a relative link to each folder: the names resolve on disk
+    assert setuptools["package-dir"] == {"": "src"}
+    for top in ("app", "deployments", "agents"):
+        link = ROOT / "src" / "prefillshare" / top
+        assert link.is_symlink() and link.resolve() == ROOT / top and not link.readlink().is_absolute(), link
     folders = {"prefillshare." + ".".join(p.parent.relative_to(ROOT).parts)
                for top in ("app", "deployments") for p in (ROOT / top).rglob("*.py")
                if "__pycache__" not in p.parts}
-    listed = set(setuptools["packages"]) - {"prefillshare.agents"}
-    assert "prefillshare.agents" in setuptools["packages"]
+    listed = set(setuptools["packages"]) - {"prefillshare.agents", "prefillshare"}
+    assert {"prefillshare", "prefillshare.agents"} <= set(setuptools["packages"])
     assert listed == folders, (f"[tool.setuptools] packages in pyproject.toml: add {sorted(folders - listed)}, "
                                f"remove {sorted(listed - folders)}")
 

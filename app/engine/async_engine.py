@@ -141,7 +141,7 @@ class EngineConfig:
             raise ValueError("EngineConfig.kv_transfer_config must be a dict")
         if self.max_loras is None:
             object.__setattr__(self, "max_loras", max(1, len(self.lora_adapters)))
-        if len(self.lora_adapters) > self.max_loras:
+        if len(self.lora_adapters) > (self.max_loras or 1):
             raise ValueError(f"EngineConfig.lora_adapters: {len(self.lora_adapters)} adapters, max_loras is "
                              f"{self.max_loras}")
         unknown = sorted(set(self.handover_adapters) - {name for name, _ in self.lora_adapters})
@@ -475,7 +475,9 @@ class Engine:
     async def complete(self, prompt_token_ids, sampling, request_id=None, cache_salt=None,
                        kv_transfer_params=None, lora=None) -> Completion:
         """Run a request to the end; the whole output of its last sequence to finish."""
-        last, ids, texts = None, {}, {}
+        last = None
+        ids: dict[int, list[int]] = {}
+        texts: dict[int, list[str]] = {}
         async for out in self.generate(prompt_token_ids, sampling, request_id, cache_salt, kv_transfer_params, lora):
             ids.setdefault(out.index, []).extend(out.new_token_ids)
             texts.setdefault(out.index, []).append(out.new_text)

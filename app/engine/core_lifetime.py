@@ -78,7 +78,7 @@ def _watch_parent() -> None:
     if parent is None:  # not started by multiprocessing: the pid is all there is to watch
         parent_pid, sentinels = os.getppid(), []
     else:
-        parent_pid, sentinels = parent.pid, [parent.sentinel]
+        parent_pid, sentinels = parent.pid or os.getppid(), [parent.sentinel]
 
     def watch() -> None:
         while os.getppid() == parent_pid:

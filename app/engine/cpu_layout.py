@@ -232,7 +232,7 @@ class BlockLayout:
                     src = src.to(dev, non_blocking=src.is_pinned())
                 for dim, c, v in self._pairs(src):
                     c.index_copy_(dim, ids, v)
-        if partial:
+        if partial and last_tokens is not None:
             self.scatter(self.slots_view(slab, slots[-1], 1)[0], block_ids[-1], last_tokens)
         if dev.type == "cuda":
             torch.cuda.current_stream(dev).synchronize()

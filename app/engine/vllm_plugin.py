@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import json
 import os
+from typing import Any
 
 import numpy as np
 
@@ -49,7 +50,7 @@ HANDOVER_ADAPTERS_ENV = "PREFILLSHARE_HANDOVER_ADAPTERS"
 HANDOVER_ENGINE_ENV = {"VLLM_USE_V2_MODEL_RUNNER": "0"}
 
 _ADAPTERS: frozenset[str] = frozenset()
-_VLLM: dict[str, object] = {}  # vLLM's own functions, by name
+_VLLM: dict[str, Any] = {}  # vLLM's own functions, by name
 
 
 def handover_adapters() -> frozenset[str]:

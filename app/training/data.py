@@ -121,12 +121,12 @@ def truncate(prompt: list[int], response: list[int], max_length: int | None, bos
     own token), the answer and a leading bos always stay."""
     if max_length is None or len(prompt) + len(response) <= max_length:
         return prompt
-    keep_bos = bos is not None and prompt and prompt[0] == bos
+    keep_bos = bos is not None and bool(prompt) and prompt[0] == bos
     room = max_length - len(response) - int(keep_bos)
     if room < 1:
         raise DataError(f"{where}: the answer ({len(response)} tokens) does not fit --max-length {max_length} "
                         "with the prompt's last token")
-    return ([bos] if keep_bos else []) + prompt[-room:]
+    return ([bos] if keep_bos and bos is not None else []) + prompt[-room:]
 
 
 def render_records(records: Sequence[Record], tok, renderer: Renderer, max_length: int | None = None) -> list[Encoded]:

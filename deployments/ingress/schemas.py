@@ -9,7 +9,7 @@ OpenAI does not define are ignored (clients send extras); docs/serving.md lists 
 from __future__ import annotations
 
 import json
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from fastapi import Request
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError
@@ -222,7 +222,10 @@ async def read_body(request: Request, max_bytes: int) -> bytes:
     return raw
 
 
-def parse(raw: bytes, schema: type[BaseModel]) -> BaseModel:
+Body = TypeVar("Body", bound=BaseModel)
+
+
+def parse(raw: bytes, schema: type[Body]) -> Body:
     """Body -> schema, or ApiError naming the bad field."""
     try:
         text = raw.decode("utf-8")

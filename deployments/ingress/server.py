@@ -338,12 +338,11 @@ class Router:
 
     # --- validation helpers ---
     def _decoder(self, model: str, param: str = "model"):
-        dp = self.plan.decoder(model)
-        if dp is None:
+        if not self.plan.serves(model):
             known = ", ".join(d.name for d in self.plan.decoders)
             raise ApiError(404, f"{param}: model {model!r} does not exist; served models: {known}", param,
                            "model_not_found")
-        return dp
+        return self.plan.decoder(model)
 
     def _sampling(self, body, **kw) -> Sampling:
         return sampling_from(body, self.limits, self.prompter.eos_token_id, self.prompter.vocab_size,

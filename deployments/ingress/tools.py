@@ -49,7 +49,7 @@ def turns(messages: list[ChatMessage]) -> list[tuple[str, str]]:
     if messages[last].role not in ("user", "tool"):
         raise ApiError.invalid(f"messages[{last}].role", "messages: the last message must have role 'user' "
                                "(or 'tool', answering a tool call)")
-    out = [(m.role, message_text(m, i)) for i, m in enumerate(messages)]
+    out: list[tuple[str, str]] = [(m.role, message_text(m, i)) for i, m in enumerate(messages)]
     if not out[last][1].strip():
         raise ApiError.invalid(f"messages[{last}].content", f"messages[{last}].content is empty")
     return out

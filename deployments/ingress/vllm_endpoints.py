@@ -45,7 +45,9 @@ def tokenize_body(raw: bytes) -> TokenizeCompletionBody | TokenizeChatBody:
         chat = "messages" in json.loads(raw)
     except (ValueError, TypeError, RecursionError):
         chat = False  # parse() names the problem
-    return parse(raw, TokenizeChatBody if chat else TokenizeCompletionBody)
+    if chat:
+        return parse(raw, TokenizeChatBody)
+    return parse(raw, TokenizeCompletionBody)
 
 
 def tokenize_answer(tok, ids: list[int], max_model_len: int, token_strs: bool | None) -> dict:
@@ -60,7 +62,7 @@ def version() -> dict:
     spec = importlib.util.find_spec("vllm")
     names: dict = {}
     with contextlib.suppress(Exception):
-        exec(Path(spec.origin).with_name("_version.py").read_text(), names)  # noqa: S102 - vLLM's own file
+        exec(Path(spec.origin if spec and spec.origin else "").with_name("_version.py").read_text(), names)  # noqa: S102 - vLLM's own file
     if "__version__" not in names:
         from vllm.version import __version__
 

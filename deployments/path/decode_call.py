@@ -19,7 +19,7 @@ from prefillshare.app.sampling import TokenLogprob
 from prefillshare.deployments.errors import ErrorCode, Failure, Shed, Unreachable
 from prefillshare.deployments.messages import DecodeChunk, DecodeRequest, PrefillTicket
 from prefillshare.deployments.metrics import RequestRecord
-from prefillshare.deployments.path.engines import Engines
+from prefillshare.deployments.path.engines import DecodeStream, Engines
 
 
 @dataclass(frozen=True)
@@ -135,7 +135,7 @@ class DecoderCall:
         self.output.error = plan.error
         if plan.ticket is not None:
             self.output.prefill_module, self.output.prefill_replica = plan.ticket.prefill_module, plan.ticket.replica_id
-        self._stream = None
+        self._stream: DecodeStream | None = None
         self._recorded = False
 
     def cancel(self) -> None:
@@ -160,8 +160,9 @@ class DecoderCall:
         while True:
             sent = False  # a chunk reached the caller: the request can no longer be repeated
             try:
-                self._stream = self.engines.decode(plan.model, request, self._retry_wait() if retried else self.wait_s)
-                async for chunk in self._stream:
+                self._stream = stream = self.engines.decode(plan.model, request,
+                                                            self._retry_wait() if retried else self.wait_s)
+                async for chunk in stream:
                     if chunk.error and not sent and chunk.error.code is ErrorCode.ENGINE_ERROR:
                         raise _EngineFailed(chunk.error)  # its engine died before any output: retried below
                     if chunk.error:

@@ -72,7 +72,7 @@ class FanOut:
             if self.engines.decoder_down(p.leg.model):
                 p.error = Failure(ErrorCode.DECODER_UNAVAILABLE, f"decoder {p.leg.model}: no replica is running "
                                   "(it is restarting)")
-            elif dp.in_engine:  # its module's engine serves it: nothing to prefill apart
+            elif dp.in_engine and dp.prefill_module is not None:  # its module's engine serves it: no prefill apart
                 served.setdefault(dp.prefill_module, []).append(p)
             elif dp.prefill_module is None:
                 self.engines.fallback(dp.private_reason or "private")
@@ -139,6 +139,6 @@ class FanOut:
         req = DecodeRequest(request_id=leg.request_id, prompt_token_ids=tuple(leg.prompt), sampling=leg.sampling,
                             cache_salt=salt, prefer_node=t.node_id if t is not None else None, adapter=dp.adapter,
                             lease=t.leases[p.index] if t is not None and t.leases else None,
-                            locality_keys=keys.get(dp.prefill_module, ()) if dp.in_engine else ())
+                            locality_keys=keys.get(dp.prefill_module or "", ()) if dp.in_engine else ())
         return DecodePlan(req, leg.model, leg.agent, route, ticket=t, kv_bytes_per_token=dp.kv_bytes_per_token,
                           error=p.error)

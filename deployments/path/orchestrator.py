@@ -21,6 +21,7 @@ import uuid
 from collections import Counter
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import Any
 
 from ray import serve
 
@@ -54,7 +55,7 @@ class _Agent:
 
     def result(self, round_: int) -> dict:
         first, output = self.output.seq(0), self.output
-        out = {
+        out: dict[str, Any] = {
             "round": round_,
             "name": self.name,
             "model": self.model,
@@ -109,7 +110,7 @@ class Orchestrator:
                       for i, s in enumerate(specs)]
             ready = await self._prepare_round(agents, r, f"{req.request_id}-r{r}", req.cache_salt)
             usage["shared_prefix_tokens"] += len(common_prefix([a.prompt for a in ready])) if len(ready) > 1 else 0
-            tickets = {id(a.plan.ticket): a.plan.ticket for a in ready if a.plan.ticket is not None}
+            tickets = {id(a.plan.ticket): a.plan.ticket for a in ready if a.plan is not None and a.plan.ticket is not None}
             usage["prefill_tokens_computed"] += sum(t.num_computed_tokens for t in tickets.values())
             async for ev in self._stream_round(agents, ready, r, t0):
                 yield ev
@@ -132,7 +133,7 @@ class Orchestrator:
         fits: list[_Agent] = []
         for a in agents:
             limit = self.plan.decoder(a.model).max_model_len
-            if len(a.prompt) + a.sampling.max_tokens > limit:
+            if len(a.prompt) + (a.sampling.max_tokens or 1) > limit:  # None: the Router always fills it
                 a.output.error = Failure(ErrorCode.CONTEXT_LENGTH, f"round {r} prompt has {len(a.prompt)} tokens, "
                                          f"+{a.sampling.max_tokens} new exceeds {limit}")
             else:
@@ -150,6 +151,7 @@ class Orchestrator:
         queue: asyncio.Queue = asyncio.Queue()
 
         async def pump(a: _Agent) -> None:
+            assert a.plan is not None, "a ready agent has its decode plan"
             async for chunk in self.fanout.decode(a.plan, t0, a.output).chunks():
                 self.relayed_chunks["agents"] += 1
                 if chunk.delta_text and chunk.index == 0:

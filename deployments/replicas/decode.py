@@ -21,7 +21,9 @@ from prefillshare.deployments.replicas.engine_host import EngineHost
 
 @serve.deployment(name="Decode")
 class DecodeServer(EngineHost):
-    async def __init__(self, model_name: str, engine_config: EngineConfig, handover: Handover | None, metrics=None):
+    # Ray Serve awaits an async constructor; the type checker knows only synchronous ones
+    async def __init__(self, model_name: str, engine_config: EngineConfig,  # type: ignore[misc]
+                       handover: Handover | None, metrics=None):
         self.model = model_name
         self.decode_side = handover.decode_side() if handover is not None else DecodeSide()
         await self._start_engine(engine_config, handover, metrics)
@@ -32,7 +34,7 @@ class DecodeServer(EngineHost):
     def _count(self, pull: Pull, chunk: DecodeChunk) -> None:
         """Count a finished request's hand-over and send the increments to /metrics."""
         events = self.decode_side.finished(pull, chunk.num_prompt_tokens, chunk.num_cached_tokens)
-        if events and self.metrics is not None:
+        if events and self.metrics is not None and self.decode_side.metrics_channel is not None:
             self.metrics.send(self.decode_side.metrics_channel, self.model, events)
 
     async def _stream(self, req: DecodeRequest, kv_transfer_params: dict | None = None) -> AsyncIterator[DecodeChunk]:

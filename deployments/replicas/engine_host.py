@@ -48,13 +48,13 @@ class EngineHost:
         """vLLM's stat logger keeps this replica's vllm:* metrics, and its node's KV pool holds the
         connector's counters; the Metrics deployment, on another node perhaps, exports both."""
         name = next(iter(self._identity().values()), self.deployment)
-        host = socket.gethostname()
-        while True:
+        host, metrics = socket.gethostname(), self.metrics
+        while metrics is not None:
             with contextlib.suppress(Exception):  # a missed push only delays the next scrape's numbers
-                self.metrics.send("engine", self.deployment, self.replica_id, engine_samples(name))
+                metrics.send("engine", self.deployment, self.replica_id, engine_samples(name))
             if self._pool is not None:
                 with contextlib.suppress(Exception):  # no pool yet (its producer is starting): next time
-                    self.metrics.gauge("pool", host, self._pool.path, self._pool.families())
+                    metrics.gauge("pool", host, self._pool.path, self._pool.families())
             await asyncio.sleep(ENGINE_PUSH_S)
 
     @contextlib.contextmanager

@@ -24,7 +24,11 @@ from prefillshare.deployments.replicas.engine_host import EngineHost
 
 @serve.deployment(name="Prefill")
 class PrefillServer(EngineHost):
-    async def __init__(self, module_name: str, engine_config: EngineConfig, handover: Handover, metrics=None):
+    handover: Handover  # a prefill module always hands over
+
+    # Ray Serve awaits an async constructor; the type checker knows only synchronous ones
+    async def __init__(self, module_name: str, engine_config: EngineConfig, handover: Handover,  # type: ignore[misc]
+                       metrics=None):
         self.module = module_name
         self.node_id = ray.get_runtime_context().get_node_id()
         await self._start_engine(engine_config, handover, metrics)

@@ -49,8 +49,9 @@ def preferred_node(pending: PendingRequest | None) -> str | None:
 class NodeAffinityRouter(SafeRouter):
     """Serve request router: same node as the prefill first, load fallback."""
 
-    def initialize_state(self, imbalance_threshold: int = default(RoutingConfig, "imbalance_threshold"), **kwargs):
-        super().initialize_state(**kwargs)
+    def initialize_state(self, metrics_deployment: str | None = None, *,
+                         imbalance_threshold: int = default(RoutingConfig, "imbalance_threshold"), **kwargs):
+        super().initialize_state(metrics_deployment, **kwargs)
         self.imbalance_threshold = int(imbalance_threshold)
 
     def rank(self, candidates: list[RunningReplica], pending: PendingRequest | None,

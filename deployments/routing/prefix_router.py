@@ -102,9 +102,10 @@ def request_keys(pending: PendingRequest | None) -> tuple[str, ...]:
 class PrefixLocalityRouter(SafeRouter):
     """Serve request router: prefix locality on prefill module block keys, load fallback."""
 
-    def initialize_state(self, imbalance_threshold: int = default(RoutingConfig, "imbalance_threshold"),
+    def initialize_state(self, metrics_deployment: str | None = None, *,
+                         imbalance_threshold: int = default(RoutingConfig, "imbalance_threshold"),
                          max_tracked_prefixes: int = default(RoutingConfig, "max_tracked_prefixes"), **kwargs):
-        super().initialize_state(**kwargs)
+        super().initialize_state(metrics_deployment, **kwargs)
         self.imbalance_threshold = int(imbalance_threshold)
         self.table = LocalityTable(int(max_tracked_prefixes))
 

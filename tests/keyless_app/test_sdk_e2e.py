@@ -190,6 +190,7 @@ def test_the_sdk_installed_alone_runs_an_example(app_url, client, tmp_path):
     source = tmp_path / "src"  # a copy: a build from the checkout itself would write build/ into it
     for part in ("app", "deployments", "agents"):
         shutil.copytree(ROOT / part, source / part, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(ROOT / "src", source / "src", symlinks=True)  # relative links to the folders above
     for part in ("pyproject.toml", "README.md"):
         shutil.copy(ROOT / part, source / part)
     venv = tmp_path / "venv"

@@ -98,8 +98,8 @@ def pull_params(lease: Lease | None, margin_s: float) -> tuple[dict[str, Any] | 
     """(the decoder request's ``kv_transfer_params``, None) when it may pull ``lease`` now, else
     (None, the fallback reason): it then prefills privately."""
     reason = usable(lease, margin_s)
-    if reason:
-        return None, reason
+    if reason or lease is None:
+        return None, reason or "no_lease"
     params = dict(lease.params)
     # vLLM would report the PREFILL engine's prefix-cache hits as the decoder's cached tokens;
     # without this key the decoder reports its own (the pulled prompt, L-1 tokens).

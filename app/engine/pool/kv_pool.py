@@ -353,10 +353,11 @@ class KVPool:
                     self._add_held(db, nbytes * len(rows))
                     self._bump(db, scope, {"saved_blocks": len(rows), "saved_bytes": nbytes * len(rows)})
         res = Reservation(entries, stored)
-        slab = self.slab(nbytes) if res.new else None
-        for e in res.new:
-            slab.ensure(e.slot)
-            slab.set_gen(e.slot, e.gen - 1)  # odd: being written
+        if res.new:
+            slab = self.slab(nbytes)
+            for e in res.new:
+                slab.ensure(e.slot)
+                slab.set_gen(e.slot, e.gen - 1)  # odd: being written
         return res
 
     def publish(self, res: Reservation) -> None:
@@ -389,7 +390,7 @@ class KVPool:
                    " DO UPDATE SET value = CAST(value AS INTEGER) + ?", (str(delta), delta))
 
     def _make_room(self, db: sqlite3.Connection, nbytes: int, count: int, cap: int, now: float,
-                   protect: set[str] = frozenset()) -> int:
+                   protect: frozenset[str] | set[str] = frozenset()) -> int:
         """Evict LRU blocks (not pinned, not leased, not in ``protect``) so that as many of
         ``count`` new blocks of ``nbytes`` as possible fit (byte budget and free slots of their
         slab); returns how many fit. Among equally recent blocks the deepest go first, so a
