@@ -2,7 +2,7 @@
 
 The one translation point: :func:`engine_config` turns a deployment's ``engine`` settings (and
 its LoRA group) into an :class:`prefillshare.app.engine.async_engine.EngineConfig`, :func:`engine_env` gives
-the env vars of its replica, :func:`pool_spec` turns ``pool`` into the connector's PoolSpec.
+the env vars of its replica, the pool's own settings go to its PoolSpec through the hand-over (app/engine/modes.py).
 docs/serving.md's settings table lists where each setting goes (tests/test_settings_table.py).
 """
 from __future__ import annotations
@@ -14,7 +14,6 @@ from prefillshare.app.config import (
     EngineSettings,
     LoRAGroup,
     Placement,
-    PoolConfig,
     PrefillModuleConfig,
 )
 
@@ -119,10 +118,3 @@ def engine_config(cfg: AppConfig, model: str, eng: EngineSettings, placement: Pl
     )
 
 
-def pool_spec(pool: PoolConfig):
-    """The node's pool as the connector takes it (prefillshare.app.engine.pool.kv_pool.PoolSpec): producers write it,
-    consumers on the same node read it."""
-    from prefillshare.app.engine.pool.kv_pool import PoolSpec
-
-    return PoolSpec(path=pool.path, capacity_bytes=pool.capacity_bytes, lease_timeout_s=pool.lease_timeout_s,
-                    check=pool.check, persist=pool.persist)

@@ -280,16 +280,10 @@ def _resolve(cfg: AppConfig, s: _Served, module_ids: dict[str, str], group_ids: 
 
 
 def handover_of(cfg: AppConfig) -> Handover:
-    """The app's hand-over, from the config's ``handover``: the one place the mode is read."""
-    from prefillshare.app.engine_args import pool_spec
+    """The app's hand-over, from the config's ``handover`` (app/engine/modes.py)."""
+    from prefillshare.app.engine.modes import handover_for
 
-    if cfg.handover == "vllm-nixl":
-        from prefillshare.app.engine.nixl.handover import NixlHandover
-
-        return NixlHandover.for_timeout(cfg.limits.request_timeout_s, cfg.kv_lease_duration)
-    from prefillshare.app.engine.pool.handover import PoolHandover
-
-    return PoolHandover(pool_spec(cfg.pool))
+    return handover_for(cfg)
 
 
 def plan_app(cfg: AppConfig) -> AppPlan:

@@ -219,8 +219,7 @@ def _print_case(r: CaseResult) -> None:
 async def _run(cfg: BenchConfig, on_case=None) -> list[CaseResult]:
     from tqdm import tqdm
 
-    from prefillshare.app.engine.async_engine import PoolSpec
-    from prefillshare.app.engine.pool.kv_pool import KVPool
+    from prefillshare.app.engine.pool.kv_pool import KVPool, PoolSpec
 
     work = tempfile.mkdtemp(prefix="ps-bench-")
     pool_dir = f"/dev/shm/ps-bench-{uuid.uuid4().hex[:8]}"

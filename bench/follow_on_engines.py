@@ -65,8 +65,8 @@ async def main(args) -> dict:
     from bench import bench_follow_on_ttft as bench
     from prefillshare.app.config import load_config
     from prefillshare.app.engine.async_engine import Engine
-    from prefillshare.app.engine.pool.handover import connector_config
-    from prefillshare.app.engine_args import engine_config, pool_spec
+    from prefillshare.app.engine.pool.handover import PoolHandover, connector_config
+    from prefillshare.app.engine_args import engine_config
     from prefillshare.app.plan import plan_app
 
     pool_dir = f"/dev/shm/ps-follow-on-engines-{os.getpid()}"
@@ -96,7 +96,7 @@ async def main(args) -> dict:
         finally:
             engine.shutdown()
         return {"stock_first_token_ms": statistics.median(ttft[warm:]) * 1e3, "requests": args.requests}
-    pool = pool_spec(cfg.pool)
+    pool = PoolHandover.from_config(cfg).pool
     module_id = plan.module(base.name).module_id
     pe = await Engine.start(replace(engine_config(
         cfg, base.model, base.engine, base.placement,

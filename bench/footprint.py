@@ -47,8 +47,9 @@ def _memory() -> dict:
 
 
 async def _child(args) -> dict:
-    from prefillshare.app.engine.async_engine import Engine, EngineConfig, PoolSpec, Sampling
+    from prefillshare.app.engine.async_engine import Engine, EngineConfig, Sampling
     from prefillshare.app.engine.pool.handover import connector_config
+    from prefillshare.app.engine.pool.kv_pool import PoolSpec
     from prefillshare.app.models.identity import prefill_module_id
 
     base = str(PROJECT / "checkpoints" / "base")

@@ -24,8 +24,6 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disa
 from prometheus_client.core import Metric
 from ray import serve
 
-from prefillshare.app.engine.nixl.side_channel_auth import REFUSED_METRIC
-
 if TYPE_CHECKING:
     from prefillshare.app.engine.pool.kv_pool import KVPool
 
@@ -107,15 +105,15 @@ ENGINE_STALE_S = 30.0  # samples of a replica silent this long are dropped (a re
 EngineFamily = tuple[str, str, str, list[tuple[str, dict[str, str], float]]]
 
 
-def engine_samples(model_name: str, registry=None) -> list[EngineFamily]:
+def engine_samples(model_name: str, registry=None, extra: frozenset[str] = frozenset()) -> list[EngineFamily]:
     """The ``vllm:*`` families of this process (vLLM's stat logger registers them in the default
-    registry) and the NIXL side channel's refusals (registered beside vLLM's NIXL metrics), with
-    vLLM's ``model_name`` label set to the served name."""
+    registry) and the hand-over mode's own (``extra``: Handover.engine_metrics), with vLLM's
+    ``model_name`` label set to the served name."""
     from prometheus_client import REGISTRY
 
     out = []
     for fam in (registry or REGISTRY).collect():
-        if not fam.name.startswith("vllm:") and fam.name != REFUSED_METRIC:
+        if not fam.name.startswith("vllm:") and fam.name not in extra:
             continue
         samples = [(x.name, {**x.labels, "model_name": model_name} if "model_name" in x.labels else dict(x.labels),
                     x.value) for x in fam.samples]

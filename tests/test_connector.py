@@ -76,9 +76,9 @@ def pool_dir():
 
 @pytest.fixture(scope="module")
 def stack(model_dirs, pool_dir):
-    from prefillshare.app.engine.async_engine import Engine, EngineConfig, PoolSpec
+    from prefillshare.app.engine.async_engine import Engine, EngineConfig
     from prefillshare.app.engine.pool.handover import connector_config
-    from prefillshare.app.engine.pool.kv_pool import KVPool
+    from prefillshare.app.engine.pool.kv_pool import KVPool, PoolSpec
 
     spec = PoolSpec(path=pool_dir, capacity_bytes=256 << 20, lease_timeout_s=120)
     # The producer writes a crc32 per slot and decoder D checks it (the opt-in check mode);

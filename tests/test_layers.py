@@ -90,7 +90,7 @@ def _handover_mentions(path: Path) -> list[str]:
 def test_the_hand_over_mode_is_read_only_by_the_config_and_the_plan():
     """The plan chooses the app's Handover once (prefillshare.app.plan.handover_of); replicas and everything else
     ask that object and never re-derive the mode (issue 45)."""
-    allowed = {"app/config.py", "app/plan.py"}
+    allowed = {"app/config.py", "app/engine/modes.py"}
     found = {}
     for pkg in ("app", "deployments"):
         for path in sorted((ROOT / pkg).rglob("*.py")):
@@ -101,7 +101,7 @@ def test_the_hand_over_mode_is_read_only_by_the_config_and_the_plan():
             if hits:
                 found[rel] = hits
     assert not found, found
-    assert _handover_mentions(ROOT / "app" / "plan.py")  # the scan sees the one reader
+    assert _handover_mentions(ROOT / "app" / "engine" / "modes.py")  # the scan sees the one reader
 
 
 def test_the_request_path_below_the_ingress_imports_nothing_of_it():
@@ -114,6 +114,38 @@ def test_the_request_path_below_the_ingress_imports_nothing_of_it():
             offenders += [f"{rel}:{line} imports {m}" for line, m in _imports(path)
                           if m.startswith("deployments.ingress")]
     assert not offenders, offenders
+
+
+MODE_PACKAGES = ("app.engine.pool", "app.engine.nixl")
+# Outside a mode's package and the registry, who still imports one, and why (the list only shrinks):
+MODE_IMPORTS_LEFT = {
+    "deployments/metrics.py": "app.engine.pool.kv_pool",  # the node pool's families on /metrics
+}
+
+
+def test_only_the_registry_and_the_modes_own_packages_import_a_mode():
+    """A hand-over mode (app/engine/pool/, app/engine/nixl/) is reached through the registry
+    (app/engine/modes.py) and the Handover seam; nothing else in app/ or deployments/ imports it."""
+    offenders = []
+    for top in ("app", "deployments"):
+        for path in sorted((ROOT / top).rglob("*.py")):
+            rel = path.relative_to(ROOT).as_posix()
+            own = next((m for m in MODE_PACKAGES if rel.startswith(m.replace(".", "/") + "/")), None)
+            if rel == "app/engine/modes.py" or own:
+                continue
+            offenders += [f"{rel}:{line} imports {m}" for line, m in _imports(path)
+                          if m.startswith(MODE_PACKAGES) and MODE_IMPORTS_LEFT.get(rel) != m]
+    assert not offenders, offenders
+
+
+def test_the_registry_names_every_mode_the_config_allows():
+    import typing
+
+    from prefillshare.app.config import AppConfig
+    from prefillshare.app.engine.modes import MODES
+
+    allowed = set(typing.get_args(AppConfig.model_fields["handover"].annotation))
+    assert set(MODES) == allowed, (set(MODES), allowed)
 
 
 def test_no_import_cycle_between_modules():

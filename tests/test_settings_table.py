@@ -116,7 +116,8 @@ def _lookup(obj: Any, path: str) -> Any:
 
 def _arrived(setting: str, target: str, monkeypatch) -> list[Any]:
     """The values found at ``target`` once ``setting`` is probed (one per place that target names)."""
-    from prefillshare.app.engine_args import engine_config, engine_env, pool_spec
+    from prefillshare.app.engine.pool.handover import PoolHandover
+    from prefillshare.app.engine_args import engine_config, engine_env
     from prefillshare.deployments.application import engine_options
 
     over, _ = PROBES[setting]
@@ -133,7 +134,7 @@ def _arrived(setting: str, target: str, monkeypatch) -> list[Any]:
     if setting.startswith("pool."):
         cfg = load_config({**BASE, "pool": over})
         assert target.startswith("PoolSpec."), f"{setting}: a pool setting goes to PoolSpec, not {target!r}"
-        return [getattr(pool_spec(cfg.pool), target.removeprefix("PoolSpec."))]
+        return [getattr(PoolHandover.from_config(cfg).pool, target.removeprefix("PoolSpec."))]
     cfg = load_config({**BASE, "decoders": [_deployment(setting, over)]})
     d = cfg.decoders[0]
     if target.startswith("AsyncEngineArgs."):

@@ -141,8 +141,9 @@ def test_a_decoder_trained_on_a_float32_base_decodes_on_its_kv_in_vllm(tmp_path)
     import os
     import uuid
 
-    from prefillshare.app.engine.async_engine import Engine, EngineConfig, PoolSpec, Sampling
+    from prefillshare.app.engine.async_engine import Engine, EngineConfig, Sampling
     from prefillshare.app.engine.pool.handover import connector_config
+    from prefillshare.app.engine.pool.kv_pool import PoolSpec
     from prefillshare.app.models.checkpoint import load_model
     from prefillshare.app.models.identity import prefill_module_id
     from prefillshare.app.reference import shared_greedy

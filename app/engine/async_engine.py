@@ -40,7 +40,6 @@ from prefillshare.app.bad_words import PROCESSOR as BAD_WORDS_PROCESSOR
 from prefillshare.app.config import EngineSettings, LimitsConfig, LoRAGroup, default
 from prefillshare.app.engine import alloc_conf, compute_dtype, core_lifetime, niceness, vllm_plugin
 from prefillshare.app.engine.handover import KV_ROLE
-from prefillshare.app.engine.pool import kv_pool
 from prefillshare.app.errors import PrefillShareLibraryError
 from prefillshare.app.sampling import Sampling, TokenLogprob, prompt_logprobs, to_sampling_params, token_logprobs
 
@@ -53,7 +52,6 @@ __all__ = [
     "Engine",
     "EngineError",
     "EngineRequestError",
-    "PoolSpec",
 ]
 
 
@@ -264,7 +262,6 @@ class PrefillResult:
 
 
 # The pool's one typed config lives with the pool (defaults, validation); re-exported here.
-PoolSpec = kv_pool.PoolSpec
 
 
 @contextlib.contextmanager

@@ -1,7 +1,7 @@
 """The hand-over seam: how a prefill module's prompt KV reaches the decoders that read it.
 
-One :class:`Handover` per app, chosen once by the plan (``prefillshare.app.plan.handover_of``) from the config's
-``handover``; the engine deployments receive it whole and ask it what differs between modes:
+One :class:`Handover` per app, chosen once by the plan from the config's ``handover`` (the registry:
+:mod:`prefillshare.app.engine.modes`); the engine deployments receive it whole and ask it what differs between modes:
 
 - the ``kv_transfer_config`` of each engine, by role (:meth:`Handover.transfer_config`);
 - what a replica adds to its engine's config on its own node (:meth:`Handover.on_node`);
@@ -20,7 +20,10 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
+
+if TYPE_CHECKING:
+    from prefillshare.app.config import AppConfig
 
 __all__ = ["Handover", "DecodeSide", "Pull", "ModuleLink", "Role", "KV_ROLE"]
 
@@ -72,6 +75,15 @@ class DecodeSide:
 class Handover(ABC):
     """How the base's prompt KV moves to a decoder (see the module doc). Instances are small,
     frozen and picklable: Serve sends them to every engine replica."""
+
+    # metric families (besides vLLM's ``vllm:*``) the mode registers in an engine's process, which
+    # its replica exports on /metrics
+    engine_metrics: frozenset[str] = frozenset()
+
+    @classmethod
+    @abstractmethod
+    def from_config(cls, cfg: AppConfig) -> Handover:
+        """The mode's hand-over for the app (app/engine/modes.py calls it)."""
 
     @abstractmethod
     def transfer_config(self, role: Role, link: ModuleLink, *, on_gpu: bool = False) -> dict[str, Any]:

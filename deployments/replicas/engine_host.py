@@ -49,9 +49,10 @@ class EngineHost:
         connector's counters; the Metrics deployment, on another node perhaps, exports both."""
         name = next(iter(self._identity().values()), self.deployment)
         host, metrics = socket.gethostname(), self.metrics
+        extra = self.handover.engine_metrics if self.handover is not None else frozenset()
         while metrics is not None:
             with contextlib.suppress(Exception):  # a missed push only delays the next scrape's numbers
-                metrics.send("engine", self.deployment, self.replica_id, engine_samples(name))
+                metrics.send("engine", self.deployment, self.replica_id, engine_samples(name, extra=extra))
             if self._pool is not None:
                 with contextlib.suppress(Exception):  # no pool yet (its producer is starting): next time
                     metrics.gauge("pool", host, self._pool.path, self._pool.families())

@@ -101,8 +101,9 @@ def test_per_adapter_kv_is_loaded_only_by_its_own_adapter(models):
     import torch
     from peft import PeftModel
 
-    from prefillshare.app.engine.async_engine import Engine, EngineConfig, PoolSpec, Sampling
+    from prefillshare.app.engine.async_engine import Engine, EngineConfig, Sampling
     from prefillshare.app.engine.pool.handover import connector_config
+    from prefillshare.app.engine.pool.kv_pool import PoolSpec
     from prefillshare.app.models.checkpoint import load_model
     from prefillshare.app.models.identity import prefill_module_id
     from prefillshare.app.reference import shared_greedy

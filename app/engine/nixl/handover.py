@@ -9,12 +9,16 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prefillshare.app.engine.handover import DecodeSide, Handover, ModuleLink, Pull, Role
 from prefillshare.app.engine.nixl import leases
 from prefillshare.app.engine.nixl.config import lease_for_timeout, nixl_transfer_config, side_channel_env
+from prefillshare.app.engine.nixl.side_channel_auth import REFUSED_METRIC
 from prefillshare.app.prompt_split import shared_length
+
+if TYPE_CHECKING:
+    from prefillshare.app.config import AppConfig
 
 __all__ = ["NixlHandover", "NixlDecodeSide"]
 
@@ -25,6 +29,11 @@ class NixlHandover(Handover):
     ``kv_lease_duration``; :meth:`for_timeout` ties it to the request timeout)."""
 
     lease_s: int
+    engine_metrics = frozenset({REFUSED_METRIC})  # side-channel handshakes refused (side_channel_auth.py)
+
+    @classmethod
+    def from_config(cls, cfg: AppConfig) -> NixlHandover:
+        return cls.for_timeout(cfg.limits.request_timeout_s, cfg.kv_lease_duration)
 
     @classmethod
     def for_timeout(cls, request_timeout_s: float, lease_s: int | None = None) -> NixlHandover:

@@ -8,10 +8,13 @@ Nothing travels in the request: the decoder's connector finds the KV itself.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prefillshare.app.engine.handover import KV_ROLE, Handover, ModuleLink, Role
 from prefillshare.app.engine.pool.kv_pool import PoolSpec
+
+if TYPE_CHECKING:
+    from prefillshare.app.config import AppConfig
 
 __all__ = ["PoolHandover", "connector_config", "CONNECTOR_NAME", "CONNECTOR_MODULE"]
 
@@ -55,6 +58,13 @@ class PoolHandover(Handover):
     """The pool's hand-over: one pool per node, its spec shared by every engine of the app."""
 
     pool: PoolSpec
+
+    @classmethod
+    def from_config(cls, cfg: AppConfig) -> PoolHandover:
+        """The node's pool as the connector takes it: producers write it, consumers on the same node read it."""
+        p = cfg.pool
+        return cls(PoolSpec(path=p.path, capacity_bytes=p.capacity_bytes, lease_timeout_s=p.lease_timeout_s,
+                            check=p.check, persist=p.persist))
 
     def transfer_config(self, role: Role, link: ModuleLink, *, on_gpu: bool = False) -> dict[str, Any]:
         return connector_config(role, link.module_id, self.pool, scope=link.scope, adapter_keys=link.adapter_keys)
