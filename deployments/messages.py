@@ -29,13 +29,9 @@ class PrefillRequest:
 class PrefillTicket:
     """What a prefill did; a decoder needs nothing else than its prompt to find the KV."""
 
-    request_id: str
     prefill_module: str
     replica_id: str
-    num_prompt_tokens: tuple[int, ...]
-    num_computed_tokens: int
-    num_cached_tokens: int
-    seconds: float
+    num_computed_tokens: int  # the prompt tokens this prefill computed (a round's usage counts them)
     node_id: str | None = None  # the Ray node whose pool holds the KV (decoders there read it locally)
     # hand-over "vllm-nixl": per prompt, the Lease (app/engine/nixl/leases.py) its decoder pulls
     leases: tuple[Any, ...] = ()
@@ -68,8 +64,6 @@ class DecodeChunk:
     finish_reason: str | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
-    num_generated_tokens: int = 0
-    ttft_s: float | None = None
     error: Failure | None = None
     index: int = 0
     logprobs: list[TokenLogprob] | None = None

@@ -73,8 +73,7 @@ class FakeEngines:
             if self.prefill_fails is not None:
                 self.prefill_fails -= 1
             raise self.prefill_raises
-        return PrefillTicket(req.request_id, module, "replica-1", tuple(shared_length(len(p)) for p in req.prompts),
-                             num_computed_tokens=11, num_cached_tokens=0, seconds=0.01, node_id="node-a")
+        return PrefillTicket(module, "replica-1", num_computed_tokens=11, node_id="node-a")
 
     def decoder_down(self, model):
         return model in self.down

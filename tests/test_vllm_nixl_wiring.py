@@ -119,8 +119,7 @@ class _LeasingEngines:
 
     async def prefill(self, module, req, wait_s):
         leases = tuple(_lease(i, time.time() + 60) for i in range(len(req.prompts)))
-        return PrefillTicket(req.request_id, module, "replica-1", tuple(shared_length(len(p)) for p in req.prompts),
-                             num_computed_tokens=11, num_cached_tokens=0, seconds=0.01, node_id="node-a",
+        return PrefillTicket(module, "replica-1", num_computed_tokens=11, node_id="node-a",
                              leases=leases)
 
     def decoder_down(self, model):

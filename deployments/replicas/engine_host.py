@@ -12,7 +12,6 @@ import asyncio
 import contextlib
 import os
 import socket
-import time
 from collections.abc import AsyncIterator, Iterator
 
 import ray
@@ -94,19 +93,15 @@ class EngineHost:
 
     async def _stream(self, req: DecodeRequest, kv_transfer_params: dict | None = None) -> AsyncIterator[DecodeChunk]:
         """The engine's outputs for ``req`` as chunks."""
-        t0 = time.perf_counter()
-        ttft, name = None, self._served_name(req)
+        name = self._served_name(req)
         async for out in self.engine.generate(list(req.prompt_token_ids), req.sampling, req.request_id,
                                               cache_salt=req.cache_salt, lora=req.adapter,
                                               kv_transfer_params=kv_transfer_params):
-            if ttft is None and (out.new_token_ids or out.finished):
-                ttft = time.perf_counter() - t0
             yield DecodeChunk(
                 request_id=req.request_id, model=name, delta_text=out.new_text,
                 delta_token_ids=list(out.new_token_ids), finished=out.finished,
                 finish_reason=out.finish_reason, num_prompt_tokens=out.num_prompt_tokens,
-                num_cached_tokens=out.num_cached_tokens, num_generated_tokens=out.num_generated_tokens,
-                ttft_s=ttft, index=out.index, logprobs=out.new_logprobs, stop_reason=out.stop_reason,
+                num_cached_tokens=out.num_cached_tokens, index=out.index, logprobs=out.new_logprobs, stop_reason=out.stop_reason,
                 prompt_logprobs=out.prompt_logprobs,
             )
 

@@ -76,13 +76,9 @@ class PrefillServer(EngineHost):
             self.metrics.send("prefill", PrefillRecord(self.module, self.replica_id, computed, cached, seconds,
                                                        sum(shared)))
         return PrefillTicket(
-            request_id=req.request_id,
             prefill_module=self.module,
             replica_id=self.replica_id,
-            num_prompt_tokens=tuple(shared),
             num_computed_tokens=computed,
-            num_cached_tokens=cached,
-            seconds=seconds,
             node_id=self.node_id,
             leases=leases,
         )
