@@ -167,3 +167,49 @@ def test_an_engine_queue_that_sheds_a_request_counts_as_too_slow():
             asyncio.run(r._serve("completions", lambda: _Call(items=[shed]), False, _events, _collect))
         assert e.value.status == 429
     assert r.admission.limit == 6 and ("admission", "replica-0", 6) in r.events.sent
+
+
+class _Dead(_Call):
+    """A call whose replica died: RayActorError at its first item, or after ``after`` items."""
+
+    def __init__(self, items=(), after: int = 0):
+        super().__init__(items)
+        self.after = after
+
+    async def __anext__(self):
+        from ray.exceptions import ActorDiedError
+
+        if self.after == 0:
+            raise ActorDiedError()
+        self.after -= 1
+        return await super().__anext__()
+
+
+def _calls(*calls):
+    made = list(calls)
+    return lambda: made.pop(0)
+
+
+def test_an_agent_run_whose_replica_died_before_its_first_item_is_made_once_more():
+    """docs/reliability.md: the Router repeats an agent run (a call to the Orchestrator) whose
+    replica died before anything was sent; a completion's retries are its decoder call's own."""
+    r = _router(5)
+    got = asyncio.run(r._serve("agents", _calls(_Dead(), _Call(items=["a"], hang_s=0)), False, _events, _collect,
+                               repeatable=True))
+    assert got == ["a"] and ("fallback", "router_retry", 1) in r.events.sent
+    r = _router(5)
+    with pytest.raises(ApiError) as e:  # not repeatable: 503 at once, the second call never made
+        asyncio.run(r._serve("completions", _calls(_Dead(), _Call(items=["a"], hang_s=0)), False, _events,
+                             _collect))
+    assert e.value.status == 503 and ("fallback", "router_retry", 1) not in r.events.sent
+    r = _router(5)
+    with pytest.raises(ApiError) as e:  # died twice: 503, no third call
+        asyncio.run(r._serve("agents", _calls(_Dead(), _Dead()), False, _events, _collect, repeatable=True))
+    assert e.value.status == 503
+
+
+def test_a_collected_agent_run_whose_replica_died_mid_answer_is_made_once_more():
+    r = _router(5)
+    got = asyncio.run(r._serve("agents", _calls(_Dead(items=["x", "y"], after=1), _Call(items=["a", "b"], hang_s=0)),
+                               False, _events, _collect, repeatable=True))
+    assert got == ["a", "b"] and r.events.sent.count(("fallback", "router_retry", 1)) == 1
