@@ -160,6 +160,31 @@ def test_serve_sh_prints_how_to_reach_the_app_and_the_shipped_decoders_answer(se
     assert right["lookup_again"] >= NUM_CONTEXTS - 2, right
 
 
+def test_a_system_first_chat_to_a_shared_first_decoder_is_rearranged_and_answered(served):
+    """A framework's chat shape (the agent's system prompt and question as the system turn, the
+    shared record as the user turn) reaches each shipped shared-first decoder rearranged into the
+    format it was trained on (the record first): the same prompt as the agent run's, so the same
+    greedy answer, right on the held-out records, with the base's KV loaded for all but the last token."""
+    from prefillshare.app.training.recipe import AGENT_SYSTEMS
+
+    right: dict[str, int] = defaultdict(int)
+    for context, examples in _held_out().items():
+        run = _fan_out(served["url"], context, [(a, a, e.instruction) for a, e in examples.items()])
+        by_agent = {r["name"]: r for r in run["results"]}
+        for agent, e in examples.items():
+            status, out = _post(served["url"] + "/v1/chat/completions", {
+                "model": agent, "max_tokens": 24, "temperature": 0, "messages": [
+                    {"role": "system", "content": f"{AGENT_SYSTEMS[agent]}\n{e.instruction}"},
+                    {"role": "user", "content": context}]}, timeout=120)
+            assert status == 200, out
+            text, usage = out["choices"][0]["message"]["content"], out["usage"]
+            assert usage["prompt_tokens"] == by_agent[agent]["usage"]["prompt_tokens"], (usage, by_agent[agent])
+            assert usage["prompt_tokens_details"]["cached_tokens"] == usage["prompt_tokens"] - 1, usage
+            assert text == by_agent[agent]["text"], (agent, text, by_agent[agent]["text"])
+            right[agent] += tasks.parse_response(text) == e.answer
+    assert all(right[a] >= NUM_CONTEXTS - 2 for a in AGENT_SYSTEMS), right
+
+
 def test_direct_ingress_serves_the_same_routes_on_the_routers_own_port(served):
     """The Router replica listens on http_options.port + 1 as serve.sh prints; a greedy completion
     and a refused body read the same there as through Serve's proxy."""
