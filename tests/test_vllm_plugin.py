@@ -407,6 +407,29 @@ def test_the_sgmv_replacements_apply_each_runs_adapter_and_none_to_index_minus_o
     assert torch.equal(others, torch.cat([before[:, :out_features], before[:, 2 * out_features:]], 1))
 
 
+@pytest.mark.parametrize("slots", [[0, -1, 2, 1], [2, 0, 1, 0, -1]], ids=["decode-4", "decode-5"])
+@pytest.mark.parametrize("add", [False, True])
+def test_a_decode_step_of_one_token_per_run_takes_the_batched_product_with_the_same_result(slots, add):
+    """One token per run (a decode step): one batched product per op, equal to the per-token reference,
+    also after the step's metadata is refilled in place (the next step: the runs are read again)."""
+    meta = _meta(slots)
+    assert meta[1].tolist() == [1] * len(slots)  # one token per run
+    a, b = torch.randn(3, 1, 4, 16), torch.randn(3, 12, 4)
+    x, h = torch.randn(len(slots), 16), torch.randn(len(slots), 4)
+    for _ in range(2):
+        shrunk = torch.randn(len(slots), 4)
+        want = _ref_shrink(x, a, shrunk, slots, 0.5)
+        vllm_plugin._sgmv_shrink(x, a, shrunk, *meta, 0.5)
+        assert torch.allclose(shrunk, want, atol=1e-5)
+        assert vllm_plugin._RUNS[0].tokens == len(slots)  # the batched path ran
+        before = torch.randn(len(slots), 3 * 12)
+        out = before.clone()
+        vllm_plugin._sgmv_expand_slice(h, b, out, *meta, 12, 12, add_inputs=add)
+        assert torch.allclose(out, _ref_expand(h, b, before, slots, 12, add), atol=1e-5)
+        slots = slots[::-1]  # the next step's adapters, written into the same metadata tensors
+        meta[2].copy_(torch.tensor(slots))
+
+
 @pytest.mark.parametrize("add", [False, True])
 def test_the_sgmv_replacements_equal_vllms_ops_where_every_token_has_an_adapter(add):
     slots = [0, 0, 2, 1, 1, 1, 0]

@@ -155,24 +155,66 @@ def _punica_wrapper(*args, **kwargs):
 
 # --- CPU LoRA ops: one product per run of tokens with one adapter ---------------------------------
 
-def _runs(starts, lengths, indices):
-    for start, length, index in zip(starts.tolist(), lengths.tolist(), indices.tolist()):
-        yield slice(start, start + length), index
+class _Runs:
+    """One step's runs of tokens with one adapter. Every LoRA op of a step gets the same metadata
+    tensors (vLLM's wrapper refills them in place once per step), so they are read once per step,
+    not once per op: as Python slices, and, for a step of one token per run (a decode step), as the
+    adapter of each token, so an op is one batched product instead of a product per run."""
+
+    __slots__ = ("tensors", "versions", "runs", "tokens", "rows", "skip")
+
+    def __init__(self, starts, lengths, indices):
+        # held, so that no other tensor can take their ids while this is cached
+        self.tensors, self.versions = (starts, lengths, indices), _versions(starts, lengths, indices)
+        s, n, i = starts.tolist(), lengths.tolist(), indices.tolist()
+        self.runs = [(slice(a, a + b), c) for a, b, c in zip(s, n, i)]
+        self.tokens = len(s) if all(b == 1 for b in n) and s == list(range(len(s))) else 0
+        self.rows = self.skip = None
+        if self.tokens:
+            import torch
+
+            index = torch.tensor(i, dtype=torch.long)
+            self.rows = index.clamp(min=0)  # a token without an adapter reads slot 0, then is zeroed
+            self.skip = index < 0 if min(i) < 0 else None
 
 
-def _matrix(stacked, index: int):
-    w = stacked[index]
-    return w.squeeze(0) if w.dim() == 3 else w  # (1, out, in) slots -> (out, in)
+_RUNS: list[_Runs | None] = [None]
+
+
+def _versions(*tensors) -> tuple[int, ...]:
+    return tuple(t._version for t in tensors)  # bumped by every in-place write
+
+
+def _runs(starts, lengths, indices) -> _Runs:
+    runs = _RUNS[0]
+    if (runs is None or runs.tensors[0] is not starts or runs.tensors[1] is not lengths
+            or runs.tensors[2] is not indices or runs.versions != _versions(starts, lengths, indices)):
+        runs = _RUNS[0] = _Runs(starts, lengths, indices)
+    return runs
+
+
+def _stacked(weights):
+    return weights.squeeze(1) if weights.dim() == 4 else weights  # (n, 1, out, in) slots -> (n, out, in)
 
 
 def _sgmv_shrink(inputs, lora_a_weights, output_tensor, b_seq_start_loc, seq_len_tensor, lora_indices_tensor,
                  batches, max_seq_length, token_nums, scaling):
-    for rows, index in _runs(b_seq_start_loc, seq_len_tensor, lora_indices_tensor):
+    import torch
+
+    runs, w, dtype = _runs(b_seq_start_loc, seq_len_tensor, lora_indices_tensor), _stacked(lora_a_weights), output_tensor.dtype
+    if runs.tokens:
+        t = runs.tokens
+        out = torch.bmm(w[runs.rows].to(dtype), inputs[:t].to(dtype).unsqueeze(-1)).squeeze(-1).mul_(scaling)
+        if runs.skip is not None:
+            out[runs.skip] = 0
+        output_tensor[:t, : w.shape[1]] = out
+        return
+    for rows, index in runs.runs:
         if index < 0:
             output_tensor[rows] = 0
             continue
-        w = _matrix(lora_a_weights, index).to(output_tensor.dtype)
-        output_tensor[rows, : w.shape[0]] = scaling * (inputs[rows].to(output_tensor.dtype) @ w.T)
+        wi = w[index].to(dtype)
+        output_tensor[rows, : wi.shape[0]] = scaling * (inputs[rows].to(dtype) @ wi.T)
 
 
 def _sgmv_expand(inputs, lora_b_weights, output_tensor, b_seq_start_loc, seq_len_tensor, lora_indices_tensor,
@@ -189,14 +231,29 @@ def _sgmv_expand_slice(inputs, lora_b_weights, output_tensor, b_seq_start_loc, s
 
 
 def _expand(inputs, weights, output, starts, lengths, indices, offset: int, size: int | None, add: bool):
-    for rows, index in _runs(starts, lengths, indices):
+    import torch
+
+    runs, w = _runs(starts, lengths, indices), _stacked(weights)
+    width = min(w.shape[1], output.shape[1] - offset) if size is None else size
+    end = output.shape[1] if size is None else offset + size  # what a token without an adapter has zeroed
+    if runs.tokens:
+        t = runs.tokens
+        product = torch.bmm(w[runs.rows, :width].to(output.dtype), inputs[:t].to(output.dtype).unsqueeze(-1)).squeeze(-1)
+        if runs.skip is not None:
+            product[runs.skip] = 0
+        if add:
+            output[:t, offset: offset + width] += product
+        else:
+            output[:t, offset: offset + width] = product
+            if runs.skip is not None and end > offset + width:
+                output[:t][runs.skip, offset + width: end] = 0
+        return
+    for rows, index in runs.runs:
         if index < 0:
             if not add:
-                output[rows, offset: output.shape[1] if size is None else offset + size] = 0
+                output[rows, offset: end] = 0
             continue
-        w = _matrix(weights, index).to(output.dtype)
-        width = min(w.shape[0], output.shape[1] - offset) if size is None else size
-        product = inputs[rows].to(output.dtype) @ w[:width].T
+        product = inputs[rows].to(output.dtype) @ w[index, :width].to(output.dtype).T
         if add:
             output[rows, offset: offset + width] += product
         else:
