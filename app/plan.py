@@ -10,8 +10,8 @@ group's engine fails the build with the config field named (:class:`ConfigError`
 (app/sharing.py): a decoder that would prefill an agent's own system prompt before the shared
 context is named in the deploy log, or fails the build with ``sharing.require``.
 
-The plan also chooses the app's hand-over once (:func:`handover_of`: the config's ``handover``
-is read here and nowhere after); engine deployments receive the :class:`Handover` it gives.
+The plan also builds the app's hand-over once (app/engine/modes.py reads the config's ``handover``,
+and nothing after it); engine deployments receive the :class:`Handover` it gives.
 
 The plan holds plain data and crosses to every Router and Orchestrator replica as it is: they
 neither read a manifest nor check a rendering again.
@@ -34,6 +34,7 @@ from prefillshare.app.config import (
 )
 from prefillshare.app.engine import compute_dtype
 from prefillshare.app.engine.handover import Handover
+from prefillshare.app.engine.modes import handover_for
 from prefillshare.app.engine_args import check_engine_kwargs
 from prefillshare.app.rendering import Renderer, RenderError
 from prefillshare.app.sharing import ModuleSharing, module_sharing
@@ -75,7 +76,7 @@ class AppPlan:
     decoders: tuple[DecoderPlan, ...]
     limits: LimitsConfig = field(default_factory=LimitsConfig)
     sharing: tuple[ModuleSharing, ...] = ()  # per prefill module: what its decoders share of a probe
-    handover: Handover | None = None  # how the base's KV reaches the decoders (handover_of)
+    handover: Handover | None = None  # how the base's KV reaches the decoders (app/engine/modes.py)
 
     @functools.cached_property
     def _by_name(self) -> tuple[dict[str, DecoderPlan], dict[str, ModulePlan]]:
@@ -279,13 +280,6 @@ def _resolve(cfg: AppConfig, s: _Served, module_ids: dict[str, str], group_ids: 
     return DecoderPlan(s.name, module, None, None, prefill_adapter=own_or_code, **common)
 
 
-def handover_of(cfg: AppConfig) -> Handover:
-    """The app's hand-over, from the config's ``handover`` (app/engine/modes.py)."""
-    from prefillshare.app.engine.modes import handover_for
-
-    return handover_for(cfg)
-
-
 def plan_app(cfg: AppConfig) -> AppPlan:
     """The resolved plan; raises ConfigError (or RenderError) naming the field before any engine starts."""
     from prefillshare.app.models.identity import prefill_module_id
@@ -306,7 +300,7 @@ def plan_app(cfg: AppConfig) -> AppPlan:
                               f"name {modules} (split them into groups or set decoders[{i}].prefill_module)")
     modules = tuple(ModulePlan(p.name, module_ids[p.name], p.engine.block_size) for p in cfg.prefill_modules)
     sharing = _check_sharing(cfg, decoders, tok, {s.name: s.where for s in served})
-    return AppPlan(str(cfg.path(cfg.tokenizer)), modules, decoders, cfg.limits, sharing, handover_of(cfg))
+    return AppPlan(str(cfg.path(cfg.tokenizer)), modules, decoders, cfg.limits, sharing, handover_for(cfg))
 
 
 def _check_sharing(cfg: AppConfig, decoders: tuple[DecoderPlan, ...], tok: _Tokenizer,

@@ -88,7 +88,7 @@ def _handover_mentions(path: Path) -> list[str]:
 
 
 def test_the_hand_over_mode_is_read_only_by_the_config_and_the_plan():
-    """The plan chooses the app's Handover once (prefillshare.app.plan.handover_of); replicas and everything else
+    """The plan chooses the app's Handover once (app/engine/modes.py, for the plan); replicas and everything else
     ask that object and never re-derive the mode (issue 45)."""
     allowed = {"app/config.py", "app/engine/modes.py"}
     found = {}
