@@ -26,6 +26,8 @@ HEADER_BYTES = 16
 HEADER_FORMAT = "<QI4x"  # generation, crc32, padding (for transports written in other languages)
 
 
+_UNMAPPED = np.empty((0, 2), dtype=np.uint64)  # the headers before their first mapping
+
 class SlotOutOfRange(PrefillShareLibraryError, LookupError):
     """A slot number beyond the slab (or a slab that does not exist yet)."""
 
@@ -47,14 +49,14 @@ class Slab:
         self.nslots = 0
         self._data: mmap.mmap | None = None
         self._data_slots = 0
-        self._gens = None  # numpy u64 [nslots, 2] view of the headers
+        self._gens: np.ndarray = _UNMAPPED  # numpy u64 [nslots, 2] view of the headers
         self._tensor = None
         self.remap()
 
     def remap(self) -> None:
         """(Re)map the headers to the files' current size (another process may have grown them)."""
         n = os.path.getsize(self.gen_path) // HEADER_BYTES
-        if n == self.nslots and self._gens is not None:
+        if n == self.nslots and self._gens is not _UNMAPPED:
             return
         with open(self.gen_path, "r+b") as f:
             hdr = mmap.mmap(f.fileno(), n * HEADER_BYTES)
