@@ -197,17 +197,22 @@ def _stacked(weights):
     return weights.squeeze(1) if weights.dim() == 4 else weights  # (n, 1, out, in) slots -> (n, out, in)
 
 
+def _per_token(weights, inputs, dtype):
+    """Each token's row times its own adapter's matrix (``weights``: one per token), as one product."""
+    import torch
+
+    return torch.bmm(weights.to(dtype), inputs.to(dtype).unsqueeze(-1)).squeeze(-1)
+
+
 def _sgmv_shrink(inputs, lora_a_weights, output_tensor, b_seq_start_loc, seq_len_tensor, lora_indices_tensor,
                  batches, max_seq_length, token_nums, scaling):
-    import torch
 
     runs, w, dtype = _runs(b_seq_start_loc, seq_len_tensor, lora_indices_tensor), _stacked(lora_a_weights), output_tensor.dtype
     if runs.tokens:
         t = runs.tokens
-        out = torch.bmm(w[runs.rows].to(dtype), inputs[:t].to(dtype).unsqueeze(-1)).squeeze(-1).mul_(scaling)
-        if runs.skip is not None:
-            out[runs.skip] = 0
-        output_tensor[:t, : w.shape[1]] = out
+        output_tensor[:t, : w.shape[1]] = _per_token(w[runs.rows], inputs[:t], dtype).mul_(scaling)
+        if runs.skip is not None:  # a token without an adapter: its whole row zeroed, as in the loop below
+            output_tensor[:t][runs.skip] = 0
         return
     for rows, index in runs.runs:
         if index < 0:
@@ -231,14 +236,13 @@ def _sgmv_expand_slice(inputs, lora_b_weights, output_tensor, b_seq_start_loc, s
 
 
 def _expand(inputs, weights, output, starts, lengths, indices, offset: int, size: int | None, add: bool):
-    import torch
 
     runs, w = _runs(starts, lengths, indices), _stacked(weights)
     width = min(w.shape[1], output.shape[1] - offset) if size is None else size
     end = output.shape[1] if size is None else offset + size  # what a token without an adapter has zeroed
     if runs.tokens:
         t = runs.tokens
-        product = torch.bmm(w[runs.rows, :width].to(output.dtype), inputs[:t].to(output.dtype).unsqueeze(-1)).squeeze(-1)
+        product = _per_token(w[runs.rows, :width], inputs[:t], output.dtype)
         if runs.skip is not None:
             product[runs.skip] = 0
         if add:
