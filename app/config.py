@@ -295,10 +295,15 @@ class LimitsConfig(_Strict):
         "at once instead of queueing (must stay below router.max_ongoing_requests)"
     )
     admission_target_s: float | None = Field(
-        None, gt=0, description="the time from admission to a request's complete answer that admission steers "
-        "to: while the 95th percentile over a window of requests exceeds it, a Router replica admits fewer at "
+        None, gt=0, description="the time from a request's arrival at the Router (see request_start_header) to "
+        "its complete answer that admission steers to: while the 95th percentile over a window of requests exceeds it, a Router replica admits fewer at "
         "once (down to min_inflight_requests) and sheds the rest with 429, and more again while it is met; "
         "null: a fixed bound of max_inflight_requests. Set it above the answers' time at a load they meet")
+    request_start_header: str | None = Field(
+        None, description="a header in which a trusted front proxy stamps when it received the request (e.g. "
+        "x-request-start, as nginx's and Heroku's 't=<epoch seconds or ms>'): admission_target_s then judges from "
+        "that moment, so the time a request waits before the Router (in Serve's proxy and the Router's event loop) "
+        "counts; null: from when the Router's handler starts. Trust it only behind a proxy that overwrites it")
     min_inflight_requests: int = Field(
         2, ge=1, description="the fewest requests admission_target_s may leave a Router replica to run at once "
         "(at most max_inflight_requests)")

@@ -198,7 +198,9 @@ class Traffic:
         generator's lag, reported apart from the app's latency (which counts from the send)."""
         kind, stream, disconnect, path, body, n_agents = arrival
         sent = time.perf_counter()
-        headers = {**self.headers, "Content-Type": "application/json"}
+        # the moment the client sends, as a front proxy would stamp it (the app's
+        # limits.request_start_header): admission then judges the wait before the Router too
+        headers = {**self.headers, "Content-Type": "application/json", "X-Request-Start": f"t={time.time():.6f}"}
         try:
             if stream:
                 outcome = await self._stream(client, kind, path, body, headers, disconnect, n_agents)

@@ -41,6 +41,8 @@ for d in c["prefill_modules"]:
 for d in c["decoders"]:
     d["placement"] = {**d["placement"], "num_replicas": replicas, "num_cpus": 0.25 / replicas,
                       "placement_group_bundles": [{"CPU": 0.25 / replicas}]}
+# the load generator stamps X-Request-Start as a front proxy would: admission judges from the send
+c["limits"]["request_start_header"] = "x-request-start"
 for small in ("router", "orchestrator"):
     c[small] = {**c.get(small, {}), "num_replicas": replicas}
 yaml.safe_dump(cfg, open(sys.argv[1], "w"), sort_keys=False)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import pytest
 
@@ -73,7 +74,7 @@ def test_a_request_with_no_answer_by_its_deadline_gets_504_timeout_and_its_call_
     async def run():
         t0 = asyncio.get_running_loop().time()
         with pytest.raises(ApiError) as e:
-            await r._serve("completions", lambda: call, False, _events, _collect)
+            await r._serve("completions", time.monotonic(), lambda: call, False, _events, _collect)
         return e.value, asyncio.get_running_loop().time() - t0
 
     err, waited = asyncio.run(run())
@@ -89,7 +90,7 @@ def test_a_request_with_no_answer_by_its_deadline_gets_504_timeout_and_its_call_
 def test_a_collected_answer_that_stalls_after_its_first_item_times_out_too():
     r, call = _router(0.2), _Call(items=["a", "b"])
     with pytest.raises(ApiError) as e:
-        asyncio.run(r._serve("chat", lambda: call, False, _events, _collect))
+        asyncio.run(r._serve("chat", time.monotonic(), lambda: call, False, _events, _collect))
     assert e.value.status == 504 and call.cancelled
 
 
@@ -97,7 +98,7 @@ def test_a_stalled_stream_ends_with_an_in_band_timeout_then_done():
     r, call = _router(0.3), _Call(items=["first", "second"])
 
     async def run():
-        resp = await r._serve("agents", lambda: call, True, _events, _collect)
+        resp = await r._serve("agents", time.monotonic(), lambda: call, True, _events, _collect)
         return [chunk async for chunk in resp.body_iterator]
 
     chunks = asyncio.run(run())
@@ -111,7 +112,7 @@ def test_a_stalled_stream_ends_with_an_in_band_timeout_then_done():
 
 def test_an_answer_within_its_deadline_is_untouched():
     r, call = _router(5.0), _Call(items=["a", "b"], hang_s=0.05)
-    assert asyncio.run(r._serve("completions", lambda: call, False, _events, _collect)) == ["a", "b"]
+    assert asyncio.run(r._serve("completions", time.monotonic(), lambda: call, False, _events, _collect)) == ["a", "b"]
     assert not call.cancelled
     assert r.admission.snapshot()["outcomes"]["completions"]["completed"] == 1
     assert not [e for e in r.events.sent if e[0] == "timeout"]
@@ -124,12 +125,12 @@ def test_slow_answers_shrink_the_admission_limit_and_the_router_sheds_past_it():
 
     async def run():
         for _ in range(4):  # each answer takes 30 ms, past the 10 ms target
-            await r._serve("completions", lambda: _Late(0.03), False, _events, _collect)
-        held = [asyncio.create_task(r._serve("completions", lambda: _Call(items=["a"]), False, _events,
+            await r._serve("completions", time.monotonic(), lambda: _Late(0.03), False, _events, _collect)
+        held = [asyncio.create_task(r._serve("completions", time.monotonic(), lambda: _Call(items=["a"]), False, _events,
                                              _collect)) for _ in range(6)]
         await asyncio.sleep(0.05)
         with pytest.raises(ApiError) as e:
-            await r._serve("completions", lambda: _Call(items=["a"]), False, _events, _collect)
+            await r._serve("completions", time.monotonic(), lambda: _Call(items=["a"]), False, _events, _collect)
         for t in held:
             t.cancel()
         await asyncio.gather(*held, return_exceptions=True)
@@ -164,7 +165,7 @@ def test_an_engine_queue_that_sheds_a_request_counts_as_too_slow():
     shed = DecodeChunk("rq", "alpha", "", [], True, error=Failure(ErrorCode.OVERLOADED, "queue full"))
     for _ in range(2):
         with pytest.raises(ApiError) as e:
-            asyncio.run(r._serve("completions", lambda: _Call(items=[shed]), False, _events, _collect))
+            asyncio.run(r._serve("completions", time.monotonic(), lambda: _Call(items=[shed]), False, _events, _collect))
         assert e.value.status == 429
     assert r.admission.limit == 6 and ("admission", "replica-0", 6) in r.events.sent
 
@@ -194,22 +195,48 @@ def test_an_agent_run_whose_replica_died_before_its_first_item_is_made_once_more
     """docs/reliability.md: the Router repeats an agent run (a call to the Orchestrator) whose
     replica died before anything was sent; a completion's retries are its decoder call's own."""
     r = _router(5)
-    got = asyncio.run(r._serve("agents", _calls(_Dead(), _Call(items=["a"], hang_s=0)), False, _events, _collect,
+    got = asyncio.run(r._serve("agents", time.monotonic(), _calls(_Dead(), _Call(items=["a"], hang_s=0)), False, _events, _collect,
                                repeatable=True))
     assert got == ["a"] and ("fallback", "router_retry", 1) in r.events.sent
     r = _router(5)
     with pytest.raises(ApiError) as e:  # not repeatable: 503 at once, the second call never made
-        asyncio.run(r._serve("completions", _calls(_Dead(), _Call(items=["a"], hang_s=0)), False, _events,
+        asyncio.run(r._serve("completions", time.monotonic(), _calls(_Dead(), _Call(items=["a"], hang_s=0)), False, _events,
                              _collect))
     assert e.value.status == 503 and ("fallback", "router_retry", 1) not in r.events.sent
     r = _router(5)
     with pytest.raises(ApiError) as e:  # died twice: 503, no third call
-        asyncio.run(r._serve("agents", _calls(_Dead(), _Dead()), False, _events, _collect, repeatable=True))
+        asyncio.run(r._serve("agents", time.monotonic(), _calls(_Dead(), _Dead()), False, _events, _collect, repeatable=True))
     assert e.value.status == 503
 
 
 def test_a_collected_agent_run_whose_replica_died_mid_answer_is_made_once_more():
     r = _router(5)
-    got = asyncio.run(r._serve("agents", _calls(_Dead(items=["x", "y"], after=1), _Call(items=["a", "b"], hang_s=0)),
+    got = asyncio.run(r._serve("agents", time.monotonic(), _calls(_Dead(items=["x", "y"], after=1), _Call(items=["a", "b"], hang_s=0)),
                                False, _events, _collect, repeatable=True))
     assert got == ["a", "b"] and r.events.sent.count(("fallback", "router_retry", 1)) == 1
+
+
+def _request(headers: dict[str, str], body: bytes = b'{"model": "m", "prompt": "p"}'):
+    from starlette.requests import Request
+
+    async def receive():
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    scope = {"type": "http", "method": "POST", "path": "/v1/completions", "query_string": b"",
+             "headers": [(k.lower().encode(), v.encode()) for k, v in headers.items()]}
+    return Request(scope, receive)
+
+
+def test_the_router_starts_a_request_s_clock_at_the_front_proxy_s_stamp_only_when_configured():
+    from prefillshare.deployments.ingress.schemas import CompletionBody
+
+    stamp = {"X-Request-Start": f"t={time.time() - 3:.3f}"}
+    r = _router(60.0)
+    r.keys = None
+    _, _, arrived = asyncio.run(r._accept(_request(stamp), CompletionBody))
+    assert time.monotonic() - arrived < 0.5  # not configured: a client's header is not trusted
+    r.limits = LimitsConfig(request_timeout_s=60.0, request_start_header="x-request-start")
+    _, _, arrived = asyncio.run(r._accept(_request(stamp), CompletionBody))
+    assert 2.9 < time.monotonic() - arrived < 3.5
+    _, _, arrived = asyncio.run(r._accept(_request({}), CompletionBody))
+    assert time.monotonic() - arrived < 0.5

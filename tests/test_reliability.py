@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import re
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -13,7 +14,7 @@ import yaml
 
 from prefillshare.app.auth import AuthError, KeyRing, load_keyring, tenant_salt
 from prefillshare.app.config import ConfigError, LimitsConfig, load_config
-from prefillshare.deployments.ingress.admission import Admission, LatencyLimit, Slot, admission_for
+from prefillshare.deployments.ingress.admission import Admission, LatencyLimit, Slot, admission_for, arrived_at
 from prefillshare.deployments.routing.locality import locality_keys
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -264,3 +265,28 @@ def test_admission_steered_by_latency_turns_away_past_the_current_limit():
     assert all(adm.try_enter() for _ in range(12)) and not adm.try_enter()
     with pytest.raises(ValueError, match="ceiling"):
         Admission(8, LatencyLimit(16, 2, 1.0))
+
+
+def test_arrival_stamps_of_a_front_proxy_are_read_in_seconds_ms_or_us_and_bounded():
+    now = time.time()
+    for stamp in (f"t={now - 2:.3f}", f"t={int((now - 2) * 1000)}", f"{int((now - 2) * 1e6)}"):
+        waited = time.monotonic() - arrived_at(stamp, 60.0)
+        assert 1.9 < waited < 2.5, stamp
+    assert time.monotonic() - arrived_at(f"t={now - 3600:.3f}", 60.0) == pytest.approx(60.0, abs=0.5)  # at most
+    for stamp in (None, "", "t=soon", f"t={now + 30:.3f}", "t=nan", "t=-5"):  # no wait, never an error
+        assert time.monotonic() - arrived_at(stamp, 60.0) < 0.1, stamp
+
+
+def test_admission_judges_a_request_from_its_arrival_not_its_admission():
+    """A request that waited before the Router (in Serve's proxy) counts that wait: within the
+    target from admission, past it from arrival, so the limit shrinks."""
+    adm = Admission(16, LatencyLimit(16, 2, 1.0, window=2))
+    early = time.monotonic() - 2.0  # it arrived 2 s ago; the target is 1 s
+    for since in (None, None):
+        adm.try_enter()
+        Slot(adm, "chat", since).release("completed")
+    assert adm.limit == 16  # judged from admission: in time
+    for since in (early, early):
+        adm.try_enter()
+        Slot(adm, "chat", since).release("completed")
+    assert adm.limit == 12

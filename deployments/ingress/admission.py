@@ -24,7 +24,7 @@ OUTCOMES: tuple[Outcome, ...] = ("completed", "failed", "cancelled")
 
 
 class LatencyLimit:
-    """AIMD on the time from admission to a request's complete answer, as TCP does on loss.
+    """AIMD on the time from a request's arrival to its complete answer, as TCP does on loss.
 
     Samples are judged a window at a time: when the window's 95th percentile (the percentile the
     target promises) exceeds the target the limit shrinks by ``backoff`` (not below ``floor``); when the target is met while the
@@ -102,7 +102,7 @@ class Admission:
 
     def leave(self, route: str = "", outcome: Outcome = "cancelled", took_s: float | None = None,
               epoch: int = 0) -> None:
-        """Free a slot; ``took_s`` (admission to answer; None: not judged) steers the limit."""
+        """Free a slot; ``took_s`` (arrival to answer; None: not judged) steers the limit."""
         if self.inflight <= 0:
             raise RuntimeError("Admission.leave without a matching try_enter")
         if outcome not in OUTCOMES:
@@ -127,15 +127,35 @@ def admission_for(limits: LimitsConfig) -> Admission:
     return Admission(ceiling, steer)
 
 
+def arrived_at(stamp: str | None, max_wait_s: float) -> float:
+    """When a request arrived, on this process's monotonic clock: now, or earlier by what a trusted
+    front proxy's stamp says it waited (``t=<epoch seconds>``, ``t=<epoch ms>`` or ``t=<epoch µs>``,
+    the forms nginx and Heroku send), at most ``max_wait_s``. A stamp that does not parse or lies in
+    the future counts as no wait: the clock is a steering input, not a reason to refuse a request."""
+    now = time.monotonic()
+    if not stamp:
+        return now
+    try:
+        value = float(stamp.strip().removeprefix("t="))
+    except ValueError:
+        return now
+    if not math.isfinite(value) or value <= 0:
+        return now
+    while value > 1e11:  # ms or µs since the epoch (1e11 s is the year 5138)
+        value /= 1000.0
+    return now - min(max(time.time() - value, 0.0), max_wait_s)
+
+
 class Slot:
     """One admitted request's slot; releasing twice is harmless (stream end and cleanup both
-    call it) and the first release's outcome is the one counted."""
+    call it) and the first release's outcome is the one counted. Its clock starts at the request's
+    arrival (``since``, monotonic; default: now), which may precede its admission."""
 
-    def __init__(self, admission: Admission, route: str = ""):
+    def __init__(self, admission: Admission, route: str = "", since: float | None = None):
         self._admission = admission
         self._route = route
         self._held = True
-        self._since = time.monotonic()
+        self._since = time.monotonic() if since is None else since
         self._epoch = admission.steer.epoch if admission.steer else 0
         self._late = False
 
@@ -144,7 +164,7 @@ class Slot:
         self._late = True
 
     def release(self, outcome: Outcome = "cancelled") -> None:
-        """A complete answer's time since admission (a late one's: infinite) steers the limit; a
+        """A complete answer's time since arrival (a late one's: infinite) steers the limit; a
         request that failed fast or that its client left says nothing about the load."""
         if self._held:
             self._held = False

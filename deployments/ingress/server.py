@@ -34,7 +34,7 @@ from prefillshare.app.config import AuthConfig
 from prefillshare.app.plan import AppPlan
 from prefillshare.app.sampling import Sampling
 from prefillshare.deployments.errors import ApiError, ErrorCode, Failure, error_body
-from prefillshare.deployments.ingress.admission import Outcome, Slot, admission_for
+from prefillshare.deployments.ingress.admission import Outcome, Slot, admission_for, arrived_at
 from prefillshare.deployments.ingress.openai_format import Answer, ToolCallOut
 from prefillshare.deployments.ingress.prompt_options import (
     cache_salt,
@@ -168,8 +168,11 @@ class Router:
         self.keys: KeyRing | None = load_keyring(auth.keys_file, auth.keys_env, auth.required)
 
     # --- the edge: key, size, admission ---
-    async def _accept(self, request: Request, schema: type[BaseModel]) -> tuple[BaseModel, Tenant | None]:
-        """Bound, authenticate and parse a generation request (431 / 401 / 413 / 400)."""
+    async def _accept(self, request: Request, schema: type[BaseModel]) -> tuple[BaseModel, Tenant | None, float]:
+        """Bound, authenticate and parse a generation request (431 / 401 / 413 / 400); also when it
+        arrived, for admission's clock (``limits.request_start_header``)."""
+        header = self.limits.request_start_header
+        arrived = arrived_at(request.headers.get(header) if header else None, self.limits.request_timeout_s)
         header_bytes = sum(len(k) + len(v) for k, v in request.scope.get("headers", ()))
         if header_bytes > self.limits.max_header_bytes:
             raise ApiError(431, f"request headers have {header_bytes} bytes; the limit is "
@@ -181,7 +184,7 @@ class Router:
                 raise ApiError(401, "missing or invalid API key: send 'Authorization: Bearer <key>'", None,
                                "invalid_api_key")
         raw = await read_body(request, self.limits.max_body_bytes)
-        return parse(raw, schema), tenant
+        return parse(raw, schema), tenant, arrived
 
     def _restarting(self, models) -> None:
         """A request for a decoder with no replica running (it restarts) is shed at once, before
@@ -192,12 +195,12 @@ class Router:
             raise ApiError(503, f"decoder {', '.join(down)}: no replica is running (it is restarting); retry later",
                            None, "decoder_unavailable", "server_error", {"Retry-After": str(self.limits.retry_after_s)})
 
-    def _admit(self, route: str) -> Slot:
+    def _admit(self, route: str, arrived: float) -> Slot:
         if not self.admission.try_enter():
             self.events.send("overloaded", "ingress")
             raise _overloaded(f"server busy: {self.admission.limit} requests in flight on this replica; retry later",
                               self.limits.retry_after_s)
-        return Slot(self.admission, route)
+        return Slot(self.admission, route, arrived)
 
     def _release(self, slot: Slot, outcome: Outcome) -> None:
         """Free a request's slot; a changed admission bound (a latency target steers it) is
@@ -231,7 +234,7 @@ class Router:
             self.events.send("overloaded", "engine_queue")
         return ApiError.from_failure(failure, route, self.limits.retry_after_s)
 
-    async def _serve(self, route: str, start: Callable[[], Any], stream: bool,
+    async def _serve(self, route: str, arrived: float, start: Callable[[], Any], stream: bool,
                      events: Callable[[Any, Any], AsyncIterator[str]],
                      collect: Callable[[Any, Any], Awaitable[Any]], repeatable: bool = False):
         """Admit -> first item -> stream or collect -> release, for every generation route.
@@ -243,7 +246,7 @@ class Router:
         replica died before its first item is made once more (a completion's own path retries
         below, in DecoderCall).
         """
-        slot = self._admit(route)
+        slot = self._admit(route, arrived)
         deadline = asyncio.get_running_loop().time() + self.limits.request_timeout_s
         call = start()
         streaming = repeated = False
@@ -385,7 +388,7 @@ class Router:
 
     @api.post("/v1/completions")
     async def completions(self, request: Request):
-        body, tenant = await self._accept(request, CompletionBody)
+        body, tenant, arrived = await self._accept(request, CompletionBody)
         check_unsupported(body)
         dp = self._decoder(body.model)
         sampling = self._sampling(body, logprobs=body.logprobs, prompt_logprobs=prompt_logprobs_of(body, body.logprobs))
@@ -411,12 +414,12 @@ class Router:
         echo = None
         if body.echo:
             echo = body.prompt if isinstance(body.prompt, str) and len(ids) == whole else self.prompter.decode(ids)
-        return await self._completion(job, body, None, chat=False, echo=echo, logprobs=body.logprobs is not None,
-                                      **self._answer_options(body, ids))
+        return await self._completion(job, body, None, arrived, chat=False, echo=echo,
+                                      logprobs=body.logprobs is not None, **self._answer_options(body, ids))
 
     @api.post("/v1/chat/completions")
     async def chat(self, request: Request):
-        body, tenant = await self._accept(request, ChatBody)
+        body, tenant, arrived = await self._accept(request, ChatBody)
         check_unsupported(body)
         dp = self._decoder(body.model)
         mt_param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
@@ -436,7 +439,7 @@ class Router:
         self._check_length(ids, sampling, dp.max_model_len, "messages", mt_param)
         job = CompletionJob(f"chatcmpl-{uuid.uuid4().hex}", body.model, tuple(ids), sampling, "chat",
                             cache_salt=cache_salt(self._salt(tenant), body.cache_salt))
-        return await self._completion(job, body, tools, chat=True, echo=chat_echo(body, conversation),
+        return await self._completion(job, body, tools, arrived, chat=True, echo=chat_echo(body, conversation),
                                       logprobs=bool(body.logprobs), **self._answer_options(body, ids))
 
     def _chat_ids(self, body, dp, tools: ToolPlan | None) -> tuple[list[int], list[tuple[str, str]]]:
@@ -449,7 +452,7 @@ class Router:
         except RenderError as e:
             raise ApiError.invalid("messages", f"messages: {e}") from None
 
-    async def _completion(self, job: CompletionJob, body, tools: ToolPlan | None, chat: bool,
+    async def _completion(self, job: CompletionJob, body, tools: ToolPlan | None, arrived: float, chat: bool,
                           echo: str | None = None, logprobs: bool = False, **options):
         self._restarting([job.model])
         call = _Completion(self.fanout, job)
@@ -488,11 +491,11 @@ class Router:
                         calls[i] = found
             return answer.response(job.sampling.n, calls)
 
-        return await self._serve(job.route, lambda: call, body.stream, events, collect)
+        return await self._serve(job.route, arrived, lambda: call, body.stream, events, collect)
 
     @api.post("/v1/agents/run")
     async def agents_run(self, request: Request):
-        body, tenant = await self._accept(request, AgentRunBody)
+        body, tenant, arrived = await self._accept(request, AgentRunBody)
         req = self._agent_run(body, tenant)
 
         async def events(head, call) -> AsyncIterator[str]:
@@ -516,7 +519,7 @@ class Router:
             return {"id": req.request_id, "object": "agents.run", "created": int(time.time()), **final}
 
         self._restarting(a.model for r in req.rounds for a in r)
-        return await self._serve("agents", lambda: self.orch.options(stream=True).run.remote(req), body.stream,
+        return await self._serve("agents", arrived, lambda: self.orch.options(stream=True).run.remote(req), body.stream,
                                  events, collect, repeatable=True)
 
     def _agent_run(self, body: AgentRunBody, tenant: Tenant | None) -> AgentRunRequest:
