@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
@@ -71,9 +72,6 @@ def private_greedy(
 
 
 # --- batched form of the same path (training and eval run many prompts at once) ---
-from dataclasses import dataclass  # noqa: E402
-
-import safetensors.torch  # noqa: E402
 
 
 @dataclass
@@ -163,33 +161,3 @@ def batched_greedy_from_kv(
         kv = SharedKV(kv.cache, torch.cat([kv.mask, one], 1), kv.lengths + 1)
         nxt = logits[:, -1].argmax(-1)
     return out
-
-
-def shared_greedy_batch(
-    base: PreTrainedModel,
-    decoder: PreTrainedModel,
-    prompts: Sequence[Sequence[int]],
-    max_new_tokens: int,
-    eos_token_id: int | None = None,
-    pad_id: int = 0,
-) -> list[list[int]]:
-    """Batched :func:`shared_greedy` (hand-over per :func:`split_prompt`)."""
-    splits = [split_prompt(p) for p in prompts]
-    kv = batched_prompt_kv(base, [s for s, _ in splits], pad_id)
-    return batched_greedy_from_kv(decoder, kv, [o for _, o in splits], max_new_tokens, eos_token_id, pad_id)
-
-
-# --- KV serialization (what travels between a prefill module and a decoder) ---
-def kv_to_bytes(cache: DynamicCache) -> bytes:
-    """Layer-wise keys and values as a safetensors blob."""
-    tensors = {}
-    for i, layer in enumerate(cache.layers):
-        tensors[f"layer{i}.key"] = layer.keys.contiguous()
-        tensors[f"layer{i}.value"] = layer.values.contiguous()
-    return safetensors.torch.save(tensors)
-
-
-def kv_from_bytes(blob: bytes) -> DynamicCache:
-    tensors = safetensors.torch.load(blob)
-    n = len(tensors) // 2
-    return DynamicCache(ddp_cache_data=[(tensors[f"layer{i}.key"], tensors[f"layer{i}.value"]) for i in range(n)])

@@ -347,7 +347,7 @@ async def lend(handover, engine, prompt_token_ids, n: int, cache_salt: str | Non
     first = await engine.prefill(ids, None, cache_salt=cache_salt, kv_transfer_params=handover.prefill_params())
     rest = await asyncio.gather(*(engine.prefill(ids, None, cache_salt=cache_salt,
                                                  kv_transfer_params=handover.prefill_params()) for _ in range(n - 1)))
-    return list(handover.leases([first, *rest], sent))
+    return list(handover.handoffs([first, *rest], sent))
 
 
 async def decode(side, engine, prompt_token_ids, sampling, lease, cache_salt: str | None = None,

@@ -119,7 +119,7 @@ def build(cfg: AppConfig):
     metrics = MetricsServer.options(
         num_replicas=1, ray_actor_options={"num_cpus": cfg.metrics.num_cpus},
         max_ongoing_requests=cfg.metrics.max_ongoing_requests,
-    ).bind(plan.handover.pool_path)
+    ).bind(plan.handover)
     prefill = _prefill_deployments(cfg, plan, metrics)
     decoders = _decode_deployments(cfg, plan, metrics)
     # an in-engine LoRA decoder streams from its prefill module's deployment (EngineHost.generate)

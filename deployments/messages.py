@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from prefillshare.app.engine.handover import HandOff
 from prefillshare.app.sampling import Sampling, TokenLogprob
 from prefillshare.deployments.errors import Failure
 
@@ -33,8 +34,12 @@ class PrefillTicket:
     replica_id: str
     num_computed_tokens: int  # the prompt tokens this prefill computed (a round's usage counts them)
     node_id: str | None = None  # the Ray node whose pool holds the KV (decoders there read it locally)
-    # hand-over "vllm-nixl": per prompt, the Lease (app/engine/nixl/leases.py) its decoder pulls
-    leases: tuple[Any, ...] = ()
+    # per prompt, what its decoder needs from this prefill (Handover.handoffs); () when nothing
+    handoffs: tuple[HandOff | None, ...] = ()
+
+    def handoff(self, index: int) -> HandOff | None:
+        """The hand-off of the call's ``index``-th prompt."""
+        return self.handoffs[index] if self.handoffs else None
 
 
 @dataclass(frozen=True)
@@ -45,7 +50,7 @@ class DecodeRequest:
     cache_salt: str | None = None
     prefer_node: str | None = None  # the prefill's node: deployments/routing/node_router.py routes there first
     adapter: str | None = None  # the LoRA adapter of a decode group this request runs with
-    lease: Any = None  # hand-over "vllm-nixl": the prefill's Lease this request pulls (None: private)
+    handoff: HandOff | None = None  # from its prefill (PrefillTicket.handoff); None: nothing, or a private prefill
     # an in-engine LoRA decoder's request goes to its prefill module: the prefix router routes on these
     locality_keys: tuple[str, ...] = ()
 
@@ -115,3 +120,31 @@ class CompletionJob:
     sampling: Sampling
     route: str = "completions"
     cache_salt: str | None = None  # the tenant's salt (app/auth.py); None when auth is off
+
+
+# --- to the Metrics deployment (deployments/metrics.py) ---
+@dataclass(frozen=True)
+class RequestRecord:
+    """One finished decoder request, as the ingress/orchestrator saw it."""
+
+    model: str
+    agent: str
+    route: str  # "completions" | "chat" | "agents"
+    ttft_s: float | None
+    e2e_s: float
+    prompt_tokens: int
+    generated_tokens: int
+    shared_tokens_expected: int  # prompt tokens whose KV should come from the prefill module
+    shared_tokens_loaded: int  # prompt tokens the decoder did not compute (num_cached_tokens)
+    kv_bytes_per_token: int
+    ok: bool = True
+
+
+@dataclass(frozen=True)
+class PrefillRecord:
+    prefill_module: str
+    replica_id: str
+    computed_tokens: int
+    cached_tokens: int
+    seconds: float
+    handed_over_tokens: int = 0  # the prompt tokens whose KV the call's decoders needed, summed over them

@@ -17,95 +17,27 @@ import logging
 import re
 import socket
 import time
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import Metric
 from ray import serve
 
+from prefillshare.app.engine.handover import Family
+from prefillshare.deployments.messages import PrefillRecord, RequestRecord
+
 if TYPE_CHECKING:
-    from prefillshare.app.engine.pool.kv_pool import KVPool
+    from prefillshare.app.engine.handover import Handover, NodeState
 
 log = logging.getLogger("ray.serve")
 disable_created_metrics()  # no *_created series: they double every counter's lines for no use here
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
 
-@dataclass(frozen=True)
-class RequestRecord:
-    """One finished decoder request, as the ingress/orchestrator saw it."""
-
-    model: str
-    agent: str
-    route: str  # "completions" | "chat" | "agents"
-    ttft_s: float | None
-    e2e_s: float
-    prompt_tokens: int
-    generated_tokens: int
-    shared_tokens_expected: int  # prompt tokens whose KV should come from the prefill module
-    shared_tokens_loaded: int  # prompt tokens the decoder did not compute (num_cached_tokens)
-    kv_bytes_per_token: int
-    ok: bool = True
-
-
-@dataclass(frozen=True)
-class PrefillRecord:
-    prefill_module: str
-    replica_id: str
-    computed_tokens: int
-    cached_tokens: int
-    seconds: float
-    handed_over_tokens: int = 0  # the prompt tokens whose KV the call's decoders needed, summed over them
-
-
-def pool_families(pool) -> list[EngineFamily]:
-    """One node's KV pool as plain data: its state, and the counters every engine on the node
-    keeps in the pool's index (hits, misses, bytes moved, load time, evictions, fallbacks by
-    reason) under the engine's scope (prefill module or decoder name)."""
-    total = pool.stats()
-    scoped = {s: pool.stats(s).counters for s in pool.scopes()}
-    families: list[EngineFamily] = [(name, doc, "gauge", [(name, {}, float(value))]) for name, value, doc in (
-        ("prefillshare_kv_pool_capacity_bytes", total.capacity_bytes, "Pool byte capacity"),
-        ("prefillshare_kv_pool_held_bytes", total.bytes_held, "Bytes of KV blocks held"),
-        ("prefillshare_kv_pool_blocks", total.blocks, "KV blocks held"),
-        ("prefillshare_kv_pool_pinned_blocks", total.pinned_blocks, "Blocks pinned for pending fan-out loads"),
-    )]
-    events = [("prefillshare_kv_pool_events_total",
-               {"scope": scope or "pool", "event": re.sub(r"[^a-zA-Z0-9_:]", "_", event)}, float(value))
-              for scope, counters in sorted(scoped.items()) for event, value in sorted(counters.items())]
-    families.append(("prefillshare_kv_pool_events", "Connector/pool counters by engine scope", "counter", events))
-    hits, misses = total.get("hits"), total.get("misses")
-    if hits + misses:
-        name = "prefillshare_kv_pool_request_hit_ratio"
-        families.append((name, "Decoder lookups that found the whole shared prefix / all lookups", "gauge",
-                         [(name, {}, hits / (hits + misses))]))
-    return families
-
-
-class PoolReader:
-    """A reader's handle on one pool, opened on first use (its creator may still be starting)."""
-
-    def __init__(self, path: str) -> None:
-        self.path = path
-        self._pool: KVPool | None = None
-
-    def families(self) -> list[EngineFamily]:
-        if self._pool is None:
-            from prefillshare.app.engine.pool.kv_pool import KVPool
-
-            self._pool = KVPool.attach(self.path)
-        return pool_families(self._pool)
-
-
 ENGINE_PUSH_S = 2.0  # how often an engine replica sends its vllm:* samples
 ENGINE_STALE_S = 30.0  # samples of a replica silent this long are dropped (a replica that is gone)
 
-# (family name, help, type, [(sample name, labels, value)]): plain data, sent through Ray
-EngineFamily = tuple[str, str, str, list[tuple[str, dict[str, str], float]]]
-
-
-def engine_samples(model_name: str, registry=None, extra: frozenset[str] = frozenset()) -> list[EngineFamily]:
+def engine_samples(model_name: str, registry=None, extra: frozenset[str] = frozenset()) -> list[Family]:
     """The ``vllm:*`` families of this process (vLLM's stat logger registers them in the default
     registry) and the hand-over mode's own (``extra``: Handover.engine_metrics), with vLLM's
     ``model_name`` label set to the served name."""
@@ -128,9 +60,9 @@ class PushedFamilies:
 
     def __init__(self, labels: tuple[str, ...]) -> None:
         self.labels = labels
-        self.senders: dict[tuple[str, ...], tuple[float, list[EngineFamily]]] = {}
+        self.senders: dict[tuple[str, ...], tuple[float, list[Family]]] = {}
 
-    def update(self, key: tuple[str, ...], families: list[EngineFamily]) -> None:
+    def update(self, key: tuple[str, ...], families: list[Family]) -> None:
         self.senders[key] = (time.monotonic(), families)
 
     def collect(self):
@@ -146,34 +78,35 @@ class PushedFamilies:
         yield from merged.values()
 
 
-class PoolCollector(PushedFamilies):
-    """Every KV pool of the app, labelled by its host (``node``) and its path (``pool``): the
-    engine replicas of each node send their pool's (pools are per node, and on KubeRay this
-    replica runs on the head, which has none); a pool on this replica's own host
-    is read at scrape time instead. One pool seen by several nodes of one host (test clusters
-    of several raylets on one machine) is one series, not one per raylet."""
+class NodeStateCollector(PushedFamilies):
+    """What the hand-over mode keeps on each node (the pool mode: the node's KV pool), labelled by
+    its host (``node``) and its source (the mode's label, e.g. ``pool``: its path). The engine
+    replicas of each node send their node's (on KubeRay this replica runs on the head, which has
+    none); the state on this replica's own host is read at scrape time instead. One state seen by
+    several nodes of one host (test clusters of several raylets on one machine) is one series."""
 
-    def __init__(self, local_path: str | None = None, host: str = "local") -> None:
-        super().__init__(("node", "pool"))
+    def __init__(self, local: NodeState, host: str = "local") -> None:
+        super().__init__(("node", local.label))
         self.host = host
-        self.local = PoolReader(local_path) if local_path else None
+        self.local = local
 
     def collect(self):
-        if self.local is not None:
-            try:
-                self.update((self.host, self.local.path), self.local.families())
-            except Exception:  # noqa: BLE001 - a missing pool yields no samples, never a failed scrape
-                pass
+        try:
+            self.update((self.host, self.local.source), self.local.families())
+        except Exception:  # noqa: BLE001 - a state not there yields no samples, never a failed scrape
+            pass
         yield from super().collect()
 
 
 class AppMetrics:
     """The registry and its instruments; pure prometheus_client, usable without Ray."""
 
-    def __init__(self, pool_path: str | None = None, host: str = "local") -> None:
+    def __init__(self, handover: Handover | None = None, host: str = "local") -> None:
         r = self.registry = CollectorRegistry()
-        self.pools = PoolCollector(pool_path, host)
-        r.register(self.pools)
+        local = handover.node_state() if handover is not None else None
+        self.nodes = NodeStateCollector(local, host) if local is not None else None
+        if self.nodes is not None:
+            r.register(self.nodes)
         self.engines = PushedFamilies(("deployment", "replica"))
         r.register(self.engines)
         ma = ["model", "agent"]
@@ -210,6 +143,8 @@ class AppMetrics:
             ["stage"], registry=r)
         for stage in ("ingress", "serve_queue", "engine_queue"):  # zero until the first 429: charts show 0
             self.overloaded.labels(stage)
+        self.agent_runs = Counter("prefillshare_agent_runs", "Agent runs (/v1/agents/run) the Orchestrator started "
+                                  "(completions never reach it: the Router runs their path)", registry=r)
         self.timed_out = Counter(
             "prefillshare_timed_out_requests",
             "Admitted requests answered with the typed error `timeout` (504, or in-band once streaming) because "
@@ -230,12 +165,9 @@ class AppMetrics:
                                          ["module"], buckets=_LATENCY_BUCKETS, registry=r)
         self._register_sharing(r)
         self._module_tokens: dict[str, list[int]] = {}  # module -> [handed over, computed]
-        # hand-over "vllm-nixl" (app/engine/nixl/leases.py): vLLM's NIXL counters of each engine
-        # (num_kv_expired_reqs, num_notifications_after_expiry, ...) and the orchestration's own
-        # (pulls, fallback:<reason>), sent as increments by the replicas
-        self.vllm_nixl_events = Counter("prefillshare_vllm_nixl_events",
-                                        "vLLM NixlConnector hand-over counters by module and event",
-                                        ["module", "event"], registry=r)
+        # the hand-over mode's counter of its decode replicas' events (Handover.decode_events)
+        spec = handover.decode_events if handover is not None else None
+        self.decode_events = Counter(spec.name, spec.help, ["module", "event"], registry=r) if spec else None
         self._lookup_total = 0
         self._hit_total = 0
 
@@ -291,10 +223,12 @@ class AppMetrics:
             totals[1] += rec.computed_tokens
             self.sharing_factor.labels(rec.prefill_module).set(totals[0] / max(1, totals[1]))
 
-    def vllm_nixl(self, module: str, increments: dict[str, float]) -> None:
+    def handover_events(self, module: str, increments: dict[str, float]) -> None:
+        if self.decode_events is None:
+            raise ValueError("this app's hand-over mode counts no decode events")
         for event, n in increments.items():
             if n > 0:
-                self.vllm_nixl_events.labels(module, re.sub(r"[^a-zA-Z0-9_:]", "_", event)).inc(n)
+                self.decode_events.labels(module, re.sub(r"[^a-zA-Z0-9_:]", "_", event)).inc(n)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -352,8 +286,8 @@ class MetricsSender:
 class MetricsServer:
     """Holds the app's registry; other deployments send it events."""
 
-    def __init__(self, pool_path: str | None = None) -> None:
-        self.m = AppMetrics(pool_path, socket.gethostname())
+    def __init__(self, handover: Handover | None = None) -> None:
+        self.m = AppMetrics(handover, socket.gethostname())
 
     def request(self, rec: RequestRecord) -> None:
         self.m.request(rec)
@@ -367,8 +301,12 @@ class MetricsServer:
     def router_failover(self, deployment: str, error: str) -> None:
         self.m.router_failover(deployment, error)
 
-    def vllm_nixl(self, module: str, increments: dict[str, float]) -> None:
-        self.m.vllm_nixl(module, increments)
+    def handover_events(self, module: str, increments: dict[str, float]) -> None:
+        self.m.handover_events(module, increments)
+
+    def agent_run(self) -> None:
+        self.m.agent_runs.inc()
+
     def overloaded(self, stage: str) -> None:
         self.m.overloaded.labels(stage).inc()
 
@@ -381,11 +319,12 @@ class MetricsServer:
     def queue(self, deployment: str, replica: str, n: int) -> None:
         self.m.queue.labels(deployment, replica).set(n)
 
-    def engine(self, deployment: str, replica: str, families: list[EngineFamily]) -> None:
+    def engine(self, deployment: str, replica: str, families: list[Family]) -> None:
         self.m.engines.update((deployment, replica), families)
 
-    def pool(self, host: str, path: str, families: list[EngineFamily]) -> None:
-        self.m.pools.update((host, path), families)
+    def node_state(self, host: str, source: str, families: list[Family]) -> None:
+        if self.m.nodes is not None:
+            self.m.nodes.update((host, source), families)
 
     def render(self) -> bytes:
         return self.m.render()
@@ -398,5 +337,5 @@ class MetricsServer:
             getattr(self, method)(*args)
 
 
-_EVENTS = frozenset({"request", "prefill", "fallback", "router_failover", "vllm_nixl", "overloaded", "timeout", "queue",
-                     "engine", "admission", "pool"})
+_EVENTS = frozenset({"request", "prefill", "fallback", "router_failover", "handover_events", "agent_run", "overloaded", "timeout",
+                     "queue", "engine", "admission", "node_state"})

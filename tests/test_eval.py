@@ -6,12 +6,12 @@ import shutil
 from pathlib import Path
 
 import pytest
+from random_checkpoint import save_random_model
 
 from prefillshare.app.cli import main as cli
 from prefillshare.app.models.checkpoint import load_model, save_upper_layers
 from prefillshare.app.models.identity import prefill_module_id, tokenizer_hash
 from prefillshare.app.models.manifest import DecodeManifest, write_manifest
-from prefillshare.app.models.shapes import save_random_model
 from prefillshare.app.training import tasks
 from prefillshare.app.training.evaluate import METHODS
 

@@ -156,7 +156,7 @@ def test_in_engine_decoders_need_no_prefill_call_and_route_with_the_fan_outs_key
     for p, name in zip(plans, ("ie0", "ie1")):
         assert p.error is None and p.ticket is None and p.model == name
         assert p.request.adapter == name and p.request.locality_keys == keys and p.request.cache_salt == "salt-t"
-        assert p.request.lease is None and p.request.prefer_node is None
+        assert p.request.handoff is None and p.request.prefer_node is None
     # beside a decoder fed the hand-over: one prefill call for it, on the same keys as the in-engine legs
     engines = FakeEngines()
     legs.append(_leg("alpha", shared + [7], "d-2", "c"))

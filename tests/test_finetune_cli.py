@@ -5,11 +5,11 @@ import json
 from pathlib import Path
 
 import pytest
+from random_checkpoint import save_random_model
 
 from prefillshare.app.cli import main as cli
 from prefillshare.app.models.compat import check
 from prefillshare.app.models.manifest import read_manifest
-from prefillshare.app.models.shapes import save_random_model
 from prefillshare.app.rendering import Renderer
 from prefillshare.app.training import tasks
 from prefillshare.app.training.data import read_records, render_records, truncate

@@ -9,8 +9,7 @@ import subprocess
 from pathlib import Path
 
 import yaml
-
-from prefillshare.app.kube.helm import helm_binary
+from helm_binary import helm_binary
 
 ROOT = Path(__file__).resolve().parent.parent
 CHART = ROOT / "k8s" / "chart"

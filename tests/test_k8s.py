@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 import yaml
+from helm_binary import helm_binary
 from ray.serve.schema import ServeDeploySchema
 
 from prefillshare.app.kube.capacity import check_capacity
 from prefillshare.app.kube.crd import CrdValidator, ManifestInvalid
-from prefillshare.app.kube.helm import helm_binary
 from prefillshare.app.kube.render import (
     API_KEYS_ENV,
     API_KEYS_SECRET_KEY,

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 import yaml
+from helm_binary import helm_binary
 
 from prefillshare.app.kube.crd import CrdValidator
-from prefillshare.app.kube.helm import helm_binary
 from prefillshare.app.kube.render import KV_SECRET_ENV, KV_SECRET_KEY
 
 REPO = Path(__file__).resolve().parent.parent

@@ -7,7 +7,8 @@ import asyncio
 
 import pytest
 
-from prefillshare.deployments.metrics import MetricsSender, MetricsServer, RequestRecord
+from prefillshare.deployments.messages import RequestRecord
+from prefillshare.deployments.metrics import MetricsSender, MetricsServer
 
 
 class _Handle:

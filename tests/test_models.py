@@ -7,12 +7,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from random_checkpoint import save_random_model
 from safetensors.torch import load_file, save_file
 
 from prefillshare.app.models.compat import check
 from prefillshare.app.models.identity import CheckpointError, prefill_module_id, tokenizer_hash, weights_digest
 from prefillshare.app.models.manifest import DecodeManifest, ManifestError, read_manifest, write_manifest
-from prefillshare.app.models.shapes import save_random_model
 
 TOKENIZER = Path(__file__).resolve().parents[1] / "checkpoints" / "tokenizer"
 

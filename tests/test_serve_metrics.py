@@ -3,7 +3,16 @@ from __future__ import annotations
 
 import pytest
 
-from prefillshare.deployments.metrics import AppMetrics, PrefillRecord, RequestRecord
+from prefillshare.deployments.messages import PrefillRecord, RequestRecord
+from prefillshare.deployments.metrics import AppMetrics
+
+
+def _pool_mode(path: str):
+    """The pool mode's hand-over: the Metrics replica reads its node's pool at ``path``."""
+    from prefillshare.app.engine.pool.handover import PoolHandover
+    from prefillshare.app.engine.pool.kv_pool import PoolSpec
+
+    return PoolHandover(PoolSpec(path))
 
 
 def _samples(m: AppMetrics) -> dict[str, float]:
@@ -47,8 +56,8 @@ def test_pool_counters_are_exported_per_scope(tmp_path):
     pool.add("alpha", {"hits": 3, "misses": 1, "bytes_moved": 4096, "fallback:missing": 1})
     pool.flush()
     path = str(tmp_path / "pool")
-    m = AppMetrics(path, host="h0")
-    m.pools.update(("h0", path), [])  # an engine of this host sent its (older) view: the scrape reads the pool
+    m = AppMetrics(_pool_mode(path), host="h0")
+    m.nodes.update(("h0", path), [])  # an engine of this host sent its (older) view: the scrape reads the pool
     s = _samples(m)
     assert s[f"prefillshare_kv_pool_events_total{{event=hits,node=h0,pool={path},scope=alpha}}"] == 3
     assert s[f"prefillshare_kv_pool_events_total{{event=fallback:missing,node=h0,pool={path},scope=alpha}}"] == 1
@@ -60,9 +69,10 @@ def test_pools_of_other_nodes_arrive_from_their_engines_labelled_by_node(tmp_pat
     """Every node has its own pool and the Metrics replica (the head's, on KubeRay) may have none:
     each node's engines send theirs, and a node silent too long drops out."""
     from prefillshare.app.engine.pool.kv_pool import KVPool, PoolMissing, PoolSpec
+    from prefillshare.app.engine.pool.metrics import PoolState, pool_families
     from prefillshare.deployments import metrics
 
-    late = metrics.PoolReader(str(tmp_path / "decode-node"))  # an engine's reader, before the pool exists
+    late = PoolState(str(tmp_path / "decode-node"))  # an engine's reader, before the pool exists
     with pytest.raises(PoolMissing):
         late.families()  # the engine skips this push and tries again at the next
     pools = {}
@@ -70,10 +80,10 @@ def test_pools_of_other_nodes_arrive_from_their_engines_labelled_by_node(tmp_pat
         pools[node] = KVPool(PoolSpec(str(tmp_path / node), capacity_bytes=cap))
         pools[node].add("base" if node == "prefill-node" else "alpha", {"hits": 1})
         pools[node].flush()
-    m = AppMetrics()  # no pool on this replica's node
+    m = AppMetrics(_pool_mode(str(tmp_path / "head")))  # no pool on this replica's node
     for node, pool in pools.items():
-        m.pools.update((node, "/dev/shm/p"), metrics.pool_families(pool))
-    m.pools.update(("decode-node", "/dev/shm/p"), late.families())  # its second engine, once the pool is there
+        m.nodes.update((node, "/dev/shm/p"), pool_families(pool))
+    m.nodes.update(("decode-node", "/dev/shm/p"), late.families())  # its second engine, once the pool is there
     s = _samples(m)
     assert s["prefillshare_kv_pool_capacity_bytes{node=prefill-node,pool=/dev/shm/p}"] == 1 << 20
     assert s["prefillshare_kv_pool_capacity_bytes{node=decode-node,pool=/dev/shm/p}"] == 2 << 20
@@ -82,7 +92,7 @@ def test_pools_of_other_nodes_arrive_from_their_engines_labelled_by_node(tmp_pat
     assert sum(v for k, v in s.items() if k.startswith("prefillshare_kv_pool_capacity_bytes")) == 3 << 20
     now = metrics.time.monotonic()
     monkeypatch.setattr(metrics.time, "monotonic", lambda: now + metrics.ENGINE_STALE_S + 1)
-    m.pools.update(("decode-node", "/dev/shm/p"), metrics.pool_families(pools["decode-node"]))
+    m.nodes.update(("decode-node", "/dev/shm/p"), pool_families(pools["decode-node"]))
     s = _samples(m)
     assert "prefillshare_kv_pool_capacity_bytes{node=prefill-node,pool=/dev/shm/p}" not in s  # gone silent
     assert s["prefillshare_kv_pool_capacity_bytes{node=decode-node,pool=/dev/shm/p}"] == 2 << 20
@@ -91,7 +101,7 @@ def test_pools_of_other_nodes_arrive_from_their_engines_labelled_by_node(tmp_pat
 def test_missing_pool_never_fails_a_scrape(tmp_path):
     f = tmp_path / "not-a-dir"
     f.write_text("x")
-    text = AppMetrics(str(f)).render().decode()
+    text = AppMetrics(_pool_mode(str(f))).render().decode()
     assert "# TYPE prefillshare_ttft_seconds histogram" in text
     assert "prefillshare_kv_pool_held_bytes" not in text
 
@@ -104,13 +114,13 @@ def test_the_overload_report_sums_the_pool_gauges_over_nodes_and_the_admission_b
     def gauge(name, value):
         return (name, "", "gauge", [(name, {}, value)])
 
-    m = AppMetrics()
-    m.pools.update(("a", "/p"), [gauge("prefillshare_kv_pool_held_bytes", 100.0),
+    m = AppMetrics(_pool_mode("/nonexistent/prefillshare-pool"))
+    m.nodes.update(("a", "/p"), [gauge("prefillshare_kv_pool_held_bytes", 100.0),
                                  gauge("prefillshare_kv_pool_pinned_blocks", 2.0)])
-    m.pools.update(("b", "/p"), [gauge("prefillshare_kv_pool_held_bytes", 50.0)])
+    m.nodes.update(("b", "/p"), [gauge("prefillshare_kv_pool_held_bytes", 50.0)])
     monkeypatch.setattr(httpx, "get", lambda url, timeout: type("R", (), {"text": m.render().decode()})())
     m.admission_limit.labels("r1").set(12)
     m.admission_limit.labels("r2").set(64)
     assert app_gauges("http://x") == {"held_bytes": 150.0, "pinned_blocks": 2.0, "admission_limit": 76.0}
-    m.pools.senders.clear()
+    m.nodes.senders.clear()
     assert "held_bytes" not in app_gauges("http://x")  # no pool anywhere: nothing to plot, not zeros

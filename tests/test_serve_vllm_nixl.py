@@ -195,7 +195,7 @@ def test_the_prefill_engines_side_channel_answers_only_holders_of_the_kv_secret(
     ids = tuple(tok("a short prompt for the side channel")["input_ids"])
     ticket = prefill_call(APP, "base", PrefillRequest(request_id="side-channel", prompts=(ids,),
                                                       cache_salt="side-channel"))
-    params = ticket.leases[0].params
+    params = ticket.handoffs[0].params
     path = f"tcp://{params['remote_host']}:{params['remote_port']}"
     refused_before = _metric(_metrics(url), REFUSED, model_name="base")
 
@@ -235,12 +235,12 @@ def test_a_lease_that_ran_out_is_answered_privately_and_counted(nixl_app, nixl_r
     # two prompts, as a 2-agent fan-out sends them: one lease each, the second prefill a prefix-cache hit
     ticket = prefill_call(APP, "base", PrefillRequest(request_id="expired", prompts=(prompt_ids, prompt_ids),
                                                       cache_salt="lease-test"))
-    lease, second = ticket.leases
+    lease, second = ticket.handoffs
     assert lease.params.get("remote_block_ids") and second.params.get("remote_block_ids")  # kept for a pull
     assert lease.computed_tokens == len(prompt_ids)  # a fresh salt: nothing cached before
     assert second.computed_tokens <= TEST_ENGINE["block_size"]  # at most the last, partial block recomputed
     expired = replace(lease, expires_at=time.time() - 1)
-    request = DecodeRequest("expired-dec", prompt_ids, Sampling(max_tokens=MAX_NEW), lease=expired)
+    request = DecodeRequest("expired-dec", prompt_ids, Sampling(max_tokens=MAX_NEW), handoff=expired)
     chunks = bounded(lambda: list(serve.get_deployment_handle("Decode-alpha", APP).options(stream=True)
                                   .generate.remote(request)), 120, "Decode-alpha.generate")
     assert not any(c.error for c in chunks), chunks

@@ -12,7 +12,8 @@ import pytest
 from prefillshare.app.config import ConfigError, load_config
 from prefillshare.app.models.manifest import MANIFEST_NAME
 from prefillshare.app.sharing import fanout_cost, prefix_tree_tokens
-from prefillshare.deployments.metrics import AppMetrics, PrefillRecord
+from prefillshare.deployments.messages import PrefillRecord
+from prefillshare.deployments.metrics import AppMetrics
 
 ROOT = Path(__file__).resolve().parent.parent
 ADAPTER = ROOT / "checkpoints" / "chat" / "adapters" / "lookup"

@@ -6,13 +6,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from random_checkpoint import save_random_model
 from safetensors.torch import load_file
 
 from prefillshare.app.cli import main as cli
 from prefillshare.app.models.checkpoint import load_decoder, load_model
 from prefillshare.app.models.compat import check
 from prefillshare.app.models.manifest import read_manifest
-from prefillshare.app.models.shapes import save_random_model
 from prefillshare.app.training import batches, tasks
 from prefillshare.app.training.tokenizer import load_tokenizer
 from prefillshare.app.training.trainer import TrainConfig, train_decoder

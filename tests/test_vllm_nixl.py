@@ -300,11 +300,11 @@ def test_expiry_counters_reach_the_apps_metrics():
 
     engine_registry = CollectorRegistry()  # what vLLM's stat logger registers in an engine's process
     expired = Counter("vllm:nixl_num_kv_expired_reqs", "expired", registry=engine_registry)
-    deltas, app = ho.CounterDeltas(), AppMetrics()
+    deltas, app = ho.CounterDeltas(), AppMetrics(NixlHandover(30))  # the mode declares its counter
     expired.inc(2)
-    app.vllm_nixl("base", deltas(ho.read_vllm_nixl_counters(engine_registry)))
+    app.handover_events("base", deltas(ho.read_vllm_nixl_counters(engine_registry)))
     expired.inc(1)
-    app.vllm_nixl("base", deltas(ho.read_vllm_nixl_counters(engine_registry)))
-    app.vllm_nixl("base", deltas(ho.read_vllm_nixl_counters(engine_registry)))  # nothing new
+    app.handover_events("base", deltas(ho.read_vllm_nixl_counters(engine_registry)))
+    app.handover_events("base", deltas(ho.read_vllm_nixl_counters(engine_registry)))  # nothing new
     text = app.render().decode()
     assert 'prefillshare_vllm_nixl_events_total{event="num_kv_expired_reqs",module="base"} 3.0' in text

@@ -87,13 +87,13 @@ def test_kv_lease_duration_sets_every_engines_lease():
 
 def test_pool_mode_engines_keep_the_projects_connector():
     configs, cfg, handover = _engine_configs("pool")
-    assert isinstance(handover, PoolHandover) and handover.pool_path == cfg.pool.path
+    assert isinstance(handover, PoolHandover) and handover.node_state().source == cfg.pool.path
     for name, ec in configs.items():
         assert ec.kv_transfer_config["kv_connector"] == "PrefillShareConnector", name
         assert "kv_lease_duration" not in ec.kv_transfer_config["kv_connector_extra_config"]
         assert ec.prefix_caching is name.startswith("prefill:"), name
         assert handover.on_node(ec, "10.0.0.7") is ec  # nothing to listen for
-    assert handover.prefill_params() == {"fanout": 1} and handover.leases([object()], 0.0) == ()
+    assert handover.prefill_params() == {"fanout": 1} and handover.handoffs([object()], 0.0) == ()
     assert handover.decode_side().pull(None) is None  # the consumer's connector finds the KV itself
 
 
@@ -120,7 +120,7 @@ class _LeasingEngines:
     async def prefill(self, module, req, wait_s):
         leases = tuple(_lease(i, time.time() + 60) for i in range(len(req.prompts)))
         return PrefillTicket(module, "replica-1", num_computed_tokens=11, node_id="node-a",
-                             leases=leases)
+                             handoffs=leases)
 
     def decoder_down(self, model):
         return False  # every decoder has a replica up
@@ -135,7 +135,7 @@ def test_a_fan_out_gives_each_decoder_its_own_lease():
     shared = list(range(10, 22))
     legs = [_leg("alpha", shared + [1, 2], "d-a"), _leg("ad0", shared + [3], "d-b")]
     plans = asyncio.run(FanOut(PLAN, _LeasingEngines()).prepare(legs, "run", "agents", "salt"))
-    assert [p.request.lease.params["remote_block_ids"] for p in plans] == [[0], [1]]
+    assert [p.request.handoff.params["remote_block_ids"] for p in plans] == [[0], [1]]
     assert all(p.request.cache_salt == "salt" for p in plans)
 
 
@@ -159,10 +159,11 @@ def test_the_nixl_hand_over_lends_each_prompt_and_its_decode_side_keeps_the_leas
     from prefillshare.app.engine.handover import Pull
 
     handover = NixlHandover(30)
-    assert handover.prefill_params() == {"do_remote_decode": True} and handover.pool_path is None
+    assert handover.prefill_params() == {"do_remote_decode": True} and handover.node_state() is None
+    assert handover.decode_events.name == "prefillshare_vllm_nixl_events"
     done = NS(kv_transfer_params={"remote_block_ids": [4]}, num_prompt_tokens=9, num_computed_tokens=9,
               request_id="r-0")
-    lease, nothing = handover.leases([done, None], sent=1000.0)
+    lease, nothing = handover.handoffs([done, None], sent=1000.0)
     assert lease.expires_at == 1030.0 and lease.params == {"remote_block_ids": [4]} and nothing is None
     side = handover.decode_side()
     assert side.pull(None) is None  # no prefill behind the request: nothing to pass or count

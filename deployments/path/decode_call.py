@@ -17,8 +17,7 @@ from dataclasses import dataclass, field, replace
 from prefillshare.app.prompt_split import shared_length
 from prefillshare.app.sampling import TokenLogprob
 from prefillshare.deployments.errors import ErrorCode, Failure, Shed, Unreachable
-from prefillshare.deployments.messages import DecodeChunk, DecodeRequest, PrefillTicket
-from prefillshare.deployments.metrics import RequestRecord
+from prefillshare.deployments.messages import DecodeChunk, DecodeRequest, PrefillTicket, RequestRecord
 from prefillshare.deployments.path.engines import DecodeStream, Engines
 
 

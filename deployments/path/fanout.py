@@ -13,8 +13,8 @@ surviving replica); a prefill that fails again, or that no replica takes within
 its legs as ``overloaded``. A leg whose decoder has no replica running (it died and restarts)
 fails as ``decoder_unavailable`` before any prefill: the base's work and the caller's admission
 slot go to requests that can be answered. :meth:`FanOut.decode` streams a plan (deployments/path/decode_call.py).
-With hand-over "vllm-nixl" the prefill call makes one lease per prompt (a fan-out to N decoders
-takes N leases, the shared context computed first) and each decoder request carries its own.
+The prefill's ticket may carry a hand-off per prompt (the mode's, opaque here: vllm-nixl's lease
+of the base's blocks); each decoder request carries its own prompt's.
 
 The Router runs it for a completion (one leg), the Orchestrator for each round of an agent
 run. The engines come in as :class:`Engines`: Ray Serve handles in the app
@@ -53,7 +53,7 @@ class _Prefilled:
     leg: Leg
     ticket: PrefillTicket | None = None
     error: Failure | None = None
-    index: int = 0  # this leg's prompt in its group's prefill call (its lease in the ticket, vllm-nixl)
+    index: int = 0  # this leg's prompt in its group's prefill call (its hand-off in the ticket)
 
 
 class FanOut:
@@ -138,7 +138,7 @@ class FanOut:
         dp = self.plan.decoder(leg.model)
         req = DecodeRequest(request_id=leg.request_id, prompt_token_ids=tuple(leg.prompt), sampling=leg.sampling,
                             cache_salt=salt, prefer_node=t.node_id if t is not None else None, adapter=dp.adapter,
-                            lease=t.leases[p.index] if t is not None and t.leases else None,
+                            handoff=t.handoff(p.index) if t is not None else None,
                             locality_keys=keys.get(dp.prefill_module or "", ()) if dp.in_engine else ())
         return DecodePlan(req, leg.model, leg.agent, route, ticket=t, kv_bytes_per_token=dp.kv_bytes_per_token,
                           error=p.error)

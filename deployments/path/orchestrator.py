@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections import Counter
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -83,11 +82,9 @@ class _Agent:
 class Orchestrator:
     def __init__(self, plan: AppPlan, prefill: dict, decoders: dict, metrics=None):
         self.plan = plan
-        sender = MetricsSender(metrics) if metrics is not None else None
-        self.fanout = FanOut(plan, ServeEngines(prefill, decoders, sender))
+        self.events = MetricsSender(metrics) if metrics is not None else None
+        self.fanout = FanOut(plan, ServeEngines(prefill, decoders, self.events))
         self.prompter = Prompter(plan.tokenizer, plan.renderers)  # each decoder's own rendering
-        self.runs = 0  # agent runs started on this replica
-        self.relayed_chunks: Counter[str] = Counter()  # decoder chunks streamed through here, by route
 
     def _prompt(self, spec: AgentSpec, context: str, round_: int) -> list[int]:
         """The agent's prompt ids: the Router's own for the first round (tokenized once there),
@@ -99,7 +96,8 @@ class Orchestrator:
     # --- agent workflows -------------------------------------------------------------
     async def run(self, req: AgentRunRequest) -> AsyncIterator[AgentEvent]:
         """Rounds of concurrent agents over one context; events stream as they happen."""
-        self.runs += 1
+        if self.events is not None:
+            self.events.send("agent_run")
         context = req.context
         all_results: list[dict] = []
         usage = {"prompt_tokens": 0, "completion_tokens": 0, "cached_tokens": 0,
@@ -153,7 +151,6 @@ class Orchestrator:
         async def pump(a: _Agent) -> None:
             assert a.plan is not None, "a ready agent has its decode plan"
             async for chunk in self.fanout.decode(a.plan, t0, a.output).chunks():
-                self.relayed_chunks["agents"] += 1
                 if chunk.delta_text and chunk.index == 0:
                     await queue.put(AgentEvent("delta", r, a.name, a.model, chunk.delta_text))
             await queue.put(AgentEvent("agent_done", r, a.name, a.model, result=a.result(r)))
@@ -175,8 +172,3 @@ class Orchestrator:
 
     async def ready(self) -> dict:
         return {"deployment": "Orchestrator"}
-
-    async def counters(self) -> dict:
-        """What went through this replica: agent runs, decoder chunks relayed by route (completions
-        never come here: the Router runs their path itself)."""
-        return {"runs": self.runs, "relayed_chunks": dict(self.relayed_chunks)}

@@ -14,8 +14,8 @@ import asyncio
 from ray.serve.exceptions import BackPressureError
 
 from prefillshare.deployments.errors import Shed, Unreachable
-from prefillshare.deployments.messages import DecodeChunk, DecodeRequest, PrefillRequest, PrefillTicket
-from prefillshare.deployments.metrics import MetricsSender, RequestRecord
+from prefillshare.deployments.messages import DecodeChunk, DecodeRequest, PrefillRequest, PrefillTicket, RequestRecord
+from prefillshare.deployments.metrics import MetricsSender
 from prefillshare.deployments.ray_internals import replica_assigned, stream_assigned
 from prefillshare.deployments.routing.safe_router import running_replicas
 

@@ -3,8 +3,9 @@
 Each replica runs a vLLM engine on the decoder with the app's hand-over (app/engine/handover.py)
 as consumer: for a prompt whose base KV a prefill replica computed, the engine loads it and
 computes only the last prompt token itself. The hand-over's decode side decides each request's
-``kv_transfer_params`` right before the engine takes it (after any queueing: a lease with too
-little time left means a private prefill) and counts what happened. Decoders without a
+``kv_transfer_params`` from the request's hand-off right before the engine takes it (after any
+queueing: vllm-nixl's lease with too little time left means a private prefill) and counts what
+happened. Decoders without a
 compatible prefill module run without a connector and prefill privately.
 """
 from __future__ import annotations
@@ -34,11 +35,11 @@ class DecodeServer(EngineHost):
     def _count(self, pull: Pull, chunk: DecodeChunk) -> None:
         """Count a finished request's hand-over and send the increments to /metrics."""
         events = self.decode_side.finished(pull, chunk.num_prompt_tokens, chunk.num_cached_tokens)
-        if events and self.metrics is not None and self.decode_side.metrics_channel is not None:
-            self.metrics.send(self.decode_side.metrics_channel, self.model, events)
+        if events and self.metrics is not None:
+            self.metrics.send("handover_events", self.model, events)
 
     async def _stream(self, req: DecodeRequest, kv_transfer_params: dict | None = None) -> AsyncIterator[DecodeChunk]:
-        pull = self.decode_side.pull(req.lease)  # decided here, after the replica's queue
+        pull = self.decode_side.pull(req.handoff)  # decided here, after the replica's queue
         counted = pull is None
         async for chunk in super()._stream(req, pull.params if pull is not None else None):
             if pull is not None:

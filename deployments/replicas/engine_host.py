@@ -21,7 +21,7 @@ from prefillshare.app.engine.async_engine import Engine, EngineConfig, EngineReq
 from prefillshare.app.engine.handover import Handover
 from prefillshare.deployments.errors import ErrorCode, Failure
 from prefillshare.deployments.messages import DecodeChunk, DecodeRequest
-from prefillshare.deployments.metrics import ENGINE_PUSH_S, MetricsSender, PoolReader, engine_samples
+from prefillshare.deployments.metrics import ENGINE_PUSH_S, MetricsSender, engine_samples
 
 
 class EngineHost:
@@ -38,23 +38,23 @@ class EngineHost:
         self.replica_id = ctx.replica_id.unique_id
         self.deployment = ctx.deployment
         self.in_flight = 0
-        path = handover.pool_path if handover is not None else None
-        self._pool = PoolReader(path) if path else None
+        self._node_state = handover.node_state() if handover is not None else None
         if metrics is not None:
             self._engine_metrics = asyncio.get_running_loop().create_task(self._push_engine_metrics())
 
     async def _push_engine_metrics(self) -> None:
-        """vLLM's stat logger keeps this replica's vllm:* metrics, and its node's KV pool holds the
-        connector's counters; the Metrics deployment, on another node perhaps, exports both."""
+        """vLLM's stat logger keeps this replica's vllm:* metrics, and the hand-over mode may keep
+        state on its node (the KV pool, with the connector's counters); the Metrics deployment, on
+        another node perhaps, exports both."""
         name = next(iter(self._identity().values()), self.deployment)
         host, metrics = socket.gethostname(), self.metrics
         extra = self.handover.engine_metrics if self.handover is not None else frozenset()
         while metrics is not None:
             with contextlib.suppress(Exception):  # a missed push only delays the next scrape's numbers
                 metrics.send("engine", self.deployment, self.replica_id, engine_samples(name, extra=extra))
-            if self._pool is not None:
-                with contextlib.suppress(Exception):  # no pool yet (its producer is starting): next time
-                    metrics.gauge("pool", host, self._pool.path, self._pool.families())
+            if self._node_state is not None:
+                with contextlib.suppress(Exception):  # not there yet (its producer is starting): next time
+                    metrics.gauge("node_state", host, self._node_state.source, self._node_state.families())
             await asyncio.sleep(ENGINE_PUSH_S)
 
     @contextlib.contextmanager

@@ -2,7 +2,7 @@
 
 Each replica runs a vLLM engine on the frozen base with the app's hand-over
 (app/engine/handover.py) as producer: each prompt's KV is kept for the one decoder that reads
-it, and the ticket carries what that decoder needs (a lease, for vLLM's NixlConnector). For a fan-out the shared context is computed
+it, and the ticket carries the hand-off that decoder needs, if any (vllm-nixl: a lease). For a fan-out the shared context is computed
 first, so every agent prompt afterwards hits the prefix cache and only its own suffix is computed.
 """
 from __future__ import annotations
@@ -17,8 +17,7 @@ from ray import serve
 from prefillshare.app.engine.async_engine import EngineConfig
 from prefillshare.app.engine.handover import Handover
 from prefillshare.app.prompt_split import shared_length
-from prefillshare.deployments.messages import DecodeChunk, DecodeRequest, PrefillRequest, PrefillTicket
-from prefillshare.deployments.metrics import PrefillRecord
+from prefillshare.deployments.messages import DecodeChunk, DecodeRequest, PrefillRecord, PrefillRequest, PrefillTicket
 from prefillshare.deployments.replicas.engine_host import EngineHost
 
 
@@ -70,7 +69,7 @@ class PrefillServer(EngineHost):
             if r is not None:
                 computed += r.num_computed_tokens
                 cached += r.num_cached_tokens
-        leases = self.handover.leases(results, sent)
+        handoffs = self.handover.handoffs(results, sent)
         seconds = time.perf_counter() - t0
         if self.metrics is not None:
             self.metrics.send("prefill", PrefillRecord(self.module, self.replica_id, computed, cached, seconds,
@@ -80,7 +79,7 @@ class PrefillServer(EngineHost):
             replica_id=self.replica_id,
             num_computed_tokens=computed,
             node_id=self.node_id,
-            leases=leases,
+            handoffs=handoffs,
         )
 
 

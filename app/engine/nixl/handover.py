@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
-from prefillshare.app.engine.handover import DecodeSide, Handover, ModuleLink, Pull, Role
+from prefillshare.app.engine.handover import DecodeSide, EventCounter, HandOff, Handover, ModuleLink, Pull, Role
 from prefillshare.app.engine.nixl import leases
 from prefillshare.app.engine.nixl.config import lease_for_timeout, nixl_transfer_config, side_channel_env
 from prefillshare.app.engine.nixl.side_channel_auth import REFUSED_METRIC
@@ -30,6 +30,10 @@ class NixlHandover(Handover):
 
     lease_s: int
     engine_metrics = frozenset({REFUSED_METRIC})  # side-channel handshakes refused (side_channel_auth.py)
+    # vLLM's NIXL counters of each decoder's engine (num_kv_expired_reqs, ...) and the pulls' own
+    # (pull, fallback:<reason>), sent as increments by NixlDecodeSide.finished
+    decode_events = EventCounter("prefillshare_vllm_nixl_events",
+                                 "vLLM NixlConnector hand-over counters by module and event")
 
     @classmethod
     def from_config(cls, cfg: AppConfig) -> NixlHandover:
@@ -53,7 +57,7 @@ class NixlHandover(Handover):
     def prefill_params(self) -> dict[str, Any]:
         return {"do_remote_decode": True}
 
-    def leases(self, results: Sequence[Any], sent: float) -> tuple:
+    def handoffs(self, results: Sequence[Any], sent: float) -> tuple[HandOff | None, ...]:
         return tuple(None if r is None else leases.lease_of(r, sent, self.lease_s) for r in results)
 
     def decode_side(self) -> NixlDecodeSide:
@@ -64,16 +68,17 @@ class NixlDecodeSide(DecodeSide):
     """A decoder replica's pulls: the lease rule (``margin_s`` of lease left, else a private
     prefill), the fallbacks by reason, and vLLM's NIXL counters' increments."""
 
-    metrics_channel = "vllm_nixl"  # AppMetrics.vllm_nixl
-
     def __init__(self, margin_s: float) -> None:
         self.margin_s = margin_s
         self.counters = leases.HandoverCounters()
         self._deltas = leases.CounterDeltas()
 
-    def pull(self, lease: leases.Lease | None) -> Pull | None:
-        if lease is None:  # a request that never had a prefill (a private decoder's)
+    def pull(self, handoff: HandOff | None) -> Pull | None:
+        if handoff is None:  # a request that never had a prefill (a private decoder's)
             return None
+        if not isinstance(handoff, leases.Lease):
+            raise TypeError(f"a vllm-nixl decoder got a {type(handoff).__name__} hand-off, not a Lease")
+        lease = handoff
         params, reason = leases.pull_params(lease, self.margin_s)
         return Pull(params, reason)
 

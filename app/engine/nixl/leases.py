@@ -23,6 +23,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
+from prefillshare.app.engine.handover import HandOff
 from prefillshare.app.engine.nixl import vllm_pairing
 from prefillshare.app.prompt_split import shared_length
 
@@ -44,8 +45,8 @@ def default_margin(lease_s: float) -> float:
 
 
 @dataclass(frozen=True)
-class Lease:
-    """One prefill's blocks, lent to one decoder until ``expires_at`` (``time.time()``: a lease
+class Lease(HandOff):
+    """The mode's hand-off: one prefill's blocks, lent to one decoder until ``expires_at`` (``time.time()``: a lease
     travels from the process that prefilled to the decoder's replica, which checks it right before
     its engine takes the request, after any queueing; across nodes the margin covers clock skew)."""
 
@@ -146,7 +147,7 @@ def read_vllm_nixl_counters(registry=None) -> dict[str, float]:
 
 class CounterDeltas:
     """Increments of monotone counters since the last call: what a replica sends to the app's
-    Metrics deployment (``AppMetrics.vllm_nixl``) after each scrape of its own counters."""
+    Metrics deployment (``AppMetrics.handover_events``) after each scrape of its own counters."""
 
     def __init__(self) -> None:
         self._last: dict[str, float] = {}

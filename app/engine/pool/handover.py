@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from prefillshare.app.engine.handover import KV_ROLE, Handover, ModuleLink, Role
 from prefillshare.app.engine.pool.kv_pool import PoolSpec
+from prefillshare.app.engine.pool.metrics import PoolState
 
 if TYPE_CHECKING:
     from prefillshare.app.config import AppConfig
@@ -69,9 +70,8 @@ class PoolHandover(Handover):
     def transfer_config(self, role: Role, link: ModuleLink, *, on_gpu: bool = False) -> dict[str, Any]:
         return connector_config(role, link.module_id, self.pool, scope=link.scope, adapter_keys=link.adapter_keys)
 
-    @property
-    def pool_path(self) -> str | None:
-        return self.pool.path
+    def node_state(self) -> PoolState:
+        return PoolState(self.pool.path)
 
     def prefill_params(self) -> dict[str, Any]:
         # one decoder loads each prompt's blocks: pinned in the pool for one load
