@@ -7,10 +7,15 @@ run twice, side by side: as N base requests, then as N adapter requests (one per
 case is timed with 1 and with ``--output`` tokens out (the difference over the extra steps is the
 decode step), and the adapters' decode is profiled (cProfile, self time per source file group):
 what a step spends in vLLM's LoRA layers and ops against the rest of the model and the engine.
+cProfile inflates Python-heavy code, so the split is also measured by wall clock: the adapters run
+once more with the LoRA products (the plugin's sgmv ops) made no-ops, in this process only (wrong
+tokens, right timing): adapters - that = the products; that - base = the rest of an adapter's cost
+(vLLM's LoRA layers, the punica wrapper's per-step metadata, the plugin's per-step mapping).
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import json
 import os
@@ -42,6 +47,22 @@ def _profile_groups(prof: cProfile.Profile) -> dict[str, float]:
     for (filename, _, _), (_, _, tottime, _, _) in stats.stats.items():
         out[_group(filename)] = out.get(_group(filename), 0.0) + tottime
     return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+
+@contextlib.contextmanager
+def _products_off():
+    """The LoRA products as no-ops while inside (timing only: every token gets the base's output)."""
+    from vllm.lora.punica_wrapper import punica_cpu
+
+    names = ("sgmv_shrink", "sgmv_expand", "sgmv_expand_slice")
+    kept = {n: getattr(punica_cpu, n) for n in names}
+    for n in names:
+        setattr(punica_cpu, n, lambda *a, **k: None)
+    try:
+        yield
+    finally:
+        for n, f in kept.items():
+            setattr(punica_cpu, n, f)
 
 
 def run(args) -> dict:
@@ -88,9 +109,11 @@ def run(args) -> dict:
 
     timed(None, 2)  # warm-up
     timed(loras, 2)
-    for case, lora in (("base", None), ("adapters", loras)):
-        first = min(timed(lora, 1) for _ in range(args.repeats))
-        whole = min(timed(lora, args.output + 1) for _ in range(args.repeats))
+    for case, lora, off in (("base", None, False), ("adapters", loras, False),
+                            ("adapters, LoRA products off", loras, True)):
+        with _products_off() if off else contextlib.nullcontext():
+            first = min(timed(lora, 1) for _ in range(args.repeats))
+            whole = min(timed(lora, args.output + 1) for _ in range(args.repeats))
         result["cases"][case] = {"prefill_s": round(first, 4),
                                  "decode_step_ms": round((whole - first) / args.output * 1e3, 2)}
         print(f"{case}: prefill of the fan-out {first * 1e3:.0f} ms, decode step "
@@ -106,8 +129,15 @@ def run(args) -> dict:
         for k, v in groups.items():
             print(f"  {k}: {v:.3f} s ({100 * v / total:.0f}%)", flush=True)
     a, b = result["cases"]["adapters"], result["cases"]["base"]
+    off = result["cases"]["adapters, LoRA products off"]
     result["decode_step_adapters_over_base"] = round(a["decode_step_ms"] / b["decode_step_ms"], 2)
-    print(f"decode step, adapters / base: {result['decode_step_adapters_over_base']}x")
+    result["decode_step_split_ms"] = {
+        "base": b["decode_step_ms"],
+        "LoRA products (the plugin's sgmv ops)": round(a["decode_step_ms"] - off["decode_step_ms"], 2),
+        "the rest of the adapters' cost (LoRA layers, wrapper metadata, mapping)":
+            round(off["decode_step_ms"] - b["decode_step_ms"], 2)}
+    print(f"decode step, adapters / base: {result['decode_step_adapters_over_base']}x; split (ms): "
+          f"{result['decode_step_split_ms']}")
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
         print(f"wrote {args.out}")

@@ -6,13 +6,16 @@
 # loopback-only Ray cluster; runs `python -m bench overload` at 2x the searched saturation rate
 # with the faults below, judged against the app's admission target; then stops the app and
 # checks that nothing it started is left (processes, /dev/shm).
-#   bash bench/overload_run.sh [OUT_DIR] [DURATION_S] [REPLICAS]     (REPLICAS: 2 by default)
+#   bash bench/overload_run.sh [OUT_DIR] [DURATION_S] [REPLICAS] [RATE]
+# (REPLICAS: 2 by default; RATE: arrivals/s, skipping the saturation search, e.g. to compare two
+# commits at one load: the search's reading varies by ~30% between runs on this box)
 # Needs root for the network namespace (as scripts/test.sh); ~17 minutes on 2 cores.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${1:-runs/overload}"
 DURATION="${2:-600}"
 REPLICAS="${3:-2}"
+RATE="${4:-}"
 source scripts/netns.sh
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false RAY_AUTH_MODE=disabled VLLM_HOST_IP=127.0.0.1
 export RAY_TMPDIR="/tmp/ps-overload-$$"
@@ -65,7 +68,7 @@ t=$((DURATION / 6))
 TARGET=$("$PY" -c "import yaml,sys; print(yaml.safe_load(open(sys.argv[1]))['applications'][0]['args']['config']['limits']['admission_target_s'])" "$CONFIG")
 echo "replicas per deployment: $REPLICAS; admission target: $TARGET s" | tee -a "$OUT/run.log"
 .venv/bin/python -m bench overload --url http://127.0.0.1:8000 --app "$APP" --duration "$DURATION" --out "$OUT" \
-  --target "$TARGET" \
+  --target "$TARGET" ${RATE:+--rate "$RATE"} \
   --fault "$((t * 1)):kill:Prefill-base" --fault "$((t * 2)):kill:Decode-lookup" \
   --fault "$((t * 3)):kill:Decode-chat-group" --fault "$((t * 4)):kill:Orchestrator" \
   --fault "$((t * 5)):fill-pool:$POOL:30" 2>&1 | tee -a "$OUT/run.log"

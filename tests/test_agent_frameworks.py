@@ -94,13 +94,21 @@ def _base_computed(url: str) -> float:
     return _metric(_metrics(url), "prefillshare_prefill_tokens_computed_total", module="base", stage="prefill")
 
 
-def _settled(url: str, before: float) -> float:
-    """The base's computed tokens since ``before``, once the replicas' batched metrics have arrived."""
+def _vllm_base_computed(url: str) -> float:
+    """The same from vLLM's own counters of the base's engine (prompt tokens looked up in its prefix
+    cache, less those found), which its replica pushes to /metrics: an independent count."""
+    m = _metrics(url)
+    return (_metric(m, "vllm:prefix_cache_queries_total", model_name="base")
+            - _metric(m, "vllm:prefix_cache_hits_total", model_name="base"))
+
+
+def _settled(url: str, before: float, read=_base_computed) -> float:
+    """``read``'s tokens since ``before``, once the replicas' batched metrics have arrived."""
     import time
 
     last, deadline = None, time.monotonic() + 20
     while time.monotonic() < deadline:  # metrics are sent in batches; wait until two reads agree
-        now = _base_computed(url) - before
+        now = read(url) - before
         if now == last and now > 0:
             return now
         last = now
@@ -159,7 +167,7 @@ def test_an_unmodified_langgraph_graph_of_parallel_react_agents_shares_the_conve
         graph.add_edge(START, name)  # every agent reads the same conversation, in parallel branches
         graph.add_edge(name, END)
     context = _context(seed=33)
-    before, fallbacks = _base_computed(app_url), _fallbacks(app_url)
+    before, fallbacks, vllm_before = _base_computed(app_url), _fallbacks(app_url), _vllm_base_computed(app_url)
     state = graph.compile().invoke({"messages": [HumanMessage(context)]})
     answers = [m for m in state["messages"] if m.type == "ai"]
     assert sorted(m.name for m in answers) == sorted(AGENTS)  # each agent answered through the app
@@ -173,3 +181,5 @@ def test_an_unmodified_langgraph_graph_of_parallel_react_agents_shares_the_conve
     assert 0.8 * min(prompts) <= computed <= 1.5 * max(prompts)
     assert all(n >= 0.8 * p for n, p in zip(loaded, prompts)), (loaded, prompts)
     assert _fallbacks(app_url) == fallbacks
+    by_vllm = _settled(app_url, vllm_before, _vllm_base_computed)  # vLLM's own count agrees with the app's
+    assert abs(by_vllm - computed) <= 0.1 * computed + 32, (by_vllm, computed)
