@@ -225,7 +225,7 @@ def test_latency_limit_shrinks_on_a_slow_window_and_grows_back_only_while_bindin
     lim = LatencyLimit(ceiling=64, floor=8, target_s=1.0, window=4)
     for wait in (0.1, 0.2, 0.3, 5.0):  # one slow sample of four: the 95th percentile is 5 s
         lim.observe(wait, lim.epoch)
-    assert lim.limit == 32 and lim.epoch == 1  # 5x the target: halved
+    assert lim.limit == 48 and lim.epoch == 1
     lim.observe(9.0, 0)  # admitted under the old limit: not judged
     for _ in range(40):
         for _ in range(4):
@@ -245,7 +245,7 @@ def test_latency_limit_shrinks_on_a_slow_window_and_grows_back_only_while_bindin
     lim.observe(float("inf"), lim.epoch)  # a request that timed out counts as slow
     for _ in range(3):
         lim.observe(0.1, lim.epoch)
-    assert lim.limit == 32
+    assert lim.limit == 48
 
 
 def test_admission_steered_by_latency_turns_away_past_the_current_limit():
@@ -260,9 +260,9 @@ def test_admission_steered_by_latency_turns_away_past_the_current_limit():
     slots[2].late()  # timed out: judged as past the target
     slots[2].release("failed")
     slots[2].release("completed")  # released, and judged, once
-    slots[3].release("completed")  # in time; but the window's 95th percentile is the late one
-    assert adm.limit == 8 and adm.snapshot()["max_limit"] == 16
-    assert all(adm.try_enter() for _ in range(8)) and not adm.try_enter()
+    slots[3].release("completed")  # in time; but the window's 90th percentile is the late one
+    assert adm.limit == 12 and adm.snapshot()["max_limit"] == 16
+    assert all(adm.try_enter() for _ in range(12)) and not adm.try_enter()
     with pytest.raises(ValueError, match="ceiling"):
         Admission(8, LatencyLimit(16, 2, 1.0))
 
@@ -289,24 +289,4 @@ def test_admission_judges_a_request_from_its_arrival_not_its_admission():
     for since in (early, early):
         adm.try_enter()
         Slot(adm, "chat", since).release("completed")
-    assert adm.limit == 8  # 2x the target: halved
-
-
-def test_a_window_far_past_the_target_shrinks_the_limit_by_as_much_at_most_halving_it():
-    lim = LatencyLimit(ceiling=64, floor=2, target_s=1.0, window=2)
-    lim.observe(0.1, lim.epoch)
-    lim.observe(1.2, lim.epoch)  # a little past: the usual backoff (0.75)
-    assert lim.limit == 48
-    lim.observe(0.1, lim.epoch)
-    lim.observe(1.6, lim.epoch)  # 1.6x the target: shrink to 1/1.6 of the limit
-    assert lim.limit == 30
-    lim.observe(9.0, lim.epoch)
-    lim.observe(9.0, lim.epoch)  # 9x: at most halved
-    assert lim.limit == 15
-
-
-def test_admission_steers_to_a_share_of_the_target_it_cannot_see_the_end_of():
-    from prefillshare.deployments.ingress.admission import STEER_SHARE
-
-    adm = admission_for(LimitsConfig(max_inflight_requests=64, admission_target_s=5.0))
-    assert 0 < STEER_SHARE < 1 and adm.steer.target_s == STEER_SHARE * 5.0 and adm.limit == 64
+    assert adm.limit == 12

@@ -28,10 +28,7 @@ class LatencyLimit:
 
     Samples are judged a window at a time: when the window's 95th percentile (the percentile the
     target promises) exceeds the target the limit shrinks by ``backoff`` (not below ``floor``); when the target is met while the
-    limit was binding (a request was turned away) it grows by one (not above ``ceiling``). A window
-    far past the target shrinks it by as much as it is past (``target / p95``, at most halving): a
-    replica that starts under load at its ceiling, or a fault that doubles every answer's time,
-    comes back within a window or two instead of a backoff step at a time. Each
+    limit was binding (a request was turned away) it grows by one (not above ``ceiling``). Each
     change starts an epoch, and only requests admitted in the current epoch are judged: those
     admitted under the old limit would otherwise shrink it again. The whole answer is judged,
     not its first token: on CPUs every decode step slows as the batch grows, so a first token in
@@ -67,7 +64,7 @@ class LatencyLimit:
         p95 = sorted(self._waits)[math.ceil(0.95 * len(self._waits)) - 1]
         old = self.value
         if p95 > self.target_s:
-            self.value = max(float(self.floor), self.value * max(0.5, min(self.backoff, self.target_s / p95)))
+            self.value = max(float(self.floor), self.value * self.backoff)
         elif self._binding:
             self.value = min(float(self.ceiling), self.value + 1.0)
         self._waits, self._binding = [], False
@@ -121,21 +118,12 @@ class Admission:
                 "rejected": self.rejected, "outcomes": {r: dict(c) for r, c in sorted(self.outcomes.items())}}
 
 
-# The share of admission_target_s the Router steers to. It sees a request from its arrival until
-# the answer's last byte leaves the Router, not the rest of the way out (Serve's proxy, the
-# client's socket), and each growth step overshoots a little: measured at 2x saturation on 2
-# cores with the arrival stamped, per-minute client p95s of 2.4-5.4 s steering to the whole 5 s
-# target (docs/reliability.md "Two replicas against one").
-STEER_SHARE = 0.9
-
-
 def admission_for(limits: LimitsConfig) -> Admission:
     """A Router replica's admission from the app's limits: fixed, or steered by a latency target."""
     ceiling = limits.max_inflight_requests
     steer = None
     if limits.admission_target_s is not None:
-        steer = LatencyLimit(ceiling, min(limits.min_inflight_requests, ceiling),
-                             STEER_SHARE * limits.admission_target_s)
+        steer = LatencyLimit(ceiling, min(limits.min_inflight_requests, ceiling), limits.admission_target_s)
     return Admission(ceiling, steer)
 
 
