@@ -411,7 +411,8 @@ def test_the_sgmv_replacements_apply_each_runs_adapter_and_none_to_index_minus_o
 @pytest.mark.parametrize("add", [False, True])
 def test_a_decode_step_of_one_token_per_run_takes_the_batched_product_with_the_same_result(slots, add):
     """One token per run (a decode step): one batched product per op, equal to the per-token reference,
-    also after the step's metadata is refilled in place (the next step: the runs are read again)."""
+    also after the step's metadata is refilled in place (the next step: the runs are read again) and
+    after slots' weights are rewritten in place (the products' cached matrices are rebuilt)."""
     meta = _meta(slots)
     assert meta[1].tolist() == [1] * len(slots)  # one token per run
     a, b = torch.randn(3, 1, 4, 16), torch.randn(3, 12, 4)
@@ -428,6 +429,8 @@ def test_a_decode_step_of_one_token_per_run_takes_the_batched_product_with_the_s
         assert torch.allclose(out, _ref_expand(h, b, before, slots, 12, add), atol=1e-5)
         slots = slots[::-1]  # the next step's adapters, written into the same metadata tensors
         meta[2].copy_(torch.tensor(slots))
+        a[1].mul_(2)  # an adapter loaded into a slot in place (vLLM copies into its stacked weights)
+        b[2].add_(1)
 
 
 @pytest.mark.parametrize("add", [False, True])
