@@ -13,7 +13,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("prefillshare.agents", "prefillshare.app", "prefillshare.deployments")
-NOT_YET_AT_ZERO = 5  # modules in the ignore_errors override; lower it as they reach zero, never raise it
+NOT_YET_AT_ZERO = 4  # modules in the ignore_errors override; lower it as they reach zero, never raise it
 
 
 def _mypy(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:

@@ -66,16 +66,18 @@ class ShareWorker:
         return self.settings.scope
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        if self.kv_cache_config is None:
+            raise RuntimeError("PrefillShare connector: vLLM gave the worker no kv_cache_config")
         spec = self.kv_cache_config.kv_cache_groups[0].kv_cache_spec
-        self.layout = BlockLayout.from_caches(list(kv_caches.values()), self.block_size, spec.num_kv_heads,
-                                              spec.head_size, getattr(self.kv_cache_config, "num_blocks", None))
-        if self.planned_layout and self.layout.layout != self.planned_layout:
-            log.warning("PrefillShare: cache layout %s differs from planned %s", self.layout.layout,
-                        self.planned_layout)
-        if self.settings.role == "consumer" and self.layout.device.type == "cpu":
+        layout = BlockLayout.from_caches(list(kv_caches.values()), self.block_size, spec.num_kv_heads,
+                                         spec.head_size, getattr(self.kv_cache_config, "num_blocks", None))
+        self.layout = layout
+        if self.planned_layout and layout.layout != self.planned_layout:
+            log.warning("PrefillShare: cache layout %s differs from planned %s", layout.layout, self.planned_layout)
+        if self.settings.role == "consumer" and layout.device.type == "cpu":
             # The CPU cache is allocated lazily by the OS: without this, a decoder's first loads
             # into never-used blocks pay a page fault per 4 KiB (several times the copy itself).
-            for c in self.layout.caches:
+            for c in layout.caches:
                 c.zero_()
 
     # ------------------------------------------------------------------ consumer
@@ -84,12 +86,12 @@ class ShareWorker:
             return
         assert self.layout is not None, "KV caches were never registered"
         for spec in meta.loads:
-            self._invalid.update(self._load_one(spec))
+            self._invalid.update(self._load_one(spec, self.layout))
 
-    def _load_one(self, spec: LoadSpec) -> set[int]:
+    def _load_one(self, spec: LoadSpec, layout: BlockLayout) -> set[int]:
         """Copy a leased run in (seqlock-checked); one transaction ends it. Returns invalid block ids."""
         t0, c0 = time.perf_counter(), time.thread_time()
-        layout, entries, store = self.layout, spec.entries, self.store
+        entries, store = spec.entries, self.store
         try:
             if any(e.layout != layout.layout for e in entries):
                 raise LayoutMismatch(f"{entries[0].layout} != {layout.layout}")
