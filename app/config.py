@@ -296,9 +296,10 @@ class LimitsConfig(_Strict):
     )
     admission_target_s: float | None = Field(
         None, gt=0, description="the time from a request's arrival at the Router (see request_start_header) to "
-        "its complete answer that admission steers to: while the 95th percentile over a window of requests exceeds it, a Router replica admits fewer at "
-        "once (down to min_inflight_requests) and sheds the rest with 429, and more again while it is met; "
-        "null: a fixed bound of max_inflight_requests. Set it above the answers' time at a load they meet")
+        "its complete answer that admission steers to: while the 95th percentile over a window of requests "
+        "exceeds it, a Router replica admits fewer at once (down to min_inflight_requests) and sheds the rest "
+        "with 429, and more again while it is met; null: a fixed bound of max_inflight_requests. Set it above "
+        "the answers' time at a load they meet")
     request_start_header: str | None = Field(
         None, description="a header in which a trusted front proxy stamps when it received the request (e.g. "
         "x-request-start, as nginx's and Heroku's 't=<epoch seconds or ms>'): admission_target_s then judges from "

@@ -7,7 +7,10 @@ import asyncio
 import time
 from pathlib import Path
 
+import pytest
+
 from prefillshare.app.config import load_config
+from prefillshare.app.engine.handover import HandOff
 from prefillshare.app.engine.nixl import leases as ho
 from prefillshare.app.engine.nixl.config import lease_for_timeout
 from prefillshare.app.engine.nixl.handover import NixlHandover
@@ -167,6 +170,8 @@ def test_the_nixl_hand_over_lends_each_prompt_and_its_decode_side_keeps_the_leas
     assert lease.expires_at == 1030.0 and lease.params == {"remote_block_ids": [4]} and nothing is None
     side = handover.decode_side()
     assert side.pull(None) is None  # no prefill behind the request: nothing to pass or count
+    with pytest.raises(TypeError, match="not a Lease"):  # another mode's hand-off is refused, not misread
+        side.pull(HandOff())
     pull = side.pull(_lease(0, time.time() + 60))
     assert pull.reason is None and pull.params["remote_block_ids"] == [0]
     late = side.pull(_lease(1, time.time() + side.margin_s - 1))

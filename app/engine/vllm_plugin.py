@@ -222,14 +222,13 @@ def _per_token(runs: _Runs, weights, inputs):
     """A decode step's products: each token's row times its own adapter's matrix, as one product
     with every slot's matrix and a pick of each token's slot (fewer, larger ops than a gather of
     each token's weights: the LoRA products were 4.6 of an adapter step's 8.3 ms on 2 cores)."""
-    t, rows = runs.tokens, _stacked(weights).shape[1]
+    t = runs.tokens
     every = inputs[:t].float() @ _all_slots(weights)
-    return every.view(t, -1, rows)[runs.arange, runs.rows]
+    return every.view(t, weights.shape[0], -1)[runs.arange, runs.rows]  # (token, slot, row) -> its slot's row
 
 
 def _sgmv_shrink(inputs, lora_a_weights, output_tensor, b_seq_start_loc, seq_len_tensor, lora_indices_tensor,
                  batches, max_seq_length, token_nums, scaling):
-
     runs, w, dtype = _runs(b_seq_start_loc, seq_len_tensor, lora_indices_tensor), _stacked(lora_a_weights), output_tensor.dtype
     if runs.tokens:
         t = runs.tokens
@@ -259,7 +258,6 @@ def _sgmv_expand_slice(inputs, lora_b_weights, output_tensor, b_seq_start_loc, s
 
 
 def _expand(inputs, weights, output, starts, lengths, indices, offset: int, size: int | None, add: bool):
-
     runs, w = _runs(starts, lengths, indices), _stacked(weights)
     width = min(w.shape[1], output.shape[1] - offset) if size is None else size
     end = output.shape[1] if size is None else offset + size  # what a token without an adapter has zeroed

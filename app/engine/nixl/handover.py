@@ -78,8 +78,7 @@ class NixlDecodeSide(DecodeSide):
             return None
         if not isinstance(handoff, leases.Lease):
             raise TypeError(f"a vllm-nixl decoder got a {type(handoff).__name__} hand-off, not a Lease")
-        lease = handoff
-        params, reason = leases.pull_params(lease, self.margin_s)
+        params, reason = leases.pull_params(handoff, self.margin_s)
         return Pull(params, reason)
 
     def cached_tokens(self, pull: Pull, num_prompt_tokens: int, num_cached_tokens: int) -> int:
