@@ -23,6 +23,7 @@ import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from prefillshare.app.config import (
     AdapterConfig,
@@ -38,6 +39,9 @@ from prefillshare.app.engine.modes import handover_for
 from prefillshare.app.engine_args import check_engine_kwargs
 from prefillshare.app.rendering import Renderer, RenderError
 from prefillshare.app.sharing import ModuleSharing, module_sharing
+
+if TYPE_CHECKING:
+    from prefillshare.app.models.manifest import DecodeManifest, ManifestError
 
 log = logging.getLogger("ray.serve")
 
@@ -117,7 +121,7 @@ class _Served:
     adapter: AdapterConfig | None
     name: str
     path: Path
-    manifest: object  # DecodeManifest, or the ManifestError reading it raised
+    manifest: DecodeManifest | ManifestError  # the ManifestError reading it raised, if it did
 
     @property
     def in_engine(self) -> bool:
@@ -128,6 +132,7 @@ class _Served:
 def _served(cfg: AppConfig) -> list[_Served]:
     """Every served name with its manifest, each manifest read once."""
     out = []
+    entries: list[tuple[str, AdapterConfig | None, str, Path]]
     for i, d in enumerate(cfg.decoders):
         entries = ([(f"decoders[{i}].adapters[{j}]", a, a.name, cfg.path(a.path)) for j, a in enumerate(d.adapters)]
                    if d.adapters else [(f"decoders[{i}]", None, d.name, cfg.path(d.model))])
@@ -140,7 +145,7 @@ def _served(cfg: AppConfig) -> list[_Served]:
     return out
 
 
-def _manifest(path: Path):
+def _manifest(path: Path) -> DecodeManifest | ManifestError:
     """The directory's DecodeManifest, or the ManifestError reading it raised."""
     from prefillshare.app.models.manifest import ManifestError, read_manifest
 
@@ -193,6 +198,7 @@ def _check_adapter(s: _Served, group_id: str) -> None:
     from prefillshare.app.models.identity import CheckpointError
 
     a, d, m = s.adapter, s.decoder, s.manifest
+    assert a is not None, "called for adapters only"
     if isinstance(m, Exception):
         raise ConfigError(f"{s.where}.path: {m}")
     if m.adapter is None:
@@ -224,13 +230,15 @@ def _engine_mismatch(base: PrefillModuleConfig, d: DecoderConfig) -> list[str]:
     return reasons
 
 
-def _sharing(cfg: AppConfig, s: _Served, module_ids: dict[str, str]) -> tuple[str | None, str | None, str | None]:
-    """(prefill module, prefill adapter, None) when ``s`` reads a module's KV, else (None, code, reason)."""
+def _sharing(cfg: AppConfig, s: _Served, d: DecoderConfig,
+             module_ids: dict[str, str]) -> tuple[str | None, str | None, str | None]:
+    """(prefill module, prefill adapter, None) when ``s`` (served by decoder entry ``d``) reads a module's
+    KV, else (None, code, reason)."""
     from prefillshare.app.models import compat
     from prefillshare.app.models.identity import CheckpointError
     from prefillshare.app.models.manifest import ManifestError
 
-    d, m = s.decoder, s.manifest
+    m = s.manifest
     if d.prefill_module is None:
         return None, "disabled", "prefill_module is null in the config"
     if isinstance(m, Exception):
@@ -260,24 +268,23 @@ def _resolve(cfg: AppConfig, s: _Served, module_ids: dict[str, str], group_ids: 
              tok: _Tokenizer) -> DecoderPlan:
     """One served name's plan."""
     d = s.decoder
-    lora = {}
-    if s.in_engine:
+    tools = None if isinstance(s.manifest, Exception) else s.manifest.tool_call_format
+    if isinstance(d, PrefillModuleConfig):  # an in-engine LoRA decoder (lora_decoders)
         _check_adapter(s, module_ids[d.name])
         return DecoderPlan(s.name, d.name, None, None, kv_bytes_per_token=bpt, max_model_len=d.engine.max_model_len,
-                           adapter=s.name, in_engine=True, tool_call_format=s.manifest.tool_call_format,
-                           renderer=_renderer(s, tok))
+                           adapter=s.name, in_engine=True, tool_call_format=tools, renderer=_renderer(s, tok))
+    group = adapter = None
     if s.adapter is not None:
         _check_adapter(s, group_ids[d.name])
-        lora = {"group": d.name, "adapter": s.name}
+        group, adapter = d.name, s.name
     renderer = _renderer(s, tok)
-    module, own_or_code, reason = _sharing(cfg, s, module_ids)
-    tools = None if isinstance(s.manifest, Exception) else s.manifest.tool_call_format
-    common = dict(kv_bytes_per_token=bpt, max_model_len=d.engine.max_model_len, tool_call_format=tools,
-                  renderer=renderer, **lora)
+    module, own_or_code, reason = _sharing(cfg, s, d, module_ids)
+    code, prefill_adapter = (own_or_code, None) if module is None else (None, own_or_code)
     if module is None:
         log.warning("decoder %s: private prefill (%s)", s.name, reason)
-        return DecoderPlan(s.name, None, own_or_code, reason, **common)
-    return DecoderPlan(s.name, module, None, None, prefill_adapter=own_or_code, **common)
+    return DecoderPlan(s.name, module, code, reason, kv_bytes_per_token=bpt, max_model_len=d.engine.max_model_len,
+                       group=group, adapter=adapter, prefill_adapter=prefill_adapter, tool_call_format=tools,
+                       renderer=renderer)
 
 
 def plan_app(cfg: AppConfig) -> AppPlan:
@@ -290,14 +297,15 @@ def plan_app(cfg: AppConfig) -> AppPlan:
     group_ids = {d.name: prefill_module_id(cfg.path(d.model)) for d in cfg.decoders if d.adapters}
     tok = _Tokenizer(cfg.path(cfg.tokenizer))
     # KV bytes per token of each engine entry (a decoder, a decode group, a module with lora_decoders), read once
-    bpt = {id(e): kv_bytes_per_token(cfg.path(e.model), e.engine.dtype) for e in [*cfg.decoders, *cfg.prefill_modules]}
+    entries: list[DecoderConfig | PrefillModuleConfig] = [*cfg.decoders, *cfg.prefill_modules]
+    bpt = {id(e): kv_bytes_per_token(cfg.path(e.model), e.engine.dtype) for e in entries}
     served = _served(cfg)
     decoders = tuple(_resolve(cfg, s, module_ids, group_ids, bpt[id(s.decoder)], tok) for s in served)
     for i, d in enumerate(cfg.decoders):
-        modules = sorted({p.prefill_module for p in decoders if p.group == d.name and p.prefill_module})
-        if len(modules) > 1:
+        read = sorted({p.prefill_module for p in decoders if p.group == d.name and p.prefill_module})
+        if len(read) > 1:
             raise ConfigError(f"decoders[{i}].adapters: one decode group reads one prefill module's KV; its adapters "
-                              f"name {modules} (split them into groups or set decoders[{i}].prefill_module)")
+                              f"name {read} (split them into groups or set decoders[{i}].prefill_module)")
     modules = tuple(ModulePlan(p.name, module_ids[p.name], p.engine.block_size) for p in cfg.prefill_modules)
     sharing = _check_sharing(cfg, decoders, tok, {s.name: s.where for s in served})
     return AppPlan(str(cfg.path(cfg.tokenizer)), modules, decoders, cfg.limits, sharing, handover_for(cfg))

@@ -51,6 +51,12 @@ def _small(cfg: AppConfig, d) -> dict[str, Any]:
                 backpressure_config=BackpressureConfig(status_code=429, retry_after_s=cfg.limits.retry_after_s))
 
 
+def _deployment(cls: type) -> Any:
+    """``cls`` as the Serve ``Deployment`` that ``@serve.deployment`` made it (mypy keeps a decorated
+    class's own type, so ``.options`` would not resolve)."""
+    return cls
+
+
 def _router_config(cls, cfg: AppConfig, **kwargs):
     from ray.serve.config import RequestRouterConfig
 
@@ -62,17 +68,19 @@ def _prefill_deployments(cfg: AppConfig, plan: AppPlan, metrics) -> dict:
     from prefillshare.deployments.replicas.prefill import PrefillServer
     from prefillshare.deployments.routing.prefix_router import PrefixLocalityRouter
 
+    handover = plan.handover
+    assert handover is not None, "plan_app builds the hand-over"
     prefill = {}
     for p in cfg.prefill_modules:
         link = ModuleLink(plan.module(p.name).module_id, p.name, adapter_keys=bool(p.adapters))
-        kv = plan.handover.transfer_config("producer", link, on_gpu=bool(p.placement.num_gpus))
+        kv = handover.transfer_config("producer", link, on_gpu=bool(p.placement.num_gpus))
         # a prefill engine caches prefixes in every mode: later prompts of a fan-out reuse the context
         ec = replace(engine_config(cfg, p.model, p.engine, p.placement, kv, p), enable_prefix_caching=True)
         alloc_conf.check(ec.extra_env, kv, ec.engine_kwargs, where=f"prefill_modules {p.name}")
         router = _router_config(PrefixLocalityRouter, cfg, max_tracked_prefixes=cfg.routing.max_tracked_prefixes)
-        prefill[p.name] = PrefillServer.options(
+        prefill[p.name] = _deployment(PrefillServer).options(
             **engine_options(cfg, f"Prefill-{p.name}", p.placement, p.engine, request_router_config=router)
-        ).bind(p.name, ec, plan.handover, metrics)
+        ).bind(p.name, ec, handover, metrics)
     return prefill
 
 
@@ -90,7 +98,7 @@ def _decode_deployments(cfg: AppConfig, plan: AppPlan, metrics) -> dict:
         # without a connector and prefills privately
         handover = plan.handover if module is not None else None
         kv = None
-        if handover is not None:
+        if handover is not None and module is not None:
             link = ModuleLink(plan.module(module).module_id, d.name,
                               adapter_keys=bool(cfg.prefill_module(module).adapters))
             kv = handover.transfer_config("consumer", link, on_gpu=bool(pl.num_gpus))
@@ -102,7 +110,7 @@ def _decode_deployments(cfg: AppConfig, plan: AppPlan, metrics) -> dict:
         if kv is not None:
             # a consumer's local cache could hold KV it computed itself after a fallback: off
             ec = replace(ec, enable_prefix_caching=False)
-        handle = DecodeServer.options(**engine_options(cfg, f"Decode-{d.name}", pl, d.engine, **extra)).bind(
+        handle = _deployment(DecodeServer).options(**engine_options(cfg, f"Decode-{d.name}", pl, d.engine, **extra)).bind(
             d.name, ec, handover, metrics)
         for dp in served:
             decoders[dp.name] = handle
@@ -116,7 +124,7 @@ def build(cfg: AppConfig):
     from prefillshare.deployments.path.orchestrator import Orchestrator
 
     plan = plan_app(cfg)
-    metrics = MetricsServer.options(
+    metrics = _deployment(MetricsServer).options(
         num_replicas=1, ray_actor_options={"num_cpus": cfg.metrics.num_cpus},
         max_ongoing_requests=cfg.metrics.max_ongoing_requests,
     ).bind(plan.handover)
@@ -126,11 +134,11 @@ def build(cfg: AppConfig):
     decoders.update({dp.name: prefill[dp.prefill_module] for dp in plan.decoders if dp.in_engine})
     # one set of decode handles for both callers: the Router streams completions from them, the
     # Orchestrator streams agent runs' decoders
-    orch = Orchestrator.options(**_small(cfg, cfg.orchestrator)).bind(plan, prefill, decoders, metrics)
+    orch = _deployment(Orchestrator).options(**_small(cfg, cfg.orchestrator)).bind(plan, prefill, decoders, metrics)
     auth = cfg.auth
     if auth.keys_file:  # the Router replica reads the file itself: keys never travel in Serve's config
         auth = auth.model_copy(update={"keys_file": str(cfg.path(auth.keys_file))})
-    return Router.options(**_small(cfg, cfg.router)).bind(plan, orch, prefill, decoders, metrics, auth)
+    return _deployment(Router).options(**_small(cfg, cfg.router)).bind(plan, orch, prefill, decoders, metrics, auth)
 
 
 def build_app(args: dict[str, Any]):

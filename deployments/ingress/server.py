@@ -23,7 +23,6 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel
 from ray import serve
 from ray.exceptions import RayActorError
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
@@ -45,7 +44,7 @@ from prefillshare.deployments.ingress.prompt_options import (
     truncated,
 )
 from prefillshare.deployments.ingress.request_options import check_unsupported, load_grammar_backend, sampling_from
-from prefillshare.deployments.ingress.schemas import AgentRunBody, ChatBody, CompletionBody, parse, read_body
+from prefillshare.deployments.ingress.schemas import AgentRunBody, Body, ChatBody, CompletionBody, parse, read_body
 from prefillshare.deployments.ingress.tools import ToolPlan, plan_tools, read_tool_output
 from prefillshare.deployments.ingress.vllm_endpoints import (
     DetokenizeBody,
@@ -116,6 +115,12 @@ class _Completion:
             yield chunk
 
 
+def _max_tokens(sampling: Sampling) -> int:
+    """The Router's sampling always has ``max_tokens`` (``Router._sampling`` fills the default)."""
+    assert sampling.max_tokens is not None, "Router._sampling fills max_tokens"
+    return sampling.max_tokens
+
+
 def _overloaded(message: str, retry_after_s: int) -> ApiError:
     return ApiError(429, message, None, "overloaded", "rate_limit_error", {"Retry-After": str(retry_after_s)})
 
@@ -168,7 +173,7 @@ class Router:
         self.keys: KeyRing | None = load_keyring(auth.keys_file, auth.keys_env, auth.required)
 
     # --- the edge: key, size, admission ---
-    async def _accept(self, request: Request, schema: type[BaseModel]) -> tuple[BaseModel, Tenant | None, float]:
+    async def _accept(self, request: Request, schema: type[Body]) -> tuple[Body, Tenant | None, float]:
         """Bound, authenticate and parse a generation request (431 / 401 / 413 / 400); also when it
         arrived, for admission's clock (``limits.request_start_header``)."""
         header = self.limits.request_start_header
@@ -348,18 +353,20 @@ class Router:
         return self.plan.decoder(model)
 
     def _sampling(self, body, **kw) -> Sampling:
+        """The request's sampling with ``max_tokens`` filled (``limits.max_tokens_default``)."""
         return sampling_from(body, self.limits, self.prompter.eos_token_id, self.prompter.vocab_size,
                              encode=lambda text: self.prompter.encode(text, add_special_tokens=False), **kw)
 
     def _check_length(self, ids: list[int], sampling: Sampling, limit: int, param: str,
                       mt_param: str = "max_tokens") -> None:
+        max_tokens = _max_tokens(sampling)
         if not ids:
             raise ApiError.invalid(param, f"{param} is empty")
         if len(ids) >= limit:
             raise ApiError(400, f"{param} has {len(ids)} tokens; this model's context is {limit} tokens",
                            param, "context_length_exceeded")
-        if len(ids) + sampling.max_tokens > limit:
-            raise ApiError(400, f"{param} ({len(ids)} tokens) + {mt_param} ({sampling.max_tokens}) exceeds "
+        if len(ids) + max_tokens > limit:
+            raise ApiError(400, f"{param} ({len(ids)} tokens) + {mt_param} ({max_tokens}) exceeds "
                            f"the context of {limit} tokens", mt_param, "context_length_exceeded")
 
     def _salt(self, tenant: Tenant | None) -> str | None:
@@ -392,28 +399,29 @@ class Router:
         check_unsupported(body)
         dp = self._decoder(body.model)
         sampling = self._sampling(body, logprobs=body.logprobs, prompt_logprobs=prompt_logprobs_of(body, body.logprobs))
-        if isinstance(body.prompt, list) and body.prompt and isinstance(body.prompt[0], str):
-            if len(body.prompt) != 1:
+        prompt = body.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+            if len(prompt) != 1:
                 raise ApiError.invalid("prompt", "prompt: batches of prompts are not supported; send one")
-            body.prompt = body.prompt[0]
-        if isinstance(body.prompt, str):
-            if not body.prompt.strip():
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            if not prompt.strip():
                 raise ApiError.invalid("prompt", "prompt is empty")
-            ids = self.prompter.encode(body.prompt, body.add_special_tokens is not False)
+            ids = self.prompter.encode(prompt, body.add_special_tokens is not False)
         else:
-            ids = list(body.prompt)
+            ids = [int(t) for t in prompt]  # token ids (a list of strings was one string, taken above)
             bad = next((i for i, t in enumerate(ids) if not 0 <= t < self.prompter.vocab_size), None)
             if bad is not None:
                 raise ApiError.invalid("prompt", f"prompt[{bad}]: token id {ids[bad]} is outside the vocabulary "
                                        f"[0, {self.prompter.vocab_size})")
         whole = len(ids)
-        ids = truncated(ids, body, dp.max_model_len, sampling.max_tokens)
+        ids = truncated(ids, body, dp.max_model_len, _max_tokens(sampling))
         self._check_length(ids, sampling, dp.max_model_len, "prompt")
         job = CompletionJob(f"cmpl-{uuid.uuid4().hex}", body.model, tuple(ids), sampling, "completions",
                             cache_salt=cache_salt(self._salt(tenant), body.cache_salt))
         echo = None
         if body.echo:
-            echo = body.prompt if isinstance(body.prompt, str) and len(ids) == whole else self.prompter.decode(ids)
+            echo = prompt if isinstance(prompt, str) and len(ids) == whole else self.prompter.decode(ids)
         return await self._completion(job, body, None, arrived, chat=False, echo=echo,
                                       logprobs=body.logprobs is not None, **self._answer_options(body, ids))
 
@@ -435,7 +443,7 @@ class Router:
             constraint=tools.constraint if tools is not None else None,
             prompt_logprobs=prompt_logprobs_of(body, body.top_logprobs or 0))
         ids, conversation = self._chat_ids(body, dp, tools)
-        ids = truncated(ids, body, dp.max_model_len, sampling.max_tokens)
+        ids = truncated(ids, body, dp.max_model_len, _max_tokens(sampling))
         self._check_length(ids, sampling, dp.max_model_len, "messages", mt_param)
         job = CompletionJob(f"chatcmpl-{uuid.uuid4().hex}", body.model, tuple(ids), sampling, "chat",
                             cache_salt=cache_salt(self._salt(tenant), body.cache_salt))

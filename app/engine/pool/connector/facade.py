@@ -64,6 +64,20 @@ class PrefillShareConnector(KVConnectorBase_V1):
             request_amx_tiles()
             self.worker = ShareWorker(settings, KVPool(settings.pool), block_size, kv_cache_config, layout)
 
+    @property
+    def _scheduler(self) -> ShareScheduler:
+        """The scheduler half; vLLM calls scheduler-side methods only on the SCHEDULER role's instance."""
+        if self.scheduler is None:
+            raise RuntimeError("a scheduler-side call reached the worker's connector")
+        return self.scheduler
+
+    @property
+    def _worker(self) -> ShareWorker:
+        """The worker half; vLLM calls worker-side methods only on the WORKER role's instance."""
+        if self.worker is None:
+            raise RuntimeError("a worker-side call reached the scheduler's connector")
+        return self.worker
+
     def _meta(self) -> PrefillShareMeta:
         meta = self._get_connector_metadata()
         return meta if isinstance(meta, PrefillShareMeta) else PrefillShareMeta()
@@ -71,32 +85,32 @@ class PrefillShareConnector(KVConnectorBase_V1):
     # ------------------------------------------------------------------ scheduler side
     def bind_kv_cache_manager(self, kv_cache_manager: KVCacheManager) -> None:
         super().bind_kv_cache_manager(kv_cache_manager)
-        self.scheduler.block_manager = kv_cache_manager
+        self._scheduler.block_manager = kv_cache_manager
 
     def on_new_request(self, request: Request) -> None:
-        self.scheduler.on_new_request(request)
+        self._scheduler.on_new_request(request)
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
-        return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+        return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int):
-        self.scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+        self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        return self.scheduler.build_connector_meta(scheduler_output)
+        return self._scheduler.build_connector_meta(scheduler_output)
 
     def update_connector_output(self, connector_output) -> None:
-        self.scheduler.update_connector_output(connector_output)
+        self._scheduler.update_connector_output(connector_output)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        return False, self.scheduler.request_finished(request)
+        return False, self._scheduler.request_finished(request)
 
     # ------------------------------------------------------------------ worker side
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]):
-        self.worker.register_kv_caches(kv_caches)
+        self._worker.register_kv_caches(kv_caches)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
-        self.worker.start_load_kv(self._meta())
+        self._worker.start_load_kv(self._meta())
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # loads complete in start_load_kv, before the forward pass
@@ -105,10 +119,10 @@ class PrefillShareConnector(KVConnectorBase_V1):
         return  # saved whole in wait_for_save, once every layer of the step is written
 
     def wait_for_save(self):
-        self.worker.wait_for_save(self._meta())
+        self._worker.wait_for_save(self._meta())
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        return self.worker.get_block_ids_with_load_errors()
+        return self._worker.get_block_ids_with_load_errors()
 
     def shutdown(self):
         for half in (self.scheduler, self.worker):
