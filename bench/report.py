@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import re
+import statistics
 from dataclasses import asdict, dataclass, field
 
 from bench.client import SessionResult
@@ -87,6 +88,11 @@ class PointResult:
     request_latency: dict | None = None        # p50/p95/p99 (s) of one agent's request, send to last token
     prompt_tokens_per_request: float | None = None  # mean prompt tokens of one agent's request (its usage)
     fallbacks: dict | None = None              # the app's prefillshare_fallbacks_total by reason over the point
+    # mean TTFT per agent request at the client, and as vLLM's engines measured it (from a request's
+    # arrival at the engine's frontend; every engine's requests, so a system with a separate prefill
+    # engine counts its prefill requests too): the difference is what lies before and after the engine
+    ttft_mean_s: float | None = None
+    engine_ttft_mean_s: float | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -152,10 +158,18 @@ def summarize(system: str, spec, mode: str, load: float, results: list[SessionRe
         base_prompt_tokens_per_session=base / len(ok) if ok else None,
         request_latency=pcts([a.e2e_s for a in agents if a.e2e_s is not None]),
         prompt_tokens_per_request=sum(a.prompt_tokens for a in agents) / len(agents) if agents else None,
+        ttft_mean_s=statistics.fmean(ttfts) if (ttfts := [a.ttft_s for a in agents if a.ttft_s is not None]) else None,
+        engine_ttft_mean_s=_engine_ttft_mean(after, before),
         fallbacks={reason: n for reason in sorted({dict(lab).get("reason") for (name, lab) in after
                                                    if name == "prefillshare_fallbacks_total"} - {None})
                    if (n := metric_delta(after, before, "prefillshare_fallbacks_total", reason=reason))},
     )
+
+
+def _engine_ttft_mean(after: dict, before: dict) -> float | None:
+    """vLLM's own mean time to first token over the point (its histogram's sum over its count)."""
+    count = metric_delta(after, before, "vllm:time_to_first_token_seconds_count")
+    return metric_delta(after, before, "vllm:time_to_first_token_seconds_sum") / count if count else None
 
 
 # --- bound from per-phase costs ------------------------------------------------------
@@ -318,7 +332,8 @@ def _table(head: str, rows: list[str]) -> str:
 
 
 def points_table(points: list[PointResult]) -> str:
-    head = ("| system | N | L | R | load | rep | ok/sent | fan-out p50/p95/p99 s | TTFT p50/p95 s | sessions/s | "
+    head = ("| system | N | L | R | load | rep | ok/sent | fan-out p50/p95/p99 s | TTFT p50/p95 s | TTFT mean s client / "
+            "engine | sessions/s | "
             "out tok/s | prefill tok/session | cache hit | KV needed peak MiB (pinned pool + decoders) | pool cache MiB | "
             "CPU s/session | "
             "load avg |")
@@ -329,6 +344,7 @@ def points_table(points: list[PointResult]) -> str:
         rows.append(
             f"| {p.system} {SYSTEMS[p.system]} | {p.fanout} | {p.context_tokens} | {p.rounds} | {load} | {p.repeat} | "
             f"{p.ok}/{p.sent} | {_f(fl['p50'])}/{_f(fl['p95'])}/{_f(fl['p99'])} | {_f(tt['p50'])}/{_f(tt['p95'])} | "
+            f"{_f(p.ttft_mean_s)} / {_f(p.engine_ttft_mean_s)} | "
             f"{p.sessions_per_s:.3f} | {p.output_tok_per_s:.1f} | {p.prefill_tokens_computed_per_session:.0f} | "
             f"{_f(p.cache_hit_ratio)} | {_kv_needed(p)} | {p.pool_peak_bytes / 2**20:.1f} | {_f(p.cpu_s_per_session)} | "
             f"{_f(p.loadavg, '{:.1f}')} |")
