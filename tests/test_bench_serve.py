@@ -517,3 +517,26 @@ def test_chat_driver_config_and_stock_servers_with_the_chat_template(tmp_path):
                         "prefill_replicas": 1, "lora_rank": 8, "colocated_replicas": 1}}
     md = render_markdown(doc, [], [], {})
     assert "## Agents with their own system prompts" in md and "200-500 tokens and 2 tools" in md
+
+
+def test_compare_runs_pairs_rounds_and_gives_each_points_ratio_and_spread(tmp_path):
+    from bench.compare_runs import compare, render
+
+    def run(name, sps, ttft):
+        point = {"system": "a-lora", "fanout": 4, "context_tokens": 2048, "rounds": 1, "load": 1.0,
+                 "sessions_per_s": sps, "fanout_latency": {"p50": 1.0, "p95": 2.0}, "ttft": {"p50": ttft},
+                 "cpu_s_per_session": None}
+        other = {**point, "system": "a"}  # only in this run: not compared
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps({"points": [point] + ([other] if name == "b1" else [])}))
+        return str(path)
+
+    rows = compare([run("b1", 1.0, 0.4), run("b2", 2.0, 0.4)], [run("a1", 1.2, 0.2), run("a2", 2.0, 0.4)])
+    assert [r["point"] for r in rows] == [("a-lora", 4, 2048, 1, 1.0)]
+    ratios, olds, news = rows[0]["values"]["sessions/s"]
+    assert ratios == pytest.approx([1.2, 1.0]) and olds == [1.0, 2.0] and news == [1.2, 2.0]
+    table = render(rows, ("old", "new"))
+    assert "1.10x (1.00-1.20)" in table and "0.75x (0.50-1.00)" in table  # TTFT p50: 0.5 and 1.0
+    assert table.splitlines()[2].endswith("| - |")  # no CPU figures: no ratio
+    with pytest.raises(ValueError, match="same number of runs"):
+        compare([run("b1", 1.0, 0.4)], [])
