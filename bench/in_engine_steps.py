@@ -8,7 +8,7 @@ case is timed with 1 and with ``--output`` tokens out (the difference over the e
 decode step), and the adapters' decode is profiled (cProfile, self time per source file group):
 what a step spends in vLLM's LoRA layers and ops against the rest of the model and the engine.
 cProfile inflates Python-heavy code, so the split is also measured by wall clock: the adapters run
-once more with the LoRA products (the plugin's sgmv ops) made no-ops, in this process only (wrong
+once more with the LoRA products (the plugin's add_lora_linear and sgmv ops) made no-ops, in this process only (wrong
 tokens, right timing): adapters - that = the products; that - base = the rest of an adapter's cost
 (vLLM's LoRA layers, the punica wrapper's per-step metadata, the plugin's per-step mapping).
 """
@@ -26,8 +26,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 # source-file groups of a profile, first match wins
-GROUPS = (("LoRA ops (the plugin's sgmv)", "prefillshare/app/engine/vllm_plugin"),
-          ("LoRA ops (the plugin's sgmv)", "app/engine/vllm_plugin"),
+GROUPS = (("LoRA ops (the plugin's)", "prefillshare/app/engine/vllm_plugin"),
+          ("LoRA ops (the plugin's)", "app/engine/vllm_plugin"),
           ("vLLM LoRA layers and punica wrapper", "vllm/lora/"),
           ("model forward (attention, MLP, norms)", "vllm/model_executor/"),
           ("attention backend", "vllm/v1/attention/"),
@@ -54,15 +54,16 @@ def _products_off():
     """The LoRA products as no-ops while inside (timing only: every token gets the base's output)."""
     from vllm.lora.punica_wrapper import punica_cpu
 
-    names = ("sgmv_shrink", "sgmv_expand", "sgmv_expand_slice")
-    kept = {n: getattr(punica_cpu, n) for n in names}
-    for n in names:
-        setattr(punica_cpu, n, lambda *a, **k: None)
+    owners = [(punica_cpu, n) for n in ("sgmv_shrink", "sgmv_expand", "sgmv_expand_slice")]
+    owners.append((punica_cpu.PunicaWrapperCPU, "add_lora_linear"))
+    kept = [(owner, n, getattr(owner, n)) for owner, n in owners]
+    for owner, n in owners:
+        setattr(owner, n, lambda *a, **k: None)
     try:
         yield
     finally:
-        for n, f in kept.items():
-            setattr(punica_cpu, n, f)
+        for owner, n, f in kept:
+            setattr(owner, n, f)
 
 
 def run(args) -> dict:
@@ -133,7 +134,7 @@ def run(args) -> dict:
     result["decode_step_adapters_over_base"] = round(a["decode_step_ms"] / b["decode_step_ms"], 2)
     result["decode_step_split_ms"] = {
         "base": b["decode_step_ms"],
-        "LoRA products (the plugin's sgmv ops)": round(a["decode_step_ms"] - off["decode_step_ms"], 2),
+        "LoRA products (the plugin's LoRA linear and sgmv ops)": round(a["decode_step_ms"] - off["decode_step_ms"], 2),
         "the rest of the adapters' cost (LoRA layers, wrapper metadata, mapping)":
             round(off["decode_step_ms"] - b["decode_step_ms"], 2)}
     print(f"decode step, adapters / base: {result['decode_step_adapters_over_base']}x; split (ms): "

@@ -45,12 +45,14 @@ PUNICA = "vllm.lora.model_manager.get_punica_wrapper"
 SHRINK = "vllm.lora.punica_wrapper.punica_cpu.sgmv_shrink"
 EXPAND = "vllm.lora.punica_wrapper.punica_cpu.sgmv_expand"
 EXPAND_SLICE = "vllm.lora.punica_wrapper.punica_cpu.sgmv_expand_slice"
+LORA_LINEAR = "vllm.lora.punica_wrapper.punica_cpu.PunicaWrapperCPU.add_lora_linear"
 # what register() replaces: vLLM's name for it, owner, attribute, the plugin's replacement
 REPLACED = [
     (KEYS, kv_cache_utils, "generate_block_hash_extra_keys", vllm_plugin._block_hash_extra_keys),
     (POOL_KEYS, block_pool, "generate_block_hash_extra_keys", vllm_plugin._block_hash_extra_keys),
     (MAKE_LORA_INPUTS, InputBatch, "make_lora_inputs", vllm_plugin._make_lora_inputs),
     (PUNICA, model_manager, "get_punica_wrapper", vllm_plugin._punica_wrapper),
+    (LORA_LINEAR, punica_cpu.PunicaWrapperCPU, "add_lora_linear", vllm_plugin._add_lora_linear),
     (SHRINK, punica_cpu, "sgmv_shrink", vllm_plugin._sgmv_shrink),
     (EXPAND, punica_cpu, "sgmv_expand", vllm_plugin._sgmv_expand),
     (EXPAND_SLICE, punica_cpu, "sgmv_expand_slice", vllm_plugin._sgmv_expand_slice),
@@ -63,6 +65,7 @@ PARAMS = {
     POOL_KEYS: ["request", "start_token_idx", "end_token_idx", "start_mm_idx"],
     MAKE_LORA_INPUTS: ["self", "num_scheduled_tokens", "num_sampled_tokens"],
     PUNICA: ["args", "kwargs"],
+    LORA_LINEAR: ["self", "y", "x", "lora_a_stacked", "lora_b_stacked", "scale", "output_slices", "buffer", "kwargs"],
     SHRINK: ["inputs", "lora_a_weights", *_RUNS, "scaling"],
     EXPAND: ["inputs", "lora_b_weights", *_RUNS, "add_inputs"],
     EXPAND_SLICE: ["inputs", "lora_b_weights", *_RUNS, "slice_offset", "slice_size", "add_inputs"],
@@ -407,30 +410,100 @@ def test_the_sgmv_replacements_apply_each_runs_adapter_and_none_to_index_minus_o
     assert torch.equal(others, torch.cat([before[:, :out_features], before[:, 2 * out_features:]], 1))
 
 
-@pytest.mark.parametrize("slots", [[0, -1, 2, 1], [2, 0, 1, 0, -1]], ids=["decode-4", "decode-5"])
-@pytest.mark.parametrize("add", [False, True])
-def test_a_decode_step_of_one_token_per_run_takes_the_batched_product_with_the_same_result(slots, add):
-    """One token per run (a decode step): one batched product per op, equal to the per-token reference,
-    also after the step's metadata is refilled in place (the next step: the runs are read again) and
-    after slots' weights are rewritten in place (the products' cached matrices are rebuilt)."""
-    meta = _meta(slots)
-    assert meta[1].tolist() == [1] * len(slots)  # one token per run
-    a, b = torch.randn(3, 1, 4, 16), torch.randn(3, 12, 4)
-    x, h = torch.randn(len(slots), 16), torch.randn(len(slots), 4)
+SLICES = (12, 4, 4)  # a merged q, k, v projection's output widths
+
+
+def _wrapper(token_slots: list[int], slot_ids: list[int | None]):
+    """vLLM's CPU LoRA wrapper after a step's mapping (``slot_ids``: the LoRA id each slot holds)."""
+    w = punica_cpu.PunicaWrapperCPU(max_num_batched_tokens=32, max_batches=8, device="cpu")
+    by_slot = {i: lora_id for i, lora_id in enumerate(slot_ids) if lora_id}
+    lora_ids = tuple(by_slot[i] if i >= 0 else 0 for i in token_slots)
+    w.update_metadata(LoRAMapping(lora_ids, (1,), is_prefill=True), list(slot_ids), len(slot_ids), 100)
+    assert w.token_lora_indices.tolist() == token_slots, (
+        f"vllm.lora.punica_wrapper.punica_base.PunicaWrapperBase.token_lora_indices: {w.token_lora_indices.tolist()}")
+    return w
+
+
+def _ref_linear(y, x, a, b, slots, scale):
+    """Per token with an adapter: y[:, slice] += scale * x @ A[slot, slice]^T @ B[slot, slice]^T."""
+    out, offset = y.clone(), 0
+    for a_s, b_s, size in zip(a, b, SLICES):
+        for t, i in enumerate(slots):
+            if i >= 0:
+                out[t, offset: offset + size] += scale * (x[t] @ _slot(a_s, i).T) @ _slot(b_s, i)[:size].T
+        offset += size
+    return out
+
+
+def _layer(slots: int, rank: int = 4, hidden: int = 16):
+    a = tuple(torch.randn(slots, 1, rank, hidden) for _ in SLICES)
+    b = tuple(torch.randn(slots, 1, size, rank) for size in SLICES)
+    return a, b
+
+
+@pytest.mark.parametrize("token_slots", [[0, 2, 1, 0], [0, -1, 2, 1], [-1, -1, -1, 1, -1, 0, 0, -1]],
+                         ids=["decode", "decode-with-base", "prefill-tail"])
+def test_a_lora_linear_step_is_one_product_each_way_for_every_slice_and_equals_the_reference(token_slots):
+    """The layer's slices side by side, over its tokens with an adapter only, equal to the per-token
+    reference; a token without one keeps the base's output. Also after the step's mapping changes and
+    after a slot's weights are rewritten in place (the fused matrices are rebuilt)."""
+    a, b = _layer(3)
+    slots = token_slots
     for _ in range(2):
-        shrunk = torch.randn(len(slots), 4)
-        want = _ref_shrink(x, a, shrunk, slots, 0.5)
-        vllm_plugin._sgmv_shrink(x, a, shrunk, *meta, 0.5)
-        assert torch.allclose(shrunk, want, atol=1e-5)
-        assert vllm_plugin._RUNS[0].tokens == len(slots)  # the batched path ran
-        before = torch.randn(len(slots), 3 * 12)
-        out = before.clone()
-        vllm_plugin._sgmv_expand_slice(h, b, out, *meta, 12, 12, add_inputs=add)
-        assert torch.allclose(out, _ref_expand(h, b, before, slots, 12, add), atol=1e-5)
-        slots = slots[::-1]  # the next step's adapters, written into the same metadata tensors
-        meta[2].copy_(torch.tensor(slots))
-        a[1].mul_(2)  # an adapter loaded into a slot in place (vLLM copies into its stacked weights)
-        b[2].add_(1)
+        w = _wrapper(slots, [1, 2, 3])
+        x, y = torch.randn(len(slots), 16), torch.randn(len(slots), sum(SLICES))
+        want = _ref_linear(y, x, a, b, slots, 0.5)
+        out = y.clone()
+        vllm_plugin._add_lora_linear(w, out, x, a, b, 0.5, SLICES)
+        assert torch.allclose(out, want, atol=1e-4)
+        none = torch.tensor(slots) < 0
+        assert torch.equal(out[none], y[none]) and (out - y)[~none].abs().amax(1).min() > 1e-3
+        assert vllm_plugin._STEP[0].count == int((~none).sum())  # the fused path ran
+        slots = [s if s < 0 else (s + 1) % 3 for s in slots]  # the next step's adapters
+        a[1][2].mul_(2)  # an adapter loaded into a slot in place (vLLM copies into its stacked weights)
+        b[0][1].add_(1)
+
+
+def test_a_step_with_many_adapter_tokens_takes_vllms_per_slice_loop_with_the_plugins_per_run_ops(monkeypatch):
+    """Past FUSED_MAX_ROWS the layer runs vLLM's own add_lora_linear, which calls the sgmv ops: the
+    plugin's per-run ones give the same result (a token without an adapter untouched)."""
+    for name, ours in (("sgmv_shrink", vllm_plugin._sgmv_shrink), ("sgmv_expand", vllm_plugin._sgmv_expand),
+                       ("sgmv_expand_slice", vllm_plugin._sgmv_expand_slice)):
+        monkeypatch.setattr(punica_cpu, name, ours)
+    monkeypatch.setitem(vllm_plugin._VLLM, "add_lora_linear", _vllms(LORA_LINEAR, punica_cpu.PunicaWrapperCPU,
+                                                                     "add_lora_linear"))
+    monkeypatch.setattr(vllm_plugin, "FUSED_MAX_ROWS", 0)
+    slots = [-1, -1, 0, 0, 0, 2, -1, 1]
+    a, b = _layer(3)
+    w, x, y = _wrapper(slots, [1, 2, 3]), torch.randn(len(slots), 16), torch.randn(len(slots), sum(SLICES))
+    vllm_plugin._STEP[0] = None
+    out = y.clone()
+    vllm_plugin._add_lora_linear(w, out, x, a, b, 0.5, SLICES)
+    assert torch.allclose(out, _ref_linear(y, x, a, b, slots, 0.5), atol=1e-4)
+    assert vllm_plugin._STEP[0].count == 5  # read, then handed to vLLM's loop
+
+
+def test_a_step_without_adapters_leaves_the_base_output():
+    a, b = _layer(2)
+    w = _wrapper([-1, -1, -1], [1, 2])
+    assert w.no_lora  # vLLM's own flag for it, read first
+    y = torch.randn(3, sum(SLICES))
+    out = y.clone()
+    vllm_plugin._add_lora_linear(w, out, torch.randn(3, 16), a, b, 1.0, SLICES)
+    assert torch.equal(out, y)
+
+
+def test_vllms_lora_linear_layer_calls_the_wrapper_in_place_on_the_cpu():
+    """The replacement adds into ``y`` and returns None: vLLM's layer must call add_lora_linear with the
+    layer's output and keep that tensor (the CPU platform updates in place)."""
+    from vllm.lora.layers import base_linear
+    from vllm.platforms import current_platform
+
+    source = inspect.getsource(base_linear.BaseLinearLayerWithLoRA._apply_lora_to_output)
+    assert "self.punica_wrapper.add_lora_linear(" in source and "output, x, self.lora_a_stacked" in source, (
+        "vllm.lora.layers.base_linear.BaseLinearLayerWithLoRA._apply_lora_to_output no longer calls "
+        f"{LORA_LINEAR} on its output")
+    assert current_platform.can_update_inplace(), "vllm.platforms: the CPU platform no longer updates in place"
 
 
 @pytest.mark.parametrize("add", [False, True])
@@ -595,7 +668,7 @@ from vllm.lora.punica_wrapper import punica_cpu
 from vllm.v1.core import block_pool, kv_cache_utils
 from vllm.v1.worker.gpu_input_batch import InputBatch
 owners = {"kv_cache_utils": kv_cache_utils, "block_pool": block_pool, "InputBatch": InputBatch,
-          "punica_cpu": punica_cpu, "model_manager": model_manager}
+          "punica_cpu": punica_cpu, "model_manager": model_manager, "PunicaWrapperCPU": punica_cpu.PunicaWrapperCPU}
 targets = json.loads(sys.argv[1])
 stock = {label: getattr(owners[o], attr) for label, o, attr in targets}
 from vllm.plugins import load_general_plugins
@@ -614,9 +687,10 @@ print(json.dumps({"first": first, "again": state(), "adapters": sorted(p.handove
 """
 
 
-def test_register_with_hand_over_adapters_installs_all_seven_through_vllms_plugin_loader():
+def test_register_with_hand_over_adapters_installs_all_eight_through_vllms_plugin_loader():
     """In a fresh process (this one stays unpatched), as vLLM loads it in an engine's."""
-    targets = [(label, {InputBatch: "InputBatch"}.get(owner, owner.__name__.rsplit(".", 1)[-1]), attr)
+    targets = [(label, {InputBatch: "InputBatch", punica_cpu.PunicaWrapperCPU: "PunicaWrapperCPU"}.get(
+                owner, owner.__name__.rsplit(".", 1)[-1]), attr)
                for label, owner, attr, _ in REPLACED]
     env = {k: v for k, v in os.environ.items() if k != "VLLM_PLUGINS"}  # no allow-list: every plugin installed
     env[HANDOVER_ADAPTERS_ENV] = json.dumps(["chat-a", "chat-b"])

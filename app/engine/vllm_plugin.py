@@ -24,13 +24,17 @@ naming the function on a vLLM whose code changed):
   ``max_num_seqs`` runs of tokens with one adapter, one per request; a hand-over request in prefill
   is two (no adapter, then its adapter), so the wrapper gets room for twice as many. Without it a
   full batch of such requests overflows the buffers and kills the engine core.
+- ``vllm.lora.punica_wrapper.punica_cpu.PunicaWrapperCPU.add_lora_linear`` (CPU only): a LoRA linear
+  layer's step. vLLM loops over the layer's slices (q, k, v; gate, up), two ops each, over every token.
+  Here a step whose few tokens have an adapter (a decode token or a hand-over token per request) is one
+  product each way for the whole layer, over those tokens only, against every slot's matrices side by
+  side (kept per weights version), with a pick of each token's slot; a token without an adapter keeps
+  the base's output. A step with many adapter tokens goes to vLLM's loop.
 - ``vllm.lora.punica_wrapper.punica_cpu``'s ``sgmv_shrink``, ``sgmv_expand`` and
-  ``sgmv_expand_slice`` (CPU only): vLLM's torch ops gather one adapter matrix per token and read a
-  token without an adapter (index -1) as the last adapter slot, so in a batch that mixes base and
-  adapter tokens the base tokens would get that slot's adapter, at an adapter's cost. They become one
-  matrix product per run of tokens with the same adapter, and none for a run without one; in a
-  decode step (one token per run), one product with every slot's matrix side by side (kept per
-  weights version) and a pick of each token's slot.
+  ``sgmv_expand_slice`` (CPU only; vLLM's loop calls them): vLLM's torch ops gather one adapter matrix
+  per token and read a token without an adapter (index -1) as the last adapter slot, so in a batch that
+  mixes base and adapter tokens the base tokens would get that slot's adapter, at an adapter's cost.
+  They become one matrix product per run of tokens with the same adapter, and none for a run without one.
 """
 from __future__ import annotations
 
@@ -78,6 +82,7 @@ def register() -> None:
     _replace(block_pool, "generate_block_hash_extra_keys", _block_hash_extra_keys)
     _replace(gpu_input_batch.InputBatch, "make_lora_inputs", _make_lora_inputs)
     _replace(model_manager, "get_punica_wrapper", _punica_wrapper)
+    _replace(punica_cpu.PunicaWrapperCPU, "add_lora_linear", _add_lora_linear)
     _replace(punica_cpu, "sgmv_shrink", _sgmv_shrink)
     _replace(punica_cpu, "sgmv_expand", _sgmv_expand)
     _replace(punica_cpu, "sgmv_expand_slice", _sgmv_expand_slice)
@@ -155,30 +160,119 @@ def _punica_wrapper(*args, **kwargs):
     return _VLLM["get_punica_wrapper"](*args, **{**kwargs, "max_batches": 2 * kwargs["max_batches"]})
 
 
-# --- CPU LoRA ops: one product per run of tokens with one adapter ---------------------------------
+# --- CPU LoRA ops ---------------------------------------------------------------------------------
+# A LoRA linear layer's step (PunicaWrapperCPU.add_lora_linear), where few of the step's tokens have
+# an adapter (in-engine decoders: a decode token or a hand-over token per request): the layer's
+# slices (q, k, v; gate, up) as one product each way, over the tokens with an adapter only, against
+# every slot's matrix side by side, with a pick of each token's slot. vLLM's per-slice loop of
+# per-run ops (below) takes the rest: a step with many adapter tokens, where one product per run
+# costs less than a product with every slot.
+
+FUSED_MAX_ROWS = 4096  # tokens with an adapter x adapter slots, past which the per-run ops are cheaper
+
+
+class _Step:
+    """One step's tokens with an adapter, read once per step from the wrapper's per-token slot
+    indices (vLLM refills them in place when the step's mapping changes, which bumps their version)."""
+
+    __slots__ = ("key", "count", "every", "sel", "rows", "arange")
+
+    def __init__(self, indices, key):
+        import torch
+
+        self.key = key
+        sel = torch.nonzero(indices >= 0).squeeze(1)
+        self.count, self.every = int(sel.numel()), int(sel.numel()) == int(indices.numel())
+        self.sel, self.rows, self.arange = sel, indices[sel].long(), torch.arange(int(sel.numel()))
+
+
+_STEP: list[_Step | None] = [None]
+
+
+def _step(indices) -> _Step:
+    key = (indices.data_ptr(), indices._version, int(indices.numel()))  # a view shares its base's version
+    step = _STEP[0]
+    if step is None or step.key != key:
+        step = _STEP[0] = _Step(indices, key)
+    return step
+
+
+class _Fused:
+    """A layer's adapter weights over every slot as two float32 matrices: ``a`` (in, slots * S * r),
+    slot-major, and ``b`` (S * r, slots * W), each slice's block on the diagonal (W: the layer's
+    output width). Rebuilt when vLLM writes an adapter into a slot (the weights' versions change)."""
+
+    __slots__ = ("weights", "versions", "a", "b", "slots", "width")
+
+    def __init__(self, lora_a, lora_b, output_slices):
+        import torch
+
+        self.weights, self.versions = (*lora_a, *lora_b), _versions(*lora_a, *lora_b)
+        a = torch.stack([_stacked(w).float() for w in lora_a], 1)  # (slots, S, r, in)
+        slots, n_slices, rank, cols = a.shape
+        self.a = a.permute(3, 0, 1, 2).reshape(cols, slots * n_slices * rank).contiguous()
+        self.width = width = sum(output_slices)
+        b = torch.zeros(n_slices, rank, slots, width)
+        offset = 0
+        for s, (w, size) in enumerate(zip(lora_b, output_slices)):
+            b[s, :, :, offset: offset + size] = _stacked(w)[:, :size].float().permute(2, 0, 1)  # (r, slots, out)
+            offset += size
+        self.b = b.reshape(n_slices * rank, slots * width)
+        self.slots = slots
+
+
+_FUSED: dict[tuple[int, ...], _Fused] = {}
+
+
+def _fused(lora_a, lora_b, output_slices) -> _Fused:
+    weights = (*lora_a, *lora_b)
+    hit = _FUSED.get(key := tuple(map(id, weights)))
+    if hit is None or any(a is not b for a, b in zip(hit.weights, weights)) or hit.versions != _versions(*weights):
+        hit = _FUSED[key] = _Fused(lora_a, lora_b, output_slices)
+    return hit
+
+
+def _add_lora_linear(self, y, x, lora_a_stacked, lora_b_stacked, scale, output_slices, *, buffer=None, **kwargs):
+    """y[token, :W] += scale * x[token] @ A[slot] @ B[slot], slices side by side, for each token with
+    an adapter; a token without one (slot -1) is left as the base computed it."""
+    if self.no_lora:
+        return None
+    step = _step(self.token_lora_indices)
+    if step.count == 0:
+        return None
+    if step.count * lora_a_stacked[0].shape[0] > FUSED_MAX_ROWS or kwargs.get("add_inputs", True) is False:
+        return _VLLM["add_lora_linear"](self, y, x, lora_a_stacked, lora_b_stacked, scale, output_slices,
+                                        buffer=buffer, **kwargs)
+    f = _fused(lora_a_stacked, lora_b_stacked, output_slices)
+    x2, y2, k = x.view(-1, x.shape[-1]), y.view(-1, y.shape[-1]), step.count
+    tokens = x2[:k] if step.every else x2.index_select(0, step.sel)
+    h = (tokens.float() @ f.a).view(k, f.slots, -1)[step.arange, step.rows]  # (token, S * r) of its slot
+    if scale != 1.0:
+        h.mul_(scale)
+    delta = (h @ f.b).view(k, f.slots, f.width)[step.arange, step.rows]  # (token, W) of its slot
+    if step.every:
+        y2[:k, : f.width] += delta
+    else:
+        y2[:, : f.width].index_add_(0, step.sel, delta.to(y2.dtype))
+    return None
+
+
+# vLLM's per-slice ops, for a step with many adapter tokens: one product per run of tokens with the
+# same adapter, none for a run without one (vLLM's own gather one adapter matrix per token, and read a
+# token without an adapter, index -1, as the last adapter slot).
 
 class _Runs:
-    """One step's runs of tokens with one adapter. Every LoRA op of a step gets the same metadata
-    tensors (vLLM's wrapper refills them in place once per step), so they are read once per step,
-    not once per op: as Python slices, and, for a step of one token per run (a decode step), as the
-    adapter of each token, so an op is one batched product instead of a product per run."""
+    """One step's runs of tokens with one adapter, as Python slices. Every op of a step gets the same
+    metadata tensors (vLLM's wrapper refills them in place once per step), so they are read once per
+    step, not once per op."""
 
-    __slots__ = ("tensors", "versions", "runs", "tokens", "rows", "skip", "arange")
+    __slots__ = ("tensors", "versions", "runs")
 
     def __init__(self, starts, lengths, indices):
         # held, so that no other tensor can take their ids while this is cached
         self.tensors, self.versions = (starts, lengths, indices), _versions(starts, lengths, indices)
         s, n, i = starts.tolist(), lengths.tolist(), indices.tolist()
         self.runs = [(slice(a, a + b), c) for a, b, c in zip(s, n, i)]
-        self.tokens = len(s) if all(b == 1 for b in n) and s == list(range(len(s))) else 0
-        self.rows = self.skip = self.arange = None
-        if self.tokens:
-            import torch
-
-            index = torch.tensor(i, dtype=torch.long)
-            self.rows = index.clamp(min=0)  # a token without an adapter reads slot 0, then is zeroed
-            self.skip = index < 0 if min(i) < 0 else None
-            self.arange = torch.arange(self.tokens)
 
 
 _RUNS: list[_Runs | None] = [None]
@@ -200,42 +294,9 @@ def _stacked(weights):
     return weights.squeeze(1) if weights.dim() == 4 else weights  # (n, 1, out, in) slots -> (n, out, in)
 
 
-# an op's weights over every adapter slot as one float32 matrix, by the weights' identity and
-# version (vLLM writes an adapter into its slot in place, which bumps the version)
-_ALL_SLOTS: dict[int, tuple[Any, int, Any]] = {}
-
-
-def _all_slots(weights):
-    """``weights`` (slots[, 1], rows, cols) as a (cols, slots * rows) float32 matrix: a token's row
-    times it is that token's product with every slot's matrix side by side."""
-    hit = _ALL_SLOTS.get(id(weights))
-    if hit is not None and hit[0] is weights and hit[1] == weights._version:
-        return hit[2]
-    w = _stacked(weights).float()
-    n, rows, cols = w.shape
-    matrix = w.permute(2, 0, 1).reshape(cols, n * rows).contiguous()
-    _ALL_SLOTS[id(weights)] = (weights, weights._version, matrix)
-    return matrix
-
-
-def _per_token(runs: _Runs, weights, inputs):
-    """A decode step's products: each token's row times its own adapter's matrix, as one product
-    with every slot's matrix and a pick of each token's slot (fewer, larger ops than a gather of
-    each token's weights: the LoRA products were 4.6 of an adapter step's 8.3 ms on 2 cores)."""
-    t = runs.tokens
-    every = inputs[:t].float() @ _all_slots(weights)
-    return every.view(t, weights.shape[0], -1)[runs.arange, runs.rows]  # (token, slot, row) -> its slot's row
-
-
 def _sgmv_shrink(inputs, lora_a_weights, output_tensor, b_seq_start_loc, seq_len_tensor, lora_indices_tensor,
                  batches, max_seq_length, token_nums, scaling):
     runs, w, dtype = _runs(b_seq_start_loc, seq_len_tensor, lora_indices_tensor), _stacked(lora_a_weights), output_tensor.dtype
-    if runs.tokens:
-        t = runs.tokens
-        output_tensor[:t, : w.shape[1]] = _per_token(runs, lora_a_weights, inputs).mul_(scaling)
-        if runs.skip is not None:  # a token without an adapter: its whole row zeroed, as in the loop below
-            output_tensor[:t][runs.skip] = 0
-        return
     for rows, index in runs.runs:
         if index < 0:
             output_tensor[rows] = 0
@@ -261,18 +322,6 @@ def _expand(inputs, weights, output, starts, lengths, indices, offset: int, size
     runs, w = _runs(starts, lengths, indices), _stacked(weights)
     width = min(w.shape[1], output.shape[1] - offset) if size is None else size
     end = output.shape[1] if size is None else offset + size  # what a token without an adapter has zeroed
-    if runs.tokens:
-        t = runs.tokens
-        product = _per_token(runs, weights, inputs)[:, :width]
-        if runs.skip is not None:
-            product[runs.skip] = 0
-        if add:
-            output[:t, offset: offset + width] += product
-        else:
-            output[:t, offset: offset + width] = product
-            if runs.skip is not None and end > offset + width:
-                output[:t][runs.skip, offset + width: end] = 0
-        return
     for rows, index in runs.runs:
         if index < 0:
             if not add:
