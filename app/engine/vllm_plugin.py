@@ -175,7 +175,7 @@ class _Step:
     """One step's tokens with an adapter, read once per step from the wrapper's per-token slot
     indices (vLLM refills them in place when the step's mapping changes, which bumps their version)."""
 
-    __slots__ = ("key", "count", "every", "sel", "rows", "arange")
+    __slots__ = ("key", "count", "every", "sel", "rows", "_masks")
 
     def __init__(self, indices, key):
         import torch
@@ -183,7 +183,19 @@ class _Step:
         self.key = key
         sel = torch.nonzero(indices >= 0).squeeze(1)
         self.count, self.every = int(sel.numel()), int(sel.numel()) == int(indices.numel())
-        self.sel, self.rows, self.arange = sel, indices[sel].long(), torch.arange(int(sel.numel()))
+        self.sel, self.rows = sel, indices[sel].long()
+        self._masks: dict[tuple[int, int], Any] = {}
+
+    def mask(self, slots: int, block: int):
+        """(token, slots * block) float32: ones over each token's own slot's block, zeros elsewhere."""
+        m = self._masks.get((slots, block))
+        if m is None:
+            import torch
+
+            m = torch.zeros(self.count, slots, block)
+            m[torch.arange(self.count), self.rows] = 1.0
+            m = self._masks[(slots, block)] = m.view(self.count, slots * block)
+        return m
 
 
 _STEP: list[_Step | None] = [None]
@@ -198,11 +210,13 @@ def _step(indices) -> _Step:
 
 
 class _Fused:
-    """A layer's adapter weights over every slot as two float32 matrices: ``a`` (in, slots * S * r),
-    slot-major, and ``b`` (S * r, slots * W), each slice's block on the diagonal (W: the layer's
-    output width). Rebuilt when vLLM writes an adapter into a slot (the weights' versions change)."""
+    """A layer's adapter weights over every slot as two float32 matrices, slot-major: ``a`` (in,
+    slots * S * r), every slice's A side by side, and ``b`` (slots * S * r, W), each slice's B in its
+    own output columns (W: the layer's output width). A token's shrunk row masked to its own slot,
+    times ``b``, is its adapter's output. Rebuilt when vLLM writes an adapter into a slot (the
+    weights' versions change)."""
 
-    __slots__ = ("weights", "versions", "a", "b", "slots", "width")
+    __slots__ = ("weights", "versions", "a", "b", "slots", "block", "width")
 
     def __init__(self, lora_a, lora_b, output_slices):
         import torch
@@ -210,15 +224,15 @@ class _Fused:
         self.weights, self.versions = (*lora_a, *lora_b), _versions(*lora_a, *lora_b)
         a = torch.stack([_stacked(w).float() for w in lora_a], 1)  # (slots, S, r, in)
         slots, n_slices, rank, cols = a.shape
-        self.a = a.permute(3, 0, 1, 2).reshape(cols, slots * n_slices * rank).contiguous()
+        self.slots, self.block = slots, n_slices * rank
+        self.a = a.permute(3, 0, 1, 2).reshape(cols, slots * self.block).contiguous()
         self.width = width = sum(output_slices)
-        b = torch.zeros(n_slices, rank, slots, width)
+        b = torch.zeros(slots, n_slices, rank, width)
         offset = 0
         for s, (w, size) in enumerate(zip(lora_b, output_slices)):
-            b[s, :, :, offset: offset + size] = _stacked(w)[:, :size].float().permute(2, 0, 1)  # (r, slots, out)
+            b[:, s, :, offset: offset + size] = _stacked(w)[:, :size].float().transpose(1, 2)  # (slots, r, out)
             offset += size
-        self.b = b.reshape(n_slices * rank, slots * width)
-        self.slots = slots
+        self.b = b.view(slots * self.block, width)
 
 
 _FUSED: dict[tuple[int, ...], _Fused] = {}
@@ -246,10 +260,10 @@ def _add_lora_linear(self, y, x, lora_a_stacked, lora_b_stacked, scale, output_s
     f = _fused(lora_a_stacked, lora_b_stacked, output_slices)
     x2, y2, k = x.view(-1, x.shape[-1]), y.view(-1, y.shape[-1]), step.count
     tokens = x2[:k] if step.every else x2.index_select(0, step.sel)
-    h = (tokens.float() @ f.a).view(k, f.slots, -1)[step.arange, step.rows]  # (token, S * r) of its slot
+    h = (tokens.float() @ f.a).mul_(step.mask(f.slots, f.block))  # each token's row for its own slot only
     if scale != 1.0:
         h.mul_(scale)
-    delta = (h @ f.b).view(k, f.slots, f.width)[step.arange, step.rows]  # (token, W) of its slot
+    delta = h @ f.b
     if step.every:
         y2[:k, : f.width] += delta
     else:
