@@ -6,7 +6,10 @@ The project's vLLM plugin (app/engine/vllm_plugin.py) replaces them with one pro
 tokens with the same adapter, none for a run without one. This measures both on one projection
 (shrink then expand, as a LoRA linear layer runs them) for the batches an engine with in-engine
 decoders schedules, side by side in one process, and checks what each computes for the base's
-tokens. Times are medians of ``--repeats`` runs; ratios are stock / plugin.
+tokens. Then a whole decode step's LoRA linear layers (per transformer layer: q/k/v merged, o,
+gate/up merged, down, as in the serving benchmark's model): vLLM's ``PunicaWrapperCPU.add_lora_linear``
+(its per-slice loop) with its own ops, the same loop with the plugin's per-run ops, and the plugin's
+fused layer step. Times are medians of ``--repeats`` runs; ratios are stock / plugin.
 """
 from __future__ import annotations
 
@@ -63,6 +66,76 @@ def _time(fn, repeats: int) -> float:
     return statistics.median(samples)
 
 
+def _step_layers(hidden: int, intermediate: int, layers: int, rank: int, slots: int, dtype):
+    """The LoRA linears of one decode step: (A per slice, B per slice, output slices, input width)."""
+    import torch
+
+    g = torch.Generator().manual_seed(1)
+    shapes = [((hidden, hidden // 4, hidden // 4), hidden), ((hidden,), hidden),
+              ((intermediate, intermediate), hidden), ((hidden,), intermediate)] * layers
+    return [(tuple(torch.randn(slots, 1, rank, inp, generator=g).to(dtype) / inp ** 0.5 for _ in outs),
+             tuple(torch.randn(slots, 1, o, rank, generator=g).to(dtype) / rank ** 0.5 for o in outs), outs, inp)
+            for outs, inp in shapes]
+
+
+def _decode_step_rows(args) -> list[dict]:
+    """A decode step's LoRA linears, each token with its own adapter: vLLM's loop with vLLM's ops,
+    vLLM's loop with the plugin's per-run ops, the plugin's fused layer."""
+    import torch
+    from vllm.lora.layers.utils import LoRAMapping
+    from vllm.lora.punica_wrapper import punica_cpu
+
+    from prefillshare.app.engine import vllm_plugin as plugin
+
+    dtype = torch.bfloat16
+    step = _step_layers(args.hidden, args.intermediate, args.layers, args.rank, args.slots, dtype)
+    stock_linear, stock_ops = punica_cpu.PunicaWrapperCPU.add_lora_linear, {
+        n: getattr(punica_cpu, n) for n in ("sgmv_shrink", "sgmv_expand", "sgmv_expand_slice")}
+    rows = []
+    for tokens in args.decode_tokens:
+        w = punica_cpu.PunicaWrapperCPU(max_num_batched_tokens=max(64, tokens), max_batches=max(16, tokens),
+                                        device="cpu")
+        ids = [1 + t % args.slots for t in range(tokens)]  # one adapter per sequence, slots in turn
+        w.update_metadata(LoRAMapping(tuple(ids), (1,), is_prefill=True), list(range(1, args.slots + 1)),
+                          args.slots, 100)
+        xs = {inp: torch.randn(tokens, inp).to(dtype) for _, _, _, inp in step}
+
+        def run_step(linear, ops, out=None, w=w, xs=xs, tokens=tokens):
+            for n, f in ops.items():
+                setattr(punica_cpu, n, f)
+            try:
+                for a, b, outs, inp in step:
+                    y = torch.zeros(tokens, sum(outs), dtype=dtype)
+                    linear(w, y, xs[inp], a, b, 1.0, outs)
+                    if out is not None:
+                        out.append(y)
+            finally:
+                for n, f in stock_ops.items():
+                    setattr(punica_cpu, n, f)
+
+        per_run = {n: getattr(plugin, "_" + n) for n in stock_ops}
+        cases = {"vLLM's loop, vLLM's ops": (stock_linear, stock_ops),
+                 "vLLM's loop, the plugin's per-run ops": (stock_linear, per_run),
+                 "the plugin's fused layer": (plugin._add_lora_linear, {})}
+        outputs = {}
+        for label, (linear, ops) in cases.items():
+            outputs[label] = []
+            run_step(linear, ops, outputs[label])
+        times = {label: _time(functools.partial(run_step, linear, ops), args.repeats) for label, (linear, ops) in
+                 cases.items()}
+        ref = outputs["vLLM's loop, vLLM's ops"]
+        diff = max(float((y - r).float().abs().max()) for y, r in zip(outputs["the plugin's fused layer"], ref))
+        fused = times["the plugin's fused layer"]
+        rows.append({"tokens": tokens, "linears": len(step), **{f"{k} ms": round(v * 1e3, 3) for k, v in times.items()},
+                     "vLLM's over fused": round(times["vLLM's loop, vLLM's ops"] / fused, 2),
+                     "per-run over fused": round(times["vLLM's loop, the plugin's per-run ops"] / fused, 2),
+                     "fused max abs diff from vLLM's (bf16)": diff})
+        print(f"decode step of {tokens} tokens, {len(step)} LoRA linears: "
+              + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in times.items())
+              + f"; fused differs from vLLM's by {diff:.2e}", flush=True)
+    return rows
+
+
 def run(args) -> dict:
     from vllm.lora.ops import torch_ops
 
@@ -93,8 +166,10 @@ def run(args) -> dict:
               f"{rows[-1]['adapter_rows_max_diff']:.2e}", flush=True)
     import torch
 
-    result = {"shape": {"hidden": args.hidden, "rank": args.rank, "slots": args.slots},
-              "threads": torch.get_num_threads(), "repeats": args.repeats, "rows": rows}
+    result = {"shape": {"hidden": args.hidden, "intermediate": args.intermediate, "layers": args.layers,
+                        "rank": args.rank, "slots": args.slots},
+              "threads": torch.get_num_threads(), "repeats": args.repeats, "rows": rows,
+              "decode_step": _decode_step_rows(args)}
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
         print(f"wrote {args.out}")
@@ -103,6 +178,10 @@ def run(args) -> dict:
 
 def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hidden", type=int, default=512, help="in and out features of the projection")
+    p.add_argument("--intermediate", type=int, default=1408, help="MLP width (the decode step's gate/up, down)")
+    p.add_argument("--layers", type=int, default=4, help="transformer layers of the decode step")
+    p.add_argument("--decode-tokens", type=lambda v: [int(x) for x in v.split(",")], default=[4, 8],
+                   help="tokens of the decode steps measured, e.g. 4,8")
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--slots", type=int, default=4, help="adapter slots (vLLM's max_loras)")
     p.add_argument("--repeats", type=int, default=20)

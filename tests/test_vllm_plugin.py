@@ -483,6 +483,18 @@ def test_a_step_with_many_adapter_tokens_takes_vllms_per_slice_loop_with_the_plu
     assert vllm_plugin._STEP[0].count == 5  # read, then handed to vLLM's loop
 
 
+def test_the_fused_layer_equals_vllms_own_lora_linear_where_every_token_has_an_adapter():
+    """Against vLLM's PunicaWrapperCPU.add_lora_linear with vLLM's own ops (right where no token lacks
+    an adapter), on a merged projection."""
+    a, b = _layer(4)
+    slots = [3, 0, 2, 1, 1, 0]
+    w, x, y = _wrapper(slots, [1, 2, 3, 4]), torch.randn(len(slots), 16), torch.randn(len(slots), sum(SLICES))
+    theirs, ours = y.clone(), y.clone()
+    _vllms(LORA_LINEAR, punica_cpu.PunicaWrapperCPU, "add_lora_linear")(w, theirs, x, a, b, 1.0, SLICES)
+    vllm_plugin._add_lora_linear(w, ours, x, a, b, 1.0, SLICES)
+    assert torch.allclose(ours, theirs, atol=1e-4) and (ours - y).abs().amax(1).min() > 1e-3
+
+
 def test_a_step_without_adapters_leaves_the_base_output():
     a, b = _layer(2)
     w = _wrapper([-1, -1, -1], [1, 2])
