@@ -18,8 +18,9 @@ from ray.serve.request_router import PendingRequest
 
 from prefillshare.deployments.messages import DecodeRequest, PrefillRequest
 from prefillshare.deployments.routing import node_router
+from prefillshare.deployments.routing.locality import locality_keys
 from prefillshare.deployments.routing.node_router import preferred_node, rank_by_node
-from prefillshare.deployments.routing.prefix_router import PrefixLocalityRouter
+from prefillshare.deployments.routing.prefix_router import PrefixLocalityRouter, rendezvous_rank
 
 
 def _decode_arg(node: str | None = "node-p") -> DecodeRequest:
@@ -189,3 +190,25 @@ def test_a_router_as_serve_ships_it_tells_the_request_path_how_many_replicas_are
         asyncio.run(run())
     finally:
         safe_router._ROUTERS.pop("Decode-x", None)
+
+
+def test_a_fan_outs_calls_ranked_before_any_lands_stay_on_the_replica_taking_the_context():
+    """The N calls of a fan-out over one fresh context (an in-engine decoder's: one per agent) reach
+    the router together. Each is ranked while the ones before it are in flight on the preferred
+    replica; they stay there up to the cached tolerance (4x the threshold), not the bare threshold,
+    which would send the fifth to compute the whole context again on the idle replica."""
+    async def run():
+        router = _router(PrefixLocalityRouter, imbalance_threshold=4)
+        candidates = list(router.curr_replicas.values())
+        keys = tuple(locality_keys("pm-1", list(range(256)), 32))
+        preferred = rendezvous_rank(keys[0], [r.replica_id.unique_id for r in candidates])[0]
+        other = next(r.replica_id.unique_id for r in candidates if r.replica_id.unique_id != preferred)
+        firsts = []
+        for i in range(8):  # each ranked with the ones before it in flight, none landed yet
+            pending = _pending(PrefillRequest(f"r{i}", ((1,),), locality_keys=keys), f"r{i}")
+            tiers = router.rank(candidates, pending, {preferred: i, other: 0})
+            firsts.append(tiers[0][0].replica_id.unique_id)
+        return firsts, preferred
+
+    firsts, preferred = asyncio.run(run())
+    assert firsts == [preferred] * 8

@@ -5,7 +5,8 @@ prefill replica: that replica already holds the context's blocks in its prefix c
 computes only each agent's suffix. Each handle (Router, Orchestrator) has its own router
 instance, so the choice must agree across processes without shared state: a request goes to
 the replica with the highest rendezvous hash of its first block key (every caller computes
-the same), refined by the longest block-key match this router has seen. When that replica
+the same), refined by the longest block-key match this router has seen (recorded when it ranks a
+call, so the calls of one fan-out, which arrive together, follow the first). When that replica
 has `imbalance_threshold` more ongoing requests than the least loaded one (4x that when this
 router saw it take most of the prompt's blocks), the request falls back to load balancing
 (counted as a fallback with reason "prefill_overloaded").
@@ -112,10 +113,17 @@ class PrefixLocalityRouter(SafeRouter):
     def rank(self, candidates: list[RunningReplica], pending: PendingRequest | None,
              queue_len: dict[str, int]) -> list[list[RunningReplica]]:
         by_id = {r.replica_id.unique_id: r for r in candidates}
-        tiers, reason = choose(request_keys(pending), list(by_id), lambda rid: queue_len.get(rid, 0), self.table,
+        keys = request_keys(pending)
+        tiers, reason = choose(keys, list(by_id), lambda rid: queue_len.get(rid, 0), self.table,
                                self.imbalance_threshold)
         if reason:
             self._count_fallback(reason)
+        elif keys and tiers:
+            # recorded now, not only once it lands: a fan-out's calls come together (an in-engine decoder's
+            # are one per agent), and the ones ranked before this one lands must see where its blocks go,
+            # else a replica busy with the fan-out itself looks merely loaded and a call leaves it, to
+            # compute the whole context again elsewhere
+            self.table.record(keys, tiers[0][0])
         return [[by_id[r] for r in tier] for tier in tiers]
 
     def routed(self, pending: PendingRequest, replica_id: str) -> None:
