@@ -93,6 +93,8 @@ class PointResult:
     # engine counts its prefill requests too): the difference is what lies before and after the engine
     ttft_mean_s: float | None = None
     engine_ttft_mean_s: float | None = None
+    # vLLM's other per-request means over the point, by histogram (queue, prefill, decode, inter-token)
+    engine_means_s: dict | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -159,17 +161,21 @@ def summarize(system: str, spec, mode: str, load: float, results: list[SessionRe
         request_latency=pcts([a.e2e_s for a in agents if a.e2e_s is not None]),
         prompt_tokens_per_request=sum(a.prompt_tokens for a in agents) / len(agents) if agents else None,
         ttft_mean_s=statistics.fmean(ttfts) if (ttfts := [a.ttft_s for a in agents if a.ttft_s is not None]) else None,
-        engine_ttft_mean_s=_engine_ttft_mean(after, before),
+        engine_ttft_mean_s=_engine_mean(after, before, "time_to_first_token"),
+        engine_means_s={h: m for h in ENGINE_HISTOGRAMS if (m := _engine_mean(after, before, h)) is not None} or None,
         fallbacks={reason: n for reason in sorted({dict(lab).get("reason") for (name, lab) in after
                                                    if name == "prefillshare_fallbacks_total"} - {None})
                    if (n := metric_delta(after, before, "prefillshare_fallbacks_total", reason=reason))},
     )
 
 
-def _engine_ttft_mean(after: dict, before: dict) -> float | None:
-    """vLLM's own mean time to first token over the point (its histogram's sum over its count)."""
-    count = metric_delta(after, before, "vllm:time_to_first_token_seconds_count")
-    return metric_delta(after, before, "vllm:time_to_first_token_seconds_sum") / count if count else None
+ENGINE_HISTOGRAMS = ("request_queue_time", "request_prefill_time", "request_decode_time", "inter_token_latency")
+
+
+def _engine_mean(after: dict, before: dict, histogram: str) -> float | None:
+    """The mean of vLLM's ``vllm:<histogram>_seconds`` over the point (its sum over its count)."""
+    count = metric_delta(after, before, f"vllm:{histogram}_seconds_count")
+    return metric_delta(after, before, f"vllm:{histogram}_seconds_sum") / count if count else None
 
 
 # --- bound from per-phase costs ------------------------------------------------------

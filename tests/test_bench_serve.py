@@ -70,7 +70,9 @@ def test_percentiles_bound_and_summary_accounting():
             'vllm:time_to_first_token_seconds_sum{engine="0",model_name="base"} 1.5\n'
             'vllm:time_to_first_token_seconds_count{engine="0",model_name="base"} 4\n'
             'vllm:time_to_first_token_seconds_sum{engine="0",model_name="agent0"} 0.5\n'
-            'vllm:time_to_first_token_seconds_count{engine="0",model_name="agent0"} 4\n')
+            'vllm:time_to_first_token_seconds_count{engine="0",model_name="agent0"} 4\n'
+            'vllm:request_queue_time_seconds_sum{engine="0",model_name="base"} 0.8\n'
+            'vllm:request_queue_time_seconds_count{engine="0",model_name="base"} 8\n')
     p = summarize("a", spec, "rate", 0.1, res, 0.0, 30.0, {}, parse_metrics(text), 4096.0, 1024.0, 10, 6.0)
     assert (p.ok, p.sent) == (3, 4) and p.errors == ["HTTP 500"]
     assert p.sessions_per_s == pytest.approx(0.1) and p.output_tok_per_s == pytest.approx(24 / 30)
@@ -78,13 +80,14 @@ def test_percentiles_bound_and_summary_accounting():
     assert p.pool_hit_ratio == pytest.approx(500 / 520)
     # the client's mean TTFT beside vLLM's own (every engine's requests): 2.0 s over 8 requests
     assert p.ttft_mean_s == pytest.approx(0.5) and p.engine_ttft_mean_s == pytest.approx(0.25)
+    assert p.engine_means_s == pytest.approx({"request_queue_time": 0.1})  # histograms no engine fed: left out
     assert p.decoder_kv_peak_bytes == 2 * 264 * 10  # two agents of one session overlap, sessions do not
     # KV needed: pinned pool blocks + decoders; the pool's cached blocks are reported apart
     assert p.kv_held_peak_bytes == 1024 + 2 * 264 * 10 and p.pool_peak_bytes == 4096
     assert p.cpu_s_per_session == pytest.approx(2.0) and p.fanout_latency["p95"] == pytest.approx(2.0)
     assert max_sustainable([p], slo_s=5.0) is None  # a session failed: not sustainable
     q = summarize("b", spec, "rate", 0.1, res[:3], 0.0, 30.0, {}, {}, 0.0, 0.0, 10, None)
-    assert q.engine_ttft_mean_s is None  # no engine counted a request
+    assert q.engine_ttft_mean_s is None and q.engine_means_s is None  # no engine counted a request
     c = compare([p, q], costs, "b", 5.0)
     assert c.throughput_ratio == pytest.approx(1.0) and c.p95_ratios == [(0.1, 1.0, 1.0, 1.0)]
     assert c.throughput_spread is None and c.verdict == "one run: no spread"
