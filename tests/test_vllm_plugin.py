@@ -46,6 +46,7 @@ SHRINK = "vllm.lora.punica_wrapper.punica_cpu.sgmv_shrink"
 EXPAND = "vllm.lora.punica_wrapper.punica_cpu.sgmv_expand"
 EXPAND_SLICE = "vllm.lora.punica_wrapper.punica_cpu.sgmv_expand_slice"
 LORA_LINEAR = "vllm.lora.punica_wrapper.punica_cpu.PunicaWrapperCPU.add_lora_linear"
+LORA_LOGITS = "vllm.lora.punica_wrapper.punica_cpu.PunicaWrapperCPU.add_lora_logits"
 # what register() replaces: vLLM's name for it, owner, attribute, the plugin's replacement
 REPLACED = [
     (KEYS, kv_cache_utils, "generate_block_hash_extra_keys", vllm_plugin._block_hash_extra_keys),
@@ -53,6 +54,7 @@ REPLACED = [
     (MAKE_LORA_INPUTS, InputBatch, "make_lora_inputs", vllm_plugin._make_lora_inputs),
     (PUNICA, model_manager, "get_punica_wrapper", vllm_plugin._punica_wrapper),
     (LORA_LINEAR, punica_cpu.PunicaWrapperCPU, "add_lora_linear", vllm_plugin._add_lora_linear),
+    (LORA_LOGITS, punica_cpu.PunicaWrapperCPU, "add_lora_logits", vllm_plugin._add_lora_logits),
     (SHRINK, punica_cpu, "sgmv_shrink", vllm_plugin._sgmv_shrink),
     (EXPAND, punica_cpu, "sgmv_expand", vllm_plugin._sgmv_expand),
     (EXPAND_SLICE, punica_cpu, "sgmv_expand_slice", vllm_plugin._sgmv_expand_slice),
@@ -66,6 +68,7 @@ PARAMS = {
     MAKE_LORA_INPUTS: ["self", "num_scheduled_tokens", "num_sampled_tokens"],
     PUNICA: ["args", "kwargs"],
     LORA_LINEAR: ["self", "y", "x", "lora_a_stacked", "lora_b_stacked", "scale", "output_slices", "buffer", "kwargs"],
+    LORA_LOGITS: ["self", "y", "x", "lora_a_stacked", "lora_b_stacked", "scale", "buffer", "kwargs"],
     SHRINK: ["inputs", "lora_a_weights", *_RUNS, "scaling"],
     EXPAND: ["inputs", "lora_b_weights", *_RUNS, "add_inputs"],
     EXPAND_SLICE: ["inputs", "lora_b_weights", *_RUNS, "slice_offset", "slice_size", "add_inputs"],
@@ -495,6 +498,56 @@ def test_the_fused_layer_equals_vllms_own_lora_linear_where_every_token_has_an_a
     assert torch.allclose(ours, theirs, atol=1e-4) and (ours - y).abs().amax(1).min() > 1e-3
 
 
+def _logits_wrapper(sampled_slots: list[int], slot_ids: list[int | None]):
+    """A wrapper whose step samples one row per request, each with its slot (-1: no adapter)."""
+    w = punica_cpu.PunicaWrapperCPU(max_num_batched_tokens=32, max_batches=8, device="cpu")
+    by_slot = {i: lora_id for i, lora_id in enumerate(slot_ids) if lora_id}
+    ids = tuple(by_slot[i] if i >= 0 else 0 for i in sampled_slots)
+    w.update_metadata(LoRAMapping(ids, ids, is_prefill=True), list(slot_ids), len(slot_ids), 100)
+    assert w.sampler_indices.tolist() == sampled_slots, (
+        f"vllm.lora.punica_wrapper.punica_base.PunicaWrapperBase.sampler_indices: {w.sampler_indices.tolist()}")
+    return w
+
+
+def test_the_lm_heads_lora_runs_only_for_rows_whose_slot_holds_head_weights():
+    """Adapters of attention and MLP leave the head's slots zero: nothing is added (vLLM runs its ops on
+    every row). A slot that holds head weights acts on its own rows only; a row without an adapter keeps
+    the base's logits (vLLM's ops give it the last slot's), and where every row has an adapter the
+    result is vLLM's."""
+    a, b = torch.randn(3, 1, 4, 16), torch.zeros(3, 1, 40, 4)
+    w, x, y = _logits_wrapper([0, -1, 2], [1, 2, 3]), torch.randn(3, 16), torch.randn(3, 40)
+    out = y.clone()
+    vllm_plugin._add_lora_logits(w, out, x, a, b, 1.0)
+    assert torch.equal(out, y)
+    b[2].normal_()  # the third adapter has head weights
+    vllm_plugin._add_lora_logits(w, out, x, a, b, 1.0)
+    want = y.clone()
+    want[2] += (x[2] @ a[2, 0].T) @ b[2, 0].T
+    assert torch.allclose(out, want, atol=1e-4) and torch.equal(out[:2], y[:2])
+    b.normal_()
+    every = _logits_wrapper([2, 0, 1], [1, 2, 3])
+    theirs, ours = y.clone(), y.clone()
+    _vllms(LORA_LOGITS, punica_cpu.PunicaWrapperCPU, "add_lora_logits")(every, theirs, x, a, b, 1.0)
+    vllm_plugin._add_lora_logits(every, ours, x, a, b, 1.0)
+    assert torch.allclose(ours, theirs, atol=1e-4)
+
+
+def test_a_slot_whose_weights_are_all_zero_gets_no_product_and_adds_nothing():
+    """The embeddings' LoRA runs through the per-run ops every step; slots the adapters leave zero
+    add nothing (and overwrite with zeros where the op does not add), as computing them would."""
+    meta = _meta(RUNS)
+    b = torch.zeros(3, 1, 12, 4)
+    b[2].normal_()  # slot 2 live, slot 0 zero
+    h, before = torch.randn(len(RUNS), 4), torch.randn(len(RUNS), 12)
+    for add in (True, False):
+        out = before.clone()
+        vllm_plugin._sgmv_expand(h, b, out, *meta, add_inputs=add)
+        assert torch.allclose(out, _ref_expand(h, b, before, RUNS, 0, add), atol=1e-5)
+    assert vllm_plugin._live(b) == {2}
+    b[0, 0, 0, 0] = 1.0  # written in place (an adapter loaded into slot 0): seen
+    assert vllm_plugin._live(b) == {0, 2}
+
+
 def test_a_step_without_adapters_leaves_the_base_output():
     a, b = _layer(2)
     w = _wrapper([-1, -1, -1], [1, 2])
@@ -699,7 +752,7 @@ print(json.dumps({"first": first, "again": state(), "adapters": sorted(p.handove
 """
 
 
-def test_register_with_hand_over_adapters_installs_all_eight_through_vllms_plugin_loader():
+def test_register_with_hand_over_adapters_installs_every_replacement_through_vllms_plugin_loader():
     """In a fresh process (this one stays unpatched), as vLLM loads it in an engine's."""
     targets = [(label, {InputBatch: "InputBatch", punica_cpu.PunicaWrapperCPU: "PunicaWrapperCPU"}.get(
                 owner, owner.__name__.rsplit(".", 1)[-1]), attr)

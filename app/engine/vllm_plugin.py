@@ -34,7 +34,13 @@ naming the function on a vLLM whose code changed):
   ``sgmv_expand_slice`` (CPU only; vLLM's loop calls them): vLLM's torch ops gather one adapter matrix
   per token and read a token without an adapter (index -1) as the last adapter slot, so in a batch that
   mixes base and adapter tokens the base tokens would get that slot's adapter, at an adapter's cost.
-  They become one matrix product per run of tokens with the same adapter, and none for a run without one.
+  They become one matrix product per run of tokens with the same adapter, and none for a run without one
+  or whose slot's weights are all zero (vLLM also runs them for the embeddings' LoRA, every step, which
+  the project's adapters leave zero).
+- ``vllm.lora.punica_wrapper.punica_cpu.PunicaWrapperCPU.add_lora_logits`` (CPU only): the LM head's
+  LoRA, which vLLM runs on every sampled row each step, reading a row without an adapter as the last
+  slot's. Here only rows whose slot holds LM-head weights get a product; with adapters of attention
+  and MLP none does, and nothing is computed.
 """
 from __future__ import annotations
 
@@ -83,6 +89,7 @@ def register() -> None:
     _replace(gpu_input_batch.InputBatch, "make_lora_inputs", _make_lora_inputs)
     _replace(model_manager, "get_punica_wrapper", _punica_wrapper)
     _replace(punica_cpu.PunicaWrapperCPU, "add_lora_linear", _add_lora_linear)
+    _replace(punica_cpu.PunicaWrapperCPU, "add_lora_logits", _add_lora_logits)
     _replace(punica_cpu, "sgmv_shrink", _sgmv_shrink)
     _replace(punica_cpu, "sgmv_expand", _sgmv_expand)
     _replace(punica_cpu, "sgmv_expand_slice", _sgmv_expand_slice)
@@ -184,17 +191,17 @@ class _Step:
         sel = torch.nonzero(indices >= 0).squeeze(1)
         self.count, self.every = int(sel.numel()), int(sel.numel()) == int(indices.numel())
         self.sel, self.rows = sel, indices[sel].long()
-        self._masks: dict[tuple[int, int], Any] = {}
+        self._masks: dict[tuple[int, int, Any], Any] = {}
 
-    def mask(self, slots: int, block: int):
-        """(token, slots * block) float32: ones over each token's own slot's block, zeros elsewhere."""
-        m = self._masks.get((slots, block))
+    def mask(self, slots: int, block: int, dtype):
+        """(token, slots * block): ones over each token's own slot's block, zeros elsewhere."""
+        m = self._masks.get((slots, block, dtype))
         if m is None:
             import torch
 
-            m = torch.zeros(self.count, slots, block)
-            m[torch.arange(self.count), self.rows] = 1.0
-            m = self._masks[(slots, block)] = m.view(self.count, slots * block)
+            m = torch.zeros(self.count, slots, block, dtype=dtype)
+            m[torch.arange(self.count), self.rows] = 1
+            m = self._masks[(slots, block, dtype)] = m.view(self.count, slots * block)
         return m
 
 
@@ -210,7 +217,9 @@ def _step(indices) -> _Step:
 
 
 class _Fused:
-    """A layer's adapter weights over every slot as two float32 matrices, slot-major: ``a`` (in,
+    """A layer's adapter weights over every slot as two matrices in the weights' dtype (the products
+    read every slot's weights, so their size is the cost; vLLM's own expand also runs in that dtype),
+    slot-major: ``a`` (in,
     slots * S * r), every slice's A side by side, and ``b`` (slots * S * r, W), each slice's B in its
     own output columns (W: the layer's output width). A token's shrunk row masked to its own slot,
     times ``b``, is its adapter's output. Rebuilt when vLLM writes an adapter into a slot (the
@@ -222,15 +231,15 @@ class _Fused:
         import torch
 
         self.weights, self.versions = (*lora_a, *lora_b), _versions(*lora_a, *lora_b)
-        a = torch.stack([_stacked(w).float() for w in lora_a], 1)  # (slots, S, r, in)
+        a = torch.stack([_stacked(w) for w in lora_a], 1)  # (slots, S, r, in)
         slots, n_slices, rank, cols = a.shape
         self.slots, self.block = slots, n_slices * rank
         self.a = a.permute(3, 0, 1, 2).reshape(cols, slots * self.block).contiguous()
         self.width = width = sum(output_slices)
-        b = torch.zeros(slots, n_slices, rank, width)
+        b = torch.zeros(slots, n_slices, rank, width, dtype=a.dtype)
         offset = 0
         for s, (w, size) in enumerate(zip(lora_b, output_slices)):
-            b[:, s, :, offset: offset + size] = _stacked(w)[:, :size].float().transpose(1, 2)  # (slots, r, out)
+            b[:, s, :, offset: offset + size] = _stacked(w)[:, :size].transpose(1, 2)  # (slots, r, out)
             offset += size
         self.b = b.view(slots * self.block, width)
 
@@ -260,20 +269,60 @@ def _add_lora_linear(self, y, x, lora_a_stacked, lora_b_stacked, scale, output_s
     f = _fused(lora_a_stacked, lora_b_stacked, output_slices)
     x2, y2, k = x.view(-1, x.shape[-1]), y.view(-1, y.shape[-1]), step.count
     tokens = x2[:k] if step.every else x2.index_select(0, step.sel)
-    h = (tokens.float() @ f.a).mul_(step.mask(f.slots, f.block))  # each token's row for its own slot only
+    h = (tokens.to(f.a.dtype) @ f.a).mul_(step.mask(f.slots, f.block, f.a.dtype))  # each token's own slot only
     if scale != 1.0:
         h.mul_(scale)
-    delta = h @ f.b
+    delta = (h @ f.b).to(y2.dtype)
     if step.every:
         y2[:k, : f.width] += delta
     else:
-        y2[:, : f.width].index_add_(0, step.sel, delta.to(y2.dtype))
+        y2[:, : f.width].index_add_(0, step.sel, delta)
     return None
 
 
-# vLLM's per-slice ops, for a step with many adapter tokens: one product per run of tokens with the
-# same adapter, none for a run without one (vLLM's own gather one adapter matrix per token, and read a
-# token without an adapter, index -1, as the last adapter slot).
+def _add_lora_logits(self, y, x, lora_a_stacked, lora_b_stacked, scale, *, buffer=None, **kwargs):
+    """The LM head's LoRA: y[row] += scale * x[row] @ A[slot] @ B[slot] for each sampled row whose slot
+    holds LM-head weights. vLLM wraps the head in every LoRA engine and runs it on every row each step
+    (its ops read a row without an adapter as the last slot's); adapters of attention and MLP leave
+    every slot zero there, and then nothing is computed."""
+    live = _live(lora_b_stacked)
+    if not live:
+        return None
+    y2, x2, slots = y.view(-1, y.shape[-1]), x.view(-1, x.shape[-1]), self.sampler_indices
+    a, b = _stacked(lora_a_stacked), _stacked(lora_b_stacked)
+    for slot in live:
+        rows = _nonzero(slots == slot)
+        if rows.numel():
+            h = (x2.index_select(0, rows).float() @ a[slot].float().T) * scale
+            y2.index_add_(0, rows, (h @ b[slot].float().T).to(y2.dtype))
+    return None
+
+
+def _nonzero(mask):
+    import torch
+
+    return torch.nonzero(mask).squeeze(1)
+
+
+# An adapter slot whose weights are all zero (a slot not loaded, or a module the adapter does not
+# target: vLLM wraps the embeddings and the LM head too) adds nothing: by weights identity and version.
+_LIVE: dict[int, tuple[Any, int, frozenset[int]]] = {}
+
+
+def _live(weights) -> frozenset[int]:
+    """The slots of ``weights`` (slots, ...) holding any non-zero weight."""
+    hit = _LIVE.get(id(weights))
+    if hit is not None and hit[0] is weights and hit[1] == weights._version:
+        return hit[2]
+    live = frozenset(int(i) for i in _nonzero(weights.reshape(weights.shape[0], -1).ne(0).any(1)).tolist())
+    _LIVE[id(weights)] = (weights, weights._version, live)
+    return live
+
+
+# vLLM's per-slice ops, for a step with many adapter tokens and for the embeddings' LoRA: one product
+# per run of tokens with the same adapter, none for a run without one or whose slot is all zeros
+# (vLLM's own gather one adapter matrix per token, and read a token without an adapter, index -1, as
+# the last adapter slot).
 
 class _Runs:
     """One step's runs of tokens with one adapter, as Python slices. Every op of a step gets the same
@@ -311,8 +360,9 @@ def _stacked(weights):
 def _sgmv_shrink(inputs, lora_a_weights, output_tensor, b_seq_start_loc, seq_len_tensor, lora_indices_tensor,
                  batches, max_seq_length, token_nums, scaling):
     runs, w, dtype = _runs(b_seq_start_loc, seq_len_tensor, lora_indices_tensor), _stacked(lora_a_weights), output_tensor.dtype
+    live = _live(lora_a_weights)
     for rows, index in runs.runs:
-        if index < 0:
+        if index not in live:
             output_tensor[rows] = 0
             continue
         wi = w[index].to(dtype)
@@ -333,11 +383,11 @@ def _sgmv_expand_slice(inputs, lora_b_weights, output_tensor, b_seq_start_loc, s
 
 
 def _expand(inputs, weights, output, starts, lengths, indices, offset: int, size: int | None, add: bool):
-    runs, w = _runs(starts, lengths, indices), _stacked(weights)
+    runs, w, live = _runs(starts, lengths, indices), _stacked(weights), _live(weights)
     width = min(w.shape[1], output.shape[1] - offset) if size is None else size
     end = output.shape[1] if size is None else offset + size  # what a token without an adapter has zeroed
     for rows, index in runs.runs:
-        if index < 0:
+        if index not in live:
             if not add:
                 output[rows, offset: end] = 0
             continue
