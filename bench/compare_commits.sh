@@ -3,9 +3,9 @@
 #
 #   bash bench/compare_commits.sh OUT BEFORE AFTER ROUNDS -- <bench serve arguments>
 #
-# Each commit is checked out as a git worktree under OUT and imported from there (its app/,
-# deployments/ and agents/ put first on PYTHONPATH as prefillshare.*, its own bench/), with this
-# checkout's virtualenv. Round k runs BEFORE then AFTER, round k+1 the other way round, so a drift
+# Each commit is checked out as a git worktree under OUT and imported from there (links to its app/,
+# deployments/ and agents/ at its root, first on the driver's and the Ray workers' PYTHONPATH as
+# prefillshare.*; its own bench/), with this checkout's virtualenv. Round k runs BEFORE then AFTER, round k+1 the other way round, so a drift
 # of the box's load hits both alike. Then bench/compare_runs.py prints each point's ratios
 # (AFTER over BEFORE) with their spread over the rounds. Runs inside a loopback-only network
 # namespace when `unshare -n` is allowed (no port of the box is touched).
@@ -19,21 +19,22 @@ root=$(cd "$(dirname "$0")/.." && pwd)
 py="$root/.venv/bin/python"
 mkdir -p "$out"
 
-prepare() {  # a worktree of commit $1 at $out/$2 with a prefillshare/ shim beside it
+prepare() {  # a worktree of commit $1 at $out/$2, with a prefillshare/ of links at its root
   local ref=$1 name=$2
   if [ ! -d "$out/$name/tree" ]; then
     git -C "$root" worktree add --detach -f "$out/$name/tree" "$ref" >/dev/null
   fi
-  mkdir -p "$out/$name/shim/prefillshare"
+  # the bench puts its tree's root on the Ray workers' PYTHONPATH: prefillshare.* resolves here first
+  mkdir -p "$out/$name/tree/prefillshare"
   for pkg in app deployments agents; do
-    ln -sfn "$out/$name/tree/$pkg" "$out/$name/shim/prefillshare/$pkg"
+    ln -sfn "$out/$name/tree/$pkg" "$out/$name/tree/prefillshare/$pkg"
   done
 }
 
-run_one() {  # commit name, round
+run_one() {  # commit name, round, bench serve arguments
   local name=$1 k=$2 tree="$out/$1/tree"
-  echo "== round $k: $name ($(git -C "$tree" rev-parse --short HEAD)) $(date -u +%H:%M:%S)"
-  local cmd="cd '$tree' && PYTHONPATH='$out/$name/shim:$tree' RAY_AUTH_MODE=disabled RAY_TMPDIR=/tmp/ray-cmp-$$ \
+  shift 2
+  local cmd="cd '$tree' && PYTHONPATH='$tree' RAY_AUTH_MODE=disabled RAY_TMPDIR=/tmp/ray-cmp-$$ \
     '$py' -m bench serve --driver vllm $* --out '$out/$name/round$k'"
   if unshare -n true 2>/dev/null; then
     unshare -n bash -c "ip link set lo up; $cmd"
@@ -53,8 +54,10 @@ trap cleanup EXIT
 for k in $(seq 1 "$rounds"); do
   if [ $((k % 2)) -eq 1 ]; then order="before after"; else order="after before"; fi
   for name in $order; do
+    echo "== round $k: $name ($(git -C "$out/$name/tree" rev-parse --short HEAD)) $(date -u +%H:%M:%S)"
     run_one "$name" "$k" "$@" 2>&1 | tail -n 30
   done
 done
 "$py" "$root/bench/compare_runs.py" --before "$out"/before/round*/results.json --after "$out"/after/round*/results.json \
-  --labels "$before" "$after" | tee "$out/comparison.md"
+  --labels "$(git -C "$out/before/tree" rev-parse --short HEAD)" "$(git -C "$out/after/tree" rev-parse --short HEAD)" \
+  | tee "$out/comparison.md"
