@@ -14,7 +14,14 @@ import yaml
 
 from prefillshare.app.auth import AuthError, KeyRing, load_keyring, tenant_salt
 from prefillshare.app.config import ConfigError, LimitsConfig, load_config
-from prefillshare.deployments.ingress.admission import Admission, LatencyLimit, Slot, admission_for, arrived_at
+from prefillshare.deployments.ingress.admission import (
+    STEER_AT,
+    Admission,
+    LatencyLimit,
+    Slot,
+    admission_for,
+    arrived_at,
+)
 from prefillshare.deployments.routing.locality import locality_keys
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -246,6 +253,22 @@ def test_latency_limit_shrinks_on_a_slow_window_and_grows_back_only_while_bindin
     for _ in range(3):
         lim.observe(0.1, lim.epoch)
     assert lim.limit == 48
+
+
+def test_latency_limit_steers_under_the_target_not_at_it():
+    """A window whose 95th percentile is within the target but past STEER_AT of it shrinks the limit:
+    the windows hover at the setpoint, so a minute's percentile stays within the target."""
+    lim = LatencyLimit(ceiling=16, floor=2, target_s=1.0, window=4)
+    assert lim.setpoint_s == pytest.approx(STEER_AT) and STEER_AT < 1
+    for _ in range(4):
+        lim.observe(0.5 * (1 + STEER_AT), lim.epoch)  # between the setpoint and the target
+    assert lim.limit == 12
+    exact = LatencyLimit(ceiling=16, floor=2, target_s=1.0, window=4, steer_at=1.0)
+    for _ in range(4):
+        exact.observe(0.5 * (1 + STEER_AT), exact.epoch)
+    assert exact.limit == 16  # steered at the target itself: that window met it
+    with pytest.raises(ValueError, match="steer_at"):
+        LatencyLimit(16, 2, 1.0, steer_at=1.5)
 
 
 def test_admission_steered_by_latency_turns_away_past_the_current_limit():
