@@ -548,6 +548,20 @@ def test_a_slot_whose_weights_are_all_zero_gets_no_product_and_adds_nothing():
     assert vllm_plugin._live(b) == {0, 2}
 
 
+def test_a_steps_runs_are_read_once_though_vllm_hands_each_op_fresh_views():
+    """vLLM's wrapper hands every op new views of its metadata buffers (``prefill_metadata``); the
+    runs are read once per step, and again once the wrapper refills the buffers for the next step."""
+    w = _wrapper([-1, 0, 0, 1], [1, 2])
+    first = vllm_plugin._runs(*w.prefill_metadata[:3])
+    assert w.prefill_metadata[0] is not w.prefill_metadata[0]  # fresh views on every call
+    assert vllm_plugin._runs(*w.prefill_metadata[:3]) is first
+    by_slot = {0: 1, 1: 2}
+    w.update_metadata(LoRAMapping(tuple(by_slot[i] if i >= 0 else 0 for i in [1, 1, -1, 0]), (1,), is_prefill=True),
+                      [1, 2], 2, 100)
+    again = vllm_plugin._runs(*w.prefill_metadata[:3])
+    assert again is not first and [i for _, i in again.runs] == [1, -1, 0]
+
+
 def test_a_step_without_adapters_leaves_the_base_output():
     a, b = _layer(2)
     w = _wrapper([-1, -1, -1], [1, 2])

@@ -28,8 +28,8 @@ naming the function on a vLLM whose code changed):
   layer's step. vLLM loops over the layer's slices (q, k, v; gate, up), two ops each, over every token.
   Here a step whose few tokens have an adapter (a decode token or a hand-over token per request) is one
   product each way for the whole layer, over those tokens only, against every slot's matrices side by
-  side (kept per weights version), with a pick of each token's slot; a token without an adapter keeps
-  the base's output. A step with many adapter tokens goes to vLLM's loop.
+  side (kept per weights version), each token's row masked to its own slot; a token without an adapter
+  keeps the base's output. A step with many adapter tokens goes to vLLM's loop.
 - ``vllm.lora.punica_wrapper.punica_cpu``'s ``sgmv_shrink``, ``sgmv_expand`` and
   ``sgmv_expand_slice`` (CPU only; vLLM's loop calls them): vLLM's torch ops gather one adapter matrix
   per token and read a token without an adapter (index -1) as the last adapter slot, so in a batch that
@@ -171,25 +171,33 @@ def _punica_wrapper(*args, **kwargs):
 # A LoRA linear layer's step (PunicaWrapperCPU.add_lora_linear), where few of the step's tokens have
 # an adapter (in-engine decoders: a decode token or a hand-over token per request): the layer's
 # slices (q, k, v; gate, up) as one product each way, over the tokens with an adapter only, against
-# every slot's matrix side by side, with a pick of each token's slot. vLLM's per-slice loop of
+# every slot's matrix side by side, each token's row masked to its own slot. vLLM's per-slice loop of
 # per-run ops (below) takes the rest: a step with many adapter tokens, where one product per run
 # costs less than a product with every slot.
 
 FUSED_MAX_ROWS = 4096  # tokens with an adapter x adapter slots, past which the per-run ops are cheaper
 
 
+def _step_key(*tensors) -> tuple:
+    """What a step's metadata is, across the fresh views of its buffers that vLLM's wrapper hands out
+    on every call (``buf[:n]``): a view shares its buffer's address and version counter, and vLLM
+    refills a buffer in place when the step's mapping changes, which bumps the version. Whoever caches
+    by it holds the tensors, so no other tensor can take that address meanwhile."""
+    return tuple((t.data_ptr(), t._version, t.numel()) for t in tensors)
+
+
 class _Step:
-    """One step's tokens with an adapter, read once per step from the wrapper's per-token slot
-    indices (vLLM refills them in place when the step's mapping changes, which bumps their version)."""
+    """One step's tokens with an adapter, read once per step from the wrapper's per-token slot indices."""
 
-    __slots__ = ("key", "count", "every", "sel", "rows", "_masks")
+    __slots__ = ("indices", "key", "count", "every", "sel", "rows", "_masks")
 
-    def __init__(self, indices, key):
+    def __init__(self, indices):
         import torch
 
-        self.key = key
+        self.indices, self.key = indices, _step_key(indices)
         sel = torch.nonzero(indices >= 0).squeeze(1)
-        self.count, self.every = int(sel.numel()), int(sel.numel()) == int(indices.numel())
+        self.count = int(sel.numel())
+        self.every = self.count == int(indices.numel())
         self.sel, self.rows = sel, indices[sel].long()
         self._masks: dict[tuple[int, int, Any], Any] = {}
 
@@ -209,19 +217,17 @@ _STEP: list[_Step | None] = [None]
 
 
 def _step(indices) -> _Step:
-    key = (indices.data_ptr(), indices._version, int(indices.numel()))  # a view shares its base's version
     step = _STEP[0]
-    if step is None or step.key != key:
-        step = _STEP[0] = _Step(indices, key)
+    if step is None or step.key != _step_key(indices):
+        step = _STEP[0] = _Step(indices)
     return step
 
 
 class _Fused:
     """A layer's adapter weights over every slot as two matrices in the weights' dtype (the products
     read every slot's weights, so their size is the cost; vLLM's own expand also runs in that dtype),
-    slot-major: ``a`` (in,
-    slots * S * r), every slice's A side by side, and ``b`` (slots * S * r, W), each slice's B in its
-    own output columns (W: the layer's output width). A token's shrunk row masked to its own slot,
+    slot-major: ``a`` (in, slots * S * r), every slice's A side by side, and ``b`` (slots * S * r, W),
+    each slice's B in its own output columns (W: the layer's output width). A token's shrunk row masked to its own slot,
     times ``b``, is its adapter's output. Rebuilt when vLLM writes an adapter into a slot (the
     weights' versions change)."""
 
@@ -325,15 +331,13 @@ def _live(weights) -> frozenset[int]:
 # the last adapter slot).
 
 class _Runs:
-    """One step's runs of tokens with one adapter, as Python slices. Every op of a step gets the same
-    metadata tensors (vLLM's wrapper refills them in place once per step), so they are read once per
-    step, not once per op."""
+    """One step's runs of tokens with one adapter, as Python slices, read once per step, not once per
+    op (every op of a step gets views of the same metadata buffers: :func:`_step_key`)."""
 
-    __slots__ = ("tensors", "versions", "runs")
+    __slots__ = ("tensors", "key", "runs")
 
     def __init__(self, starts, lengths, indices):
-        # held, so that no other tensor can take their ids while this is cached
-        self.tensors, self.versions = (starts, lengths, indices), _versions(starts, lengths, indices)
+        self.tensors, self.key = (starts, lengths, indices), _step_key(starts, lengths, indices)
         s, n, i = starts.tolist(), lengths.tolist(), indices.tolist()
         self.runs = [(slice(a, a + b), c) for a, b, c in zip(s, n, i)]
 
@@ -347,8 +351,7 @@ def _versions(*tensors) -> tuple[int, ...]:
 
 def _runs(starts, lengths, indices) -> _Runs:
     runs = _RUNS[0]
-    if (runs is None or runs.tensors[0] is not starts or runs.tensors[1] is not lengths
-            or runs.tensors[2] is not indices or runs.versions != _versions(starts, lengths, indices)):
+    if runs is None or runs.key != _step_key(starts, lengths, indices):
         runs = _RUNS[0] = _Runs(starts, lengths, indices)
     return runs
 

@@ -35,9 +35,8 @@ class LatencyLimit:
     Samples are judged a window at a time: when the window's 95th percentile (the percentile the
     target promises) exceeds ``steer_at`` of the target the limit shrinks by ``backoff`` (not below
     ``floor``); when it is under that while the limit was binding (a request was turned away) it grows
-    by one (not above ``ceiling``). Each
-    change starts an epoch, and only requests admitted in the current epoch are judged: those
-    admitted under the old limit would otherwise shrink it again. The whole answer is judged,
+    by one (not above ``ceiling``). Each change starts an epoch, and only requests admitted in the
+    current epoch are judged: those admitted under the old limit would otherwise shrink it again. The whole answer is judged,
     not its first token: on CPUs every decode step slows as the batch grows, so a first token in
     time says little about the rest (measured: a first-output target of 5 s held the p95 of
     complete answers at 10-14 s).
