@@ -328,9 +328,67 @@ class Sampler:
         return self.rows
 
     def _loop(self) -> None:
+        cpu = CpuByRole(self.app)
         while not self._stop.is_set():
-            self.rows.append({"t_s": time.perf_counter() - self._t0, **memory_now(self.app), **app_gauges(self.url)})
+            self.rows.append({"t_s": time.perf_counter() - self._t0, **memory_now(self.app), **app_gauges(self.url),
+                              "cpu_s": cpu.sample()})
             self._stop.wait(self.period_s)
+
+
+def role_of(title: str, app: str, parent: str | None) -> str:
+    """Who a process is, from its title: a Serve deployment of the app (``Router``, ``Prefill-base``),
+    an engine (``engine:<its replica's deployment>``), Serve's ``proxy`` / ``controller``, the rest of
+    ``ray``, or ``other``."""
+    mark = f"ServeReplica:{app}:"
+    if mark in title:
+        return title.split(mark, 1)[1].split()[0].split(".")[0]
+    if "VLLM::" in title or "EngineCore" in title:
+        return "engine:" + (role_of(parent, app, None) if parent else "?")
+    if "ProxyActor" in title:
+        return "proxy"
+    if "ServeController" in title:
+        return "controller"
+    if "ray" in title.split(" ", 1)[0] or "raylet" in title or "gcs_server" in title or "ray::" in title:
+        return "ray"
+    return "other"
+
+
+class CpuByRole:
+    """CPU seconds each role (:func:`role_of`) has spent since the first sample, summed over its
+    processes; a process that ends between samples keeps what it was last seen to have spent, one
+    that started counts from zero. The generator's own process is ``generator``."""
+
+    def __init__(self, app: str):
+        self.app = app
+        self._seen: dict[tuple[int, float], tuple[str, float]] = {}  # (pid, create time) -> (role, cpu at last sample)
+        self.total: dict[str, float] = {}
+        self._first = True
+
+    def sample(self) -> dict[str, float]:
+        import psutil
+
+        titles: dict[int, str] = {}
+        procs = []
+        for p in psutil.process_iter(["pid", "ppid", "cmdline", "name", "create_time", "cpu_times"]):
+            info = p.info
+            if info["cpu_times"] is None:
+                continue
+            titles[info["pid"]] = " ".join(info["cmdline"] or ()) or (info["name"] or "")
+            procs.append(info)
+        me = os.getpid()
+        for info in procs:
+            key = (info["pid"], info["create_time"])
+            spent = info["cpu_times"].user + info["cpu_times"].system
+            if key in self._seen:
+                role, before = self._seen[key]
+            else:
+                role = "generator" if info["pid"] == me else role_of(titles[info["pid"]], self.app,
+                                                                       titles.get(info["ppid"]))
+                before = spent if self._first else 0.0
+            self.total[role] = self.total.get(role, 0.0) + spent - before
+            self._seen[key] = (role, spent)
+        self._first = False
+        return dict(self.total)
 
 
 def memory_now(app: str) -> dict:

@@ -173,6 +173,22 @@ def client_share(raw: dict) -> dict | None:
             "client_share_of_busy": c["cpu_s"] / busy if busy else None, "wall_s": c["wall_s"], "cores": c["cores"]}
 
 
+def cpu_by_minute(memory: list[dict], duration_s: float) -> list[dict]:
+    """CPU seconds each role (bench.overload.role_of) spent in each minute, from the sampler's
+    cumulative ``cpu_s``; empty for a run sampled without it."""
+    rows = [r for r in memory if "cpu_s" in r]
+    out = []
+    for i in range(max(1, int(-(-duration_s // 60)))):
+        start, end = i * 60.0, (i + 1) * 60.0
+        inside = [r for r in rows if start <= r["t_s"] <= end]
+        before = [r for r in rows if r["t_s"] <= start]
+        if not inside:
+            continue
+        a, b = (before[-1] if before else inside[0])["cpu_s"], inside[-1]["cpu_s"]
+        out.append({"start_s": start, "cpu_s": {k: v - a.get(k, 0.0) for k, v in b.items() if v - a.get(k, 0.0) > 0}})
+    return out
+
+
 def summarize(raw: dict) -> dict:
     spec, samples = raw["spec"], raw["samples"]
     duration, window_s = spec["duration_s"], spec["window_s"]
@@ -207,7 +223,7 @@ def summarize(raw: dict) -> dict:
     return {"requests": len(samples), "outcomes": dict(sorted(outcomes.items())), "faults": faults,
             "p95_first_minute_s": first, "p95_last_minute_s": last, "leaks": mem, "server": acc,
             "fallbacks": fallback_delta(raw), "errors": errs, "minutes": per_minute, "admission_target_s": target,
-            "client": client_share(raw),
+            "client": client_share(raw), "cpu_by_minute": cpu_by_minute(raw["memory"], duration),
             "windows": windows(samples, duration, window_s), "promises": promises,
             "saturation_per_s": raw.get("saturation_per_s"), "rate_per_s": raw.get("rate_per_s")}
 
@@ -252,6 +268,7 @@ def render(report: dict) -> str:
                   f"max {ms(c['lag_max_s'])}; {c['not_sent']} not sent (its cap); its CPU {c['client_cpu_s']:.0f} s "
                   f"= {share} of the machine's busy {c['machine_busy_cpu_s']:.0f} s over {c['wall_s']:.0f} s on "
                   f"{c['cores']} cores (the app and the rest: {c['app_and_rest_cpu_s']:.0f} s)"]
+    lines += _cpu_table(report.get("cpu_by_minute") or [])
     for k, v in report["leaks"].items():
         if isinstance(v, dict) and v["ratio"] is not None:
             lines.append(f"{k}: first minute {v['first_minute'] / 2**20:.0f} MiB, last {v['last_minute'] / 2**20:.0f} MiB"
@@ -267,6 +284,26 @@ def render(report: dict) -> str:
     lines += ["", "| promise | held |", "|---|---|"] + [f"| {k} | {'yes' if v else 'NO'} |"
                                                      for k, v in report["promises"].items()]
     return "\n".join(lines)
+
+
+def _cpu_table(rows: list[dict], top: int = 8) -> list[str]:
+    """Each minute's CPU seconds by role, the ``top`` roles by total as columns, the rest summed."""
+    if not rows:
+        return []
+    totals: dict[str, float] = {}
+    for r in rows:
+        for k, v in r["cpu_s"].items():
+            totals[k] = totals.get(k, 0.0) + v
+    cols = sorted(totals, key=lambda k: -totals[k])[:top]
+    head = ["", "CPU seconds by process role per minute (2 cores give 120 s a minute):",
+            "| minute | " + " | ".join(cols) + " | rest | all |", "|---|" + "---|" * (len(cols) + 2)]
+    body = []
+    for r in rows:
+        c = r["cpu_s"]
+        rest = sum(v for k, v in c.items() if k not in cols)
+        body.append(f"| {int(r['start_s'] // 60)} | " + " | ".join(f"{c.get(k, 0.0):.0f}" for k in cols)
+                    + f" | {rest:.0f} | {sum(c.values()):.0f} |")
+    return head + body
 
 
 def plot(raw: dict, report: dict, path: Path) -> None:

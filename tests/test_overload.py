@@ -270,3 +270,48 @@ def test_the_restart_runs_arms_differ_only_in_every_engines_serving_niceness(mon
              for d in restart_under_load.arm_config("t", 19)["decoders"]]
     assert strip == [{**d, "engine": {k: v for k, v in d["engine"].items() if k != "serving_niceness"}}
                      for d in restart_under_load.arm_config("t", 0)["decoders"]]
+
+
+def test_processes_are_told_apart_by_role():
+    from bench.overload import role_of
+
+    app = "prefillshare"
+    assert role_of("ray::ServeReplica:prefillshare:Router", app, None) == "Router"
+    assert role_of("ray::ServeReplica:prefillshare:Prefill-base", app, None) == "Prefill-base"
+    # an engine is charged to the deployment of the replica that started it
+    assert role_of("VLLM::EngineCore", app, "ray::ServeReplica:prefillshare:Decode-lookup") == "engine:Decode-lookup"
+    assert role_of("ray::ProxyActor", app, None) == "proxy"
+    assert role_of("/x/bin/raylet --foo", app, None) == "ray"
+    assert role_of("ray::ServeReplica:other-app:Router", app, None) == "ray"  # another app's replica
+    assert role_of("bash -c sleep", app, None) == "other"
+
+
+def test_cpu_by_role_counts_each_process_once_and_a_new_one_from_zero(monkeypatch):
+    import types
+
+    from bench import overload
+
+    procs = {1: ("ray::ServeReplica:a:Router", 0, 10.0), 2: ("VLLM::EngineCore", 1, 50.0)}
+
+    def fake_iter(_attrs):
+        for pid, (title, ppid, cpu) in procs.items():
+            yield types.SimpleNamespace(info={"pid": pid, "ppid": ppid, "cmdline": title.split(), "name": title,
+                                              "create_time": 1.0, "cpu_times": types.SimpleNamespace(user=cpu, system=0.0)})
+
+    import psutil
+    monkeypatch.setattr(psutil, "process_iter", fake_iter)
+    cpu = overload.CpuByRole("a")
+    assert cpu.sample() == {"Router": 0.0, "engine:Router": 0.0}  # what was spent before the run is not counted
+    procs[1] = ("ray::ServeReplica:a:Router", 0, 12.5)
+    procs[3] = ("ray::ProxyActor", 0, 4.0)  # started between samples: all of its CPU is the run's
+    del procs[2]  # ended: keeps what it was seen to spend
+    assert cpu.sample() == {"Router": 2.5, "engine:Router": 0.0, "proxy": 4.0}
+
+
+def test_the_report_shows_cpu_by_role_per_minute():
+    mem = [{"t_s": 0.0, "cpu_s": {"Router": 0.0, "proxy": 0.0}}, {"t_s": 30.0, "cpu_s": {"Router": 20.0, "proxy": 5.0}},
+           {"t_s": 60.0, "cpu_s": {"Router": 40.0, "proxy": 10.0}}, {"t_s": 120.0, "cpu_s": {"Router": 45.0, "proxy": 70.0}}]
+    rep = summarize(_raw([_s(t, 1.0) for t in range(100)], memory=mem, duration=120.0))
+    assert [r["cpu_s"] for r in rep["cpu_by_minute"]] == [{"Router": 40.0, "proxy": 10.0}, {"Router": 5.0, "proxy": 60.0}]
+    text = render(rep)
+    assert "| minute | proxy | Router | rest | all |" in text and "| 1 | 60 | 5 | 0 | 65 |" in text
