@@ -338,7 +338,7 @@ class Sampler:
 def role_of(title: str, app: str, parent: str | None) -> str:
     """Who a process is, from its title: a Serve deployment of the app (``Router``, ``Prefill-base``),
     an engine (``engine:<its replica's deployment>``), Serve's ``proxy`` / ``controller``, the rest of
-    ``ray``, or ``other``."""
+    Ray by program (``ray:raylet``, ``ray:agent.py``, ``ray:IDLE``), anything else ``other:<program>``."""
     mark = f"ServeReplica:{app}:"
     if mark in title:
         return title.split(mark, 1)[1].split()[0].split(".")[0]
@@ -348,9 +348,16 @@ def role_of(title: str, app: str, parent: str | None) -> str:
         return "proxy"
     if "ServeController" in title:
         return "controller"
-    if "ray" in title.split(" ", 1)[0] or "raylet" in title or "gcs_server" in title or "ray::" in title:
-        return "ray"
-    return "other"
+    words = title.split()
+    if not words:
+        return "other"
+    if words[0].startswith("ray::"):  # a Ray worker: ray::IDLE, another app's replica, an actor
+        return "ray:" + words[0][5:].split(":")[0]
+    # a binary (raylet, gcs_server) or a script (ray's dashboard/agent.py, log_monitor.py, the serve CLI)
+    script = next((w for w in words[1:] if not w.startswith("-") and "/" in w), None) if "python" in words[0] else None
+    name = (script or words[0]).rsplit("/", 1)[-1]
+    where = script or words[0]
+    return ("ray:" if "/ray/" in where or name in ("raylet", "gcs_server", "serve", "ray") else "other:") + name
 
 
 class CpuByRole:

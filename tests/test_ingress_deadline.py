@@ -137,8 +137,10 @@ def test_slow_answers_shrink_the_admission_limit_and_the_router_sheds_past_it():
         return e.value
 
     err = asyncio.run(run())
-    assert r.admission.limit == 6 and ("admission", "replica-0", 6) in r.events.sent
-    assert (err.status, err.code) == (429, "overloaded") and "6 requests in flight" in err.message
+    # 4 slow answers took it to 6; the 6 admitted then were still unanswered past the target when the
+    # next request came, which took it to 4 at once
+    assert r.admission.limit == 4 and {("admission", "replica-0", 6), ("admission", "replica-0", 4)} <= set(r.events.sent)
+    assert (err.status, err.code) == (429, "overloaded") and "4 requests in flight" in err.message
     assert r.admission.inflight == 0
 
 

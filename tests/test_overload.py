@@ -281,9 +281,12 @@ def test_processes_are_told_apart_by_role():
     # an engine is charged to the deployment of the replica that started it
     assert role_of("VLLM::EngineCore", app, "ray::ServeReplica:prefillshare:Decode-lookup") == "engine:Decode-lookup"
     assert role_of("ray::ProxyActor", app, None) == "proxy"
-    assert role_of("/x/bin/raylet --foo", app, None) == "ray"
-    assert role_of("ray::ServeReplica:other-app:Router", app, None) == "ray"  # another app's replica
-    assert role_of("bash -c sleep", app, None) == "other"
+    assert role_of("/x/site-packages/ray/core/src/ray/raylet/raylet --foo", app, None) == "ray:raylet"
+    assert role_of("/v/bin/python -u /v/site-packages/ray/dashboard/agent.py --x=1", app, None) == "ray:agent.py"
+    assert role_of("/v/bin/python /v/bin/serve run cfg.yaml", app, None) == "ray:serve"
+    assert role_of("ray::IDLE", app, None) == "ray:IDLE"
+    assert role_of("ray::ServeReplica:other-app:Router", app, None) == "ray:ServeReplica"  # another app's replica
+    assert role_of("bash -c sleep", app, None) == "other:bash"
 
 
 def test_cpu_by_role_counts_each_process_once_and_a_new_one_from_zero(monkeypatch):

@@ -290,6 +290,28 @@ def test_admission_steered_by_latency_turns_away_past_the_current_limit():
         Admission(8, LatencyLimit(16, 2, 1.0))
 
 
+def test_an_unanswered_request_past_the_setpoint_shrinks_the_limit_before_any_answer():
+    """A burst admitted at the ceiling is judged while it runs: the oldest unanswered request of the
+    limit's epoch past the setpoint shrinks the limit at the next arrival, once per epoch."""
+    adm = Admission(16, LatencyLimit(16, 2, 1.0, window=4))
+    t0 = time.monotonic()
+    held = []  # a Slot dropped is released (its client left): keep them
+    for _ in range(3):
+        assert adm.try_enter()
+        held.append(Slot(adm, "chat", t0))  # unanswered
+    assert adm.limit == 16  # just arrived: nothing is overdue
+    slow = [Slot(adm, "chat", t0 - 2.0) for _ in range(1) if adm.try_enter()]  # arrived 2 s ago, target 1 s
+    assert adm.limit == 16
+    assert adm.try_enter()  # the next arrival finds it overdue
+    assert adm.limit == 12 and adm.steer.epoch == 1
+    held.append(Slot(adm, "chat", t0 - 2.0))  # admitted in the new epoch, also 2 s old
+    assert adm.try_enter() and adm.limit == 9  # overdue in the new epoch: shrinks again
+    adm.try_enter()
+    assert adm.limit == 9  # the overdue ones belong to older epochs: judged once
+    slow[0].release("completed")
+    assert id(slow[0]) not in adm._unanswered
+
+
 def test_arrival_stamps_of_a_front_proxy_are_read_in_seconds_ms_or_us_and_bounded():
     now = time.time()
     for stamp in (f"t={now - 2:.3f}", f"t={int((now - 2) * 1000)}", f"{int((now - 2) * 1e6)}"):

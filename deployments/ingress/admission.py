@@ -35,7 +35,10 @@ class LatencyLimit:
     Samples are judged a window at a time: when the window's 95th percentile (the percentile the
     target promises) exceeds ``steer_at`` of the target the limit shrinks by ``backoff`` (not below
     ``floor``); when it is under that while the limit was binding (a request was turned away) it grows
-    by one (not above ``ceiling``). Each change starts an epoch, and only requests admitted in the
+    by one (not above ``ceiling``). A request still unanswered past the setpoint also shrinks it, at
+    once (:meth:`overdue`): a window is judged only when its last answer ends, and a Router starting at
+    its ceiling under twice the load it can answer admitted a burst that took the first minute's
+    95th percentile past the target before any window was judged. Each change starts an epoch, and only requests admitted in the
     current epoch are judged: those admitted under the old limit would otherwise shrink it again. The whole answer is judged,
     not its first token: on CPUs every decode step slows as the batch grows, so a first token in
     time says little about the rest (measured: a first-output target of 5 s held the p95 of
@@ -63,6 +66,19 @@ class LatencyLimit:
     def turned_away(self) -> None:
         self._binding = True
 
+    def overdue(self, oldest_since: float, now: float) -> None:
+        """The oldest unanswered request of this epoch arrived at ``oldest_since`` (monotonic): past the
+        setpoint it is as a slow window, and shrinks the limit now."""
+        if now - oldest_since > self.setpoint_s:
+            self._shrink()
+
+    def _shrink(self) -> None:
+        old = self.value
+        self.value = max(float(self.floor), self.value * self.backoff)
+        self._waits, self._binding = [], False
+        if int(self.value) != int(old):
+            self.epoch += 1
+
     def observe(self, wait_s: float, epoch: int) -> None:
         if epoch != self.epoch:
             return
@@ -70,10 +86,11 @@ class LatencyLimit:
         if len(self._waits) < self.window:
             return
         p95 = sorted(self._waits)[math.ceil(0.95 * len(self._waits)) - 1]
-        old = self.value
         if p95 > self.setpoint_s:
-            self.value = max(float(self.floor), self.value * self.backoff)
-        elif self._binding:
+            self._shrink()
+            return
+        old = self.value
+        if self._binding:
             self.value = min(float(self.ceiling), self.value + 1.0)
         self._waits, self._binding = [], False
         if int(self.value) != int(old):
@@ -92,13 +109,20 @@ class Admission:
         self.admitted = 0
         self.rejected = 0
         self.outcomes: dict[str, dict[str, int]] = {}  # route -> outcome -> count
+        self._unanswered: dict[int, tuple[float, int]] = {}  # a held Slot's id -> (its arrival, its epoch)
 
     @property
     def limit(self) -> int:
         return self.steer.limit if self.steer else self.max_limit
 
     def try_enter(self) -> bool:
-        """Take a slot; False (counted as rejected) when every slot is taken."""
+        """Take a slot; False (counted as rejected) when every slot is taken. With a latency target,
+        the oldest unanswered request of the limit's epoch is judged first (LatencyLimit.overdue)."""
+        if self.steer is not None and self._unanswered:
+            epoch = self.steer.epoch
+            oldest = min((since for since, ep in self._unanswered.values() if ep == epoch), default=None)
+            if oldest is not None:
+                self.steer.overdue(oldest, time.monotonic())
         if self.inflight >= self.limit:
             self.rejected += 1
             if self.steer:
@@ -166,6 +190,7 @@ class Slot:
         self._since = time.monotonic() if since is None else since
         self._epoch = admission.steer.epoch if admission.steer else 0
         self._late = False
+        admission._unanswered[id(self)] = (self._since, self._epoch)
 
     def late(self) -> None:
         """The request ran out of time, or a queue downstream shed it: past any latency target."""
@@ -176,6 +201,7 @@ class Slot:
         request that failed fast or that its client left says nothing about the load."""
         if self._held:
             self._held = False
+            self._admission._unanswered.pop(id(self), None)
             took = math.inf if self._late else time.monotonic() - self._since if outcome == "completed" else None
             self._admission.leave(self._route, outcome, took, self._epoch)
 

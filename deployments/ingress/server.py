@@ -201,16 +201,21 @@ class Router:
                            None, "decoder_unavailable", "server_error", {"Retry-After": str(self.limits.retry_after_s)})
 
     def _admit(self, route: str, arrived: float) -> Slot:
-        if not self.admission.try_enter():
+        entered = self.admission.try_enter()
+        self._publish_limit()
+        if not entered:
             self.events.send("overloaded", "ingress")
             raise _overloaded(f"server busy: {self.admission.limit} requests in flight on this replica; retry later",
                               self.limits.retry_after_s)
         return Slot(self.admission, route, arrived)
 
     def _release(self, slot: Slot, outcome: Outcome) -> None:
-        """Free a request's slot; a changed admission bound (a latency target steers it) is
-        published as ``prefillshare_admission_limit`` of this replica."""
         slot.release(outcome)
+        self._publish_limit()
+
+    def _publish_limit(self) -> None:
+        """A changed admission bound (a latency target steers it, at an answer or an arrival) is
+        published as ``prefillshare_admission_limit`` of this replica."""
         if self.admission.limit != self._published_limit:
             self._published_limit = self.admission.limit
             self.events.gauge("admission", self.replica, self._published_limit)
