@@ -504,8 +504,10 @@ def run(spec: OverloadSpec, log=print) -> dict:
     if spec.rate is None:
         saturation, search = find_saturation(traffic, spec, log)
         rate = spec.overload * saturation
-    else:
+    else:  # the search's first step as a warm-up: a cold app's first answers are not the overload's
         saturation, rate = None, spec.rate
+        warm, _ = asyncio.run(open_loop(traffic, spec.search_start, spec.search_step_s, spec.seed + 7))
+        log(f"warm-up: {sum(1 for s in warm if s.outcome == 'ok')} answers at {spec.search_start:g}/s")
     log(f"overload: {rate:.2f} arrivals/s for {spec.duration_s:.0f} s")
     before, fallbacks_before = admission(spec.url), fallbacks(spec.url)
     t0 = time.perf_counter()

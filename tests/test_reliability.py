@@ -290,6 +290,27 @@ def test_admission_steered_by_latency_turns_away_past_the_current_limit():
         Admission(8, LatencyLimit(16, 2, 1.0))
 
 
+def test_a_latency_limit_starts_low_and_doubles_until_its_first_slow_window():
+    lim = LatencyLimit(ceiling=64, floor=2, target_s=1.0, window=2, start=4)
+    assert lim.limit == 4 and lim.slow_start
+    for want in (8, 16):
+        lim.turned_away()
+        for _ in range(2):
+            lim.observe(0.1, lim.epoch)
+        assert lim.limit == want  # doubles: a fresh replica reaches its load in a few windows
+    for _ in range(2):
+        lim.observe(5.0, lim.epoch)
+    assert lim.limit == 12 and not lim.slow_start
+    lim.turned_away()
+    for _ in range(2):
+        lim.observe(0.1, lim.epoch)
+    assert lim.limit == 13  # past the first slow window: one more at a time
+    assert LatencyLimit(8, 2, 1.0, start=100).limit == 8 and LatencyLimit(8, 2, 1.0, start=1).limit == 2  # clamped
+    adm = admission_for(LimitsConfig(max_inflight_requests=64, admission_target_s=5, initial_inflight_requests=16))
+    assert adm.limit == 16 and adm.snapshot()["max_limit"] == 64
+    assert admission_for(LimitsConfig(max_inflight_requests=64, admission_target_s=5)).limit == 64  # default: the bound
+
+
 def test_an_unanswered_request_past_the_setpoint_shrinks_the_limit_before_any_answer():
     """A burst admitted at the ceiling is judged while it runs: the oldest unanswered request of the
     limit's epoch past the setpoint shrinks the limit at the next arrival, once per epoch."""

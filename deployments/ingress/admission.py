@@ -35,7 +35,8 @@ class LatencyLimit:
     Samples are judged a window at a time: when the window's 95th percentile (the percentile the
     target promises) exceeds ``steer_at`` of the target the limit shrinks by ``backoff`` (not below
     ``floor``); when it is under that while the limit was binding (a request was turned away) it grows
-    by one (not above ``ceiling``). A request still unanswered past the setpoint also shrinks it, at
+    by one (not above ``ceiling``); from a ``start`` below the ceiling it doubles instead until its first
+    shrink (TCP's slow start). A request still unanswered past the setpoint also shrinks it, at
     once (:meth:`overdue`): a window is judged only when its last answer ends, and a Router starting at
     its ceiling under twice the load it can answer admitted a burst that took the first minute's
     95th percentile past the target before any window was judged. Each change starts an epoch, and only requests admitted in the
@@ -46,15 +47,17 @@ class LatencyLimit:
     """
 
     def __init__(self, ceiling: int, floor: int, target_s: float, window: int = 16, backoff: float = 0.75,
-                 steer_at: float = STEER_AT):
+                 steer_at: float = STEER_AT, start: int | None = None):
         if not 1 <= floor <= ceiling:
             raise ValueError(f"LatencyLimit needs 1 <= floor ({floor}) <= ceiling ({ceiling})")
+        start = ceiling if start is None else min(max(start, floor), ceiling)
         if target_s <= 0 or window < 1 or not 0 < backoff < 1 or not 0 < steer_at <= 1:
             raise ValueError("LatencyLimit needs target_s > 0, window >= 1, 0 < backoff < 1 and 0 < steer_at <= 1")
         self.ceiling, self.floor, self.target_s = ceiling, floor, target_s
         self.setpoint_s = target_s * steer_at
         self.window, self.backoff = window, backoff
-        self.value = float(ceiling)
+        self.value = float(start)
+        self.slow_start = start < ceiling
         self.epoch = 0
         self._waits: list[float] = []
         self._binding = False
@@ -75,7 +78,7 @@ class LatencyLimit:
     def _shrink(self) -> None:
         old = self.value
         self.value = max(float(self.floor), self.value * self.backoff)
-        self._waits, self._binding = [], False
+        self._waits, self._binding, self.slow_start = [], False, False
         if int(self.value) != int(old):
             self.epoch += 1
 
@@ -91,7 +94,7 @@ class LatencyLimit:
             return
         old = self.value
         if self._binding:
-            self.value = min(float(self.ceiling), self.value + 1.0)
+            self.value = min(float(self.ceiling), self.value * 2.0 if self.slow_start else self.value + 1.0)
         self._waits, self._binding = [], False
         if int(self.value) != int(old):
             self.epoch += 1
@@ -155,7 +158,8 @@ def admission_for(limits: LimitsConfig) -> Admission:
     ceiling = limits.max_inflight_requests
     steer = None
     if limits.admission_target_s is not None:
-        steer = LatencyLimit(ceiling, min(limits.min_inflight_requests, ceiling), limits.admission_target_s)
+        steer = LatencyLimit(ceiling, min(limits.min_inflight_requests, ceiling), limits.admission_target_s,
+                             start=limits.initial_inflight_requests)
     return Admission(ceiling, steer)
 
 
