@@ -28,6 +28,7 @@ COMMANDS: list[Command] = [
     Command("eval", "prefillshare.app.training.commands:configure_eval", "score base, Full-FT, PrefillShare, naive reuse, layer-split"),
     Command("k8s", "prefillshare.app.kube.commands:configure", "render / validate the KubeRay RayService manifests, print a token Secret"),
     Command("capacity", "prefillshare.app.scaling:configure", "size prefill vs decode replicas, KV bandwidth and the bottleneck for a fan-out workload"),
+    Command("pool-reclaim", "prefillshare.app.engine.pool.pool_owner:configure", "remove this node's KV pool folder of a config if no live process owns it (after a stop that killed its owners)"),
 ]
 
 

@@ -342,7 +342,8 @@ def role_of(title: str, app: str, parent: str | None) -> str:
     mark = f"ServeReplica:{app}:"
     if mark in title:
         return title.split(mark, 1)[1].split()[0].split(".")[0]
-    if "VLLM::" in title or "EngineCore" in title:
+    if "VLLM::" in title or "EngineCore" in title or (parent and mark in parent):
+        # an engine core, also one not yet (or never) renamed: a replica's child is its engine
         return "engine:" + (role_of(parent, app, None) if parent else "?")
     if "ProxyActor" in title:
         return "proxy"

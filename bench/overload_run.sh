@@ -85,5 +85,9 @@ wait "$SERVE_PID" 2>/dev/null
 sleep 5
 left=$(comm -13 <(echo "$shm_before") <(ls /dev/shm | sort))
 echo "/dev/shm entries left after the stop: ${left:-none}" | tee -a "$OUT/run.log"
+# as scripts/serve.sh does after a stop: the pool folder of owners that were all killed is removed
+"$PY" -m prefillshare.app.cli pool-reclaim "$CONFIG" 2>&1 | tee -a "$OUT/run.log"
+left=$(comm -13 <(echo "$shm_before") <(ls /dev/shm | sort))
+echo "/dev/shm entries left after pool-reclaim: ${left:-none}" | tee -a "$OUT/run.log"
 rm -rf "$RAY_TMPDIR"
 exit "$rc"

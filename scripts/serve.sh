@@ -56,6 +56,8 @@ stop() {
   for _ in $(seq 1 90); do kill -0 "$SERVE_PID" 2>/dev/null || break; sleep 1; done
   kill -KILL "$SERVE_PID" 2>/dev/null
   wait "$SERVE_PID" 2>/dev/null
+  # a replica Serve had to kill never released the KV pool: remove its folder if nothing owns it
+  "$PY" -m prefillshare.app.cli pool-reclaim "$CONFIG" >&2
 }
 trap 'stop; exit 130' INT TERM HUP  # serve run is in its own process group: stop it on any of these
 

@@ -280,6 +280,8 @@ def test_processes_are_told_apart_by_role():
     assert role_of("ray::ServeReplica:prefillshare:Prefill-base", app, None) == "Prefill-base"
     # an engine is charged to the deployment of the replica that started it
     assert role_of("VLLM::EngineCore", app, "ray::ServeReplica:prefillshare:Decode-lookup") == "engine:Decode-lookup"
+    spawned = "/v/bin/python -c from multiprocessing.spawn import spawn_main; spawn_main(tracker_fd=5)"
+    assert role_of(spawned, app, "ray::ServeReplica:prefillshare:Prefill-base") == "engine:Prefill-base"
     assert role_of("ray::ProxyActor", app, None) == "proxy"
     assert role_of("/x/site-packages/ray/core/src/ray/raylet/raylet --foo", app, None) == "ray:raylet"
     assert role_of("/v/bin/python -u /v/site-packages/ray/dashboard/agent.py --x=1", app, None) == "ray:agent.py"

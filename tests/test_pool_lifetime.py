@@ -89,3 +89,29 @@ def test_two_owners_share_one_pool_until_the_last_one_closes(path):
     second.close()
     assert not os.path.exists(path)
     del reader
+
+
+def test_reclaim_removes_a_pool_whose_owners_were_all_killed_and_keeps_a_live_one(path, tmp_path):
+    import yaml
+
+    from prefillshare.app.engine.pool.pool_owner import reclaim
+
+    owner(path, "crash")  # killed: nothing released it
+    assert os.path.exists(os.path.join(path, "slab-index.sqlite"))
+    assert reclaim(path) and not os.path.exists(path)
+    assert not reclaim(path)  # absent: nothing to do
+    live = KVPool(PoolSpec(path, capacity_bytes=8 * BLOCK))
+    assert not reclaim(path) and os.path.exists(os.path.join(path, "slab-index.sqlite"))  # its owner lives
+    live.close()
+    assert not os.path.exists(path)
+    # the command: the config's pool folder, kept when the config persists it
+    owner(path, "crash")
+    serve = yaml.safe_load(open(os.path.join(os.path.dirname(__file__), "..", "serve_config.yaml")))
+    cfg = tmp_path / "serve_config.yaml"
+    for persist, kept in ((True, True), (False, False)):
+        serve["applications"][0]["args"]["config"]["pool"] = {"path": path, "persist": persist}
+        cfg.write_text(yaml.safe_dump(serve))
+        r = subprocess.run([sys.executable, "-m", "prefillshare.app.cli", "pool-reclaim", str(cfg)],
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stderr
+        assert os.path.exists(path) == kept, r.stdout

@@ -13,6 +13,10 @@ check, so no two of them race:
 - **close** (:meth:`PoolHold.release`, at the latest when the process exits): if this process
   is the last owner (the same exclusive try), the folder is removed, unless ``persist``.
 
+If every owner was killed (a stop that ended in SIGKILL) and nothing opens the folder again, it
+stays: :func:`reclaim` (``prefillshare pool-reclaim``, what scripts/serve.sh and the overload run
+do after their app stops) removes a folder that no live process owns.
+
 Readers that never create a pool (metrics, tools) take no hold. The pool creates no
 semaphore or other shared-memory object of its own: its files are the folder's.
 """
@@ -26,7 +30,7 @@ import shutil
 
 log = logging.getLogger(__name__)
 
-__all__ = ["PoolHold"]
+__all__ = ["PoolHold", "reclaim"]
 
 _USERS, _OPEN = "users.lock", "open.lock"
 
@@ -94,3 +98,38 @@ class PoolHold:
                 shutil.rmtree(self.path, ignore_errors=True)
             os.close(self._fd)
             self._fd = -1
+
+
+def reclaim(path: str) -> bool:
+    """Remove the pool folder ``path`` if no live process owns it; whether it was removed."""
+    if not os.path.isfile(os.path.join(path, _USERS)):
+        return False
+    with _serialised(path):
+        fd = os.open(os.path.join(path, _USERS), os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            if not _alone(fd):
+                return False
+            shutil.rmtree(path, ignore_errors=True)
+            return True
+        finally:
+            os.close(fd)
+
+
+def configure(parser) -> None:
+    """``prefillshare pool-reclaim CONFIG``: this node's pool folder of an app config (or a Serve
+    config holding one), removed if no live process owns it and the config does not persist it."""
+    parser.add_argument("config", help="serve_config.yaml, or an app config")
+    parser.set_defaults(func=_reclaim_command)
+
+
+def _reclaim_command(args) -> int:
+    from prefillshare.app.config import load_config
+
+    pool = load_config(args.config).pool
+    if pool.persist:
+        print(f"{pool.path}: pool.persist is set: kept")
+        return 0
+    removed = reclaim(pool.path)
+    print(f"{pool.path}: " + ("no live owner: removed" if removed else
+                              "owned by a live process: kept" if os.path.exists(pool.path) else "absent"))
+    return 0
