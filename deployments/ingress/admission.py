@@ -35,12 +35,13 @@ class LatencyLimit:
     Samples are judged a window at a time: when the window's 95th percentile (the percentile the
     target promises) exceeds ``steer_at`` of the target the limit shrinks by ``backoff`` (not below
     ``floor``); when it is under that while the limit was binding (a request was turned away) it grows
-    by one (not above ``ceiling``); from a ``start`` below the ceiling it doubles instead until its first
-    shrink (TCP's slow start). A request still unanswered past the setpoint also shrinks it, at
-    once (:meth:`overdue`): a window is judged only when its last answer ends, and a Router starting at
-    its ceiling under twice the load it can answer admitted a burst that took the first minute's
-    95th percentile past the target before any window was judged. Each change starts an epoch, and only requests admitted in the
-    current epoch are judged: those admitted under the old limit would otherwise shrink it again. The whole answer is judged,
+    by one (not above ``ceiling``); from a ``start`` below the ceiling it doubles instead until its
+    first shrink (TCP's slow start). A request still unanswered past the setpoint also shrinks it, at
+    once (:meth:`overdue`; while one is, the limit does not grow): a window is judged only when its
+    last answer ends, and a Router starting at its ceiling under twice the load it can answer admitted
+    a burst that took the first minute's 95th percentile past the target before any window was
+    judged. Each change starts an epoch, and only requests admitted in the current epoch are judged:
+    those admitted under the old limit would otherwise shrink it again. The whole answer is judged,
     not its first token: on CPUs every decode step slows as the batch grows, so a first token in
     time says little about the rest (measured: a first-output target of 5 s held the p95 of
     complete answers at 10-14 s).
