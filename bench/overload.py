@@ -330,9 +330,22 @@ class Sampler:
     def _loop(self) -> None:
         cpu = CpuByRole(self.app)
         while not self._stop.is_set():
-            self.rows.append({"t_s": time.perf_counter() - self._t0, **memory_now(self.app), **app_gauges(self.url),
-                              "cpu_s": cpu.sample()})
+            procs = processes()  # one scan of the process table feeds both
+            self.rows.append({"t_s": time.perf_counter() - self._t0, **memory_now(self.app, procs),
+                              **app_gauges(self.url), "cpu_s": cpu.sample(procs)})
             self._stop.wait(self.period_s)
+
+
+def processes() -> list[dict]:
+    """This machine's processes, each psutil's ``info`` (pid, ppid, name, create time, CPU times,
+    memory) with its ``title``: its command line as Ray and vLLM set it, else its name."""
+    import psutil
+
+    out = []
+    for p in psutil.process_iter(["pid", "ppid", "cmdline", "name", "create_time", "cpu_times", "memory_info"]):
+        info = p.info
+        out.append({**info, "title": " ".join(info["cmdline"] or ()) or (info["name"] or "")})
+    return out
 
 
 def role_of(title: str, app: str, parent: str | None) -> str:
@@ -372,19 +385,14 @@ class CpuByRole:
         self.total: dict[str, float] = {}
         self._first = True
 
-    def sample(self) -> dict[str, float]:
-        import psutil
-
-        titles: dict[int, str] = {}
-        procs = []
-        for p in psutil.process_iter(["pid", "ppid", "cmdline", "name", "create_time", "cpu_times"]):
-            info = p.info
-            if info["cpu_times"] is None:
-                continue
-            titles[info["pid"]] = " ".join(info["cmdline"] or ()) or (info["name"] or "")
-            procs.append(info)
+    def sample(self, procs: list[dict] | None = None) -> dict[str, float]:
+        """Totals so far, from ``procs`` (:func:`processes`; default: scanned now)."""
+        procs = processes() if procs is None else procs
+        titles = {info["pid"]: info["title"] for info in procs}
         me = os.getpid()
         for info in procs:
+            if info["cpu_times"] is None:
+                continue
             key = (info["pid"], info["create_time"])
             spent = info["cpu_times"].user + info["cpu_times"].system
             if key in self._seen:
@@ -399,20 +407,15 @@ class CpuByRole:
         return dict(self.total)
 
 
-def memory_now(app: str) -> dict:
-    """RSS of the app's replica and engine processes on this machine, and /dev/shm in use."""
-    import psutil
-
+def memory_now(app: str, procs: list[dict] | None = None) -> dict:
+    """RSS of the app's replica and engine processes on this machine (from ``procs``, :func:`processes`;
+    default: scanned now), and /dev/shm in use."""
     replicas = engines = 0
-    for p in psutil.process_iter(["cmdline", "name", "memory_info"]):
-        try:
-            title = " ".join(p.info["cmdline"] or ()) or (p.info["name"] or "")
-            rss = p.info["memory_info"].rss if p.info["memory_info"] else 0
-        except psutil.Error:
-            continue
-        if f"ServeReplica:{app}:" in title:
+    for info in processes() if procs is None else procs:
+        rss = info["memory_info"].rss if info["memory_info"] else 0
+        if f"ServeReplica:{app}:" in info["title"]:
             replicas += rss
-        elif "VLLM::" in title or "EngineCore" in (p.info["name"] or ""):
+        elif "VLLM::" in info["title"] or "EngineCore" in (info["name"] or ""):
             engines += rss
     st = os.statvfs("/dev/shm")
     return {"replica_rss_bytes": replicas, "engine_rss_bytes": engines,

@@ -301,7 +301,8 @@ def test_cpu_by_role_counts_each_process_once_and_a_new_one_from_zero(monkeypatc
     def fake_iter(_attrs):
         for pid, (title, ppid, cpu) in procs.items():
             yield types.SimpleNamespace(info={"pid": pid, "ppid": ppid, "cmdline": title.split(), "name": title,
-                                              "create_time": 1.0, "cpu_times": types.SimpleNamespace(user=cpu, system=0.0)})
+                                              "create_time": 1.0, "cpu_times": types.SimpleNamespace(user=cpu, system=0.0),
+                                              "memory_info": types.SimpleNamespace(rss=1 << 20)})
 
     import psutil
     monkeypatch.setattr(psutil, "process_iter", fake_iter)
@@ -310,7 +311,11 @@ def test_cpu_by_role_counts_each_process_once_and_a_new_one_from_zero(monkeypatc
     procs[1] = ("ray::ServeReplica:a:Router", 0, 12.5)
     procs[3] = ("ray::ProxyActor", 0, 4.0)  # started between samples: all of its CPU is the run's
     del procs[2]  # ended: keeps what it was seen to spend
-    assert cpu.sample() == {"Router": 2.5, "engine:Router": 0.0, "proxy": 4.0}
+    procs = overload.processes()
+    assert cpu.sample(procs) == {"Router": 2.5, "engine:Router": 0.0, "proxy": 4.0}
+    # the same scan gives the memory figures: one replica, no engine left
+    assert overload.memory_now("a", procs)["replica_rss_bytes"] == 1 << 20
+    assert overload.memory_now("a", procs)["engine_rss_bytes"] == 0
 
 
 def test_the_report_shows_cpu_by_role_per_minute():
