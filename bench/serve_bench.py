@@ -464,6 +464,7 @@ def run(cfg: ServeBenchConfig, log=print) -> dict:
     log(f"models: {mset.description}; max_model_len {topo.max_model_len}")
     maker = ContextMaker(tokenizer)
 
+    own_tmp = not os.environ.get("RAY_TMPDIR")  # made here: removed at the end (the results are in --out)
     tmp = os.environ.get("RAY_TMPDIR") or f"/tmp/ray-bench-{os.getpid()}"
     os.environ.setdefault("RAY_TMPDIR", tmp)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -501,6 +502,8 @@ def run(cfg: ServeBenchConfig, log=print) -> dict:
         if on_serve:
             serve.shutdown()
             ray.shutdown()
+        if own_tmp:
+            shutil.rmtree(tmp, ignore_errors=True)
 
     doc, comps = _document(cfg, mset, topo, deploy_s, skipped, costs, points)
     write_outputs(doc, points, comps, costs, cfg.out, log)
