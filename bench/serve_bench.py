@@ -579,7 +579,7 @@ def render_markdown(doc: dict, points, comps, costs) -> str:
         f"({m['time_utc']} UTC). Models: {doc['models']['description']}. Engines: KV space "
         f"{t['kv_cache_gib']} GiB, block {t['block_size']}, threads {t['threads_bind']}, "
         f"max_model_len {t['max_model_len']}; systems a and a-lora use {t['prefill_replicas']} shared prefill "
-        f"replica(s); LoRA: rank {t['lora_rank']}, c-lora runs {t['colocated_replicas']} replica(s) of its "
+        f"replica(s), i-lora {t.get('in_engine_replicas', t['prefill_replicas'])} replica(s) of its engine sharing the cores; LoRA: rank {t['lora_rank']}, c-lora runs {t['colocated_replicas']} replica(s) of its "
         f"multi-LoRA engine. Driver: {_DRIVERS[doc['config'].get('driver', 'project')]}. "
         f"Each load point ran {doc['config']['repeats']} time(s); a ratio whose spread over "
         "repeats includes 1.0 reads \"no measurable difference\".",
@@ -726,6 +726,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     a("--intermediate", type=int)
     a("--kv-cache-gib", type=float, help="KV space per engine (default 0.25)")
     a("--prefill-replicas", type=int, help="shared prefill replicas in system a (default 2: one per core)")
+    a("--in-engine-replicas", type=int, help="i-lora: replicas of its engine, each given cores / replicas CPUs "
+      "(default 1: one engine with every core, like v-one)")
     a("--threads-bind", help="VLLM_CPU_OMP_THREADS_BIND for every engine (default nobind)")
     a("--dtype", choices=["auto", "bfloat16", "float32"],
       help="engine compute dtype; auto (default): bfloat16 where computed natively, else float32")
@@ -765,7 +767,7 @@ def config_from_args(args: argparse.Namespace) -> ServeBenchConfig:
             if getattr(args, k, None) is not None}
     topo = kw.get("topology", Topology())
     tover = {k: getattr(args, k) for k in ("kv_cache_gib", "prefill_replicas", "threads_bind", "dtype", "lora_rank", "pool_gib",
-                                           "lora_kv_cache_gib", "colocated_replicas")
+                                           "lora_kv_cache_gib", "colocated_replicas", "in_engine_replicas")
              if getattr(args, k, None) is not None}
     kw["shape"] = replace(shape, **over)
     kw["topology"] = replace(topo, **tover)

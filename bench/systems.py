@@ -24,9 +24,10 @@ The same three with the n decoders as LoRA adapters of the base (random-weight a
 
 And the n adapters served in the base's own engine (in-engine LoRA decoders, app/engine/vllm_plugin.py):
 
-  i-lora            the prefill module's engines (``prefill_replicas`` replicas) hold the n adapters as
-                    ``lora_decoders``: each adapter's request reads the base's prefix cache up to the
-                    hand-over point and runs its adapter from there; no decode group, no KV copy.
+  i-lora            the prefill module's engine holds the n adapters as ``lora_decoders``: each
+                    adapter's request reads the base's prefix cache up to the hand-over point and runs
+                    its adapter from there; no decode group, no KV copy. One engine by default, given
+                    every core (``in_engine_replicas``), as v-one's stock server uses them.
 
 And a-lora again with chat decoders, for ``--driver chat`` (agents with their own system prompts
 and tools, each sent as a framework sends it: ``[system, user: the shared context]``): the same
@@ -43,6 +44,7 @@ with prefix caching, and ``v-one``, one model answering every decoder's name (th
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 from bench.models import ModelSet
@@ -79,16 +81,24 @@ class Topology:
     lora_rank: int = 16
     lora_kv_cache_gib: float | None = None  # KV space of an engine holding n adapters (default n x kv_cache_gib)
     colocated_replicas: int = 2    # c-lora: replicas of the one multi-LoRA engine (one per core)
+    # i-lora: replicas of its one engine, each given cores / replicas CPUs, which Ray turns into as many
+    # OpenMP threads (OMP_NUM_THREADS); one replica with every core is v-one's stock server's topology
+    in_engine_replicas: int = 1
 
     def engines(self, system: str, n: int) -> int:
         group = self.prefill_replicas + 1  # a prefill module's replicas + one decode group
         return {"a": self.prefill_replicas + n, "b": 2 * n, "c": n, "a-lora": group, "a-sf-lora": group,
                 "a-sys-lora": group, "b-lora": group, "c-lora": self.colocated_replicas,
-                "i-lora": self.prefill_replicas,
+                "i-lora": self.in_engine_replicas,
                 "v-lora": 1, "v-one": 1}[system]
 
     def group_kv_gib(self, n: int) -> float:
         return self.lora_kv_cache_gib or self.kv_cache_gib * n
+
+
+def machine_cpus() -> int:
+    """The cores this process may run on (what a stock server's OpenMP uses)."""
+    return len(os.sched_getaffinity(0))
 
 
 def _bytes(gib: float) -> int:
@@ -161,7 +171,8 @@ def _lora_system(system: str, models: ModelSet, n: int, topo: Topology, engine: 
         return [{"name": "base", "model": models.base, "engine": engine, "placement": pf}], \
             [{**group, "prefill_module": "base"}]
     if system == "i-lora":  # the base's own engines hold the adapters: its KV space and batch as the group's
-        return [{"name": "base", "model": models.base, "engine": group_engine, "placement": pf,
+        share = {"num_replicas": topo.in_engine_replicas, "num_cpus": machine_cpus() / topo.in_engine_replicas}
+        return [{"name": "base", "model": models.base, "engine": group_engine, "placement": {**pf_place, **share},
                  "lora_decoders": adapters, "max_lora_rank": topo.lora_rank, "max_loras": n}], []
     if system == "b-lora":
         return [{"name": "own", "model": models.base, "engine": group_engine, "placement": pf, **lora}], \

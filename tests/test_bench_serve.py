@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import random
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -183,6 +184,13 @@ def test_every_system_is_a_valid_app_config(tmp_path):
     assert all(d.adapter is None for s in ("a", "b", "c") for d in plans[s].decoders)
     assert all(d.in_engine and d.prefill_module == "base" and d.adapter == d.name and d.group is None
                for d in plans["i-lora"].decoders)
+    # i-lora is one engine given every core (Ray turns num_cpus into its OpenMP threads), or replicas sharing them
+    from bench.systems import machine_cpus
+    for replicas in (1, 2):
+        place = app_config("i-lora", mset, 2, replace(topo, in_engine_replicas=replicas), TOKENIZER,
+                           "/dev/shm/unused")["prefill_modules"][0]["placement"]
+        assert (place["num_replicas"], place["num_cpus"]) == (replicas, machine_cpus() / replicas)
+        assert replace(topo, in_engine_replicas=replicas).engines("i-lora", 4) == replicas
 
 
 @pytest.mark.serve
