@@ -94,7 +94,8 @@ class EngineSettings(_Strict):
     enforce_eager: bool = True
     threads_bind: str = Field(
         "nobind",
-        description="VLLM_CPU_OMP_THREADS_BIND: 'nobind' gives one unpinned thread per engine, "
+        description="VLLM_CPU_OMP_THREADS_BIND: 'nobind' leaves the engine's threads unpinned, as many as "
+        "placement.num_cpus rounded down (at least one: Ray's OMP_NUM_THREADS), "
         "'0' / '1' pins to a core; 'auto' reserves every core per engine (slow with several engines)",
     )
     seed: int = 0
