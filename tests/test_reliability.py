@@ -290,7 +290,7 @@ def test_admission_steered_by_latency_turns_away_past_the_current_limit():
         Admission(8, LatencyLimit(16, 2, 1.0))
 
 
-def test_a_latency_limit_starts_low_and_doubles_until_its_first_slow_window():
+def test_a_latency_limit_starts_low_and_grows_toward_the_setpoint_until_its_first_slow_window():
     lim = LatencyLimit(ceiling=64, floor=2, target_s=1.0, window=2, start=4)
     assert lim.limit == 4 and lim.slow_start
     for want in (8, 16):
@@ -305,6 +305,11 @@ def test_a_latency_limit_starts_low_and_doubles_until_its_first_slow_window():
     for _ in range(2):
         lim.observe(0.1, lim.epoch)
     assert lim.limit == 13  # past the first slow window: one more at a time
+    near = LatencyLimit(ceiling=64, floor=2, target_s=1.0, window=2, start=8)
+    near.turned_away()
+    for _ in range(2):
+        near.observe(0.8 * near.setpoint_s, near.epoch)
+    assert near.limit == 10  # answers at 80% of the setpoint: 1.25x as many, not twice (answers' time ~ in flight)
     assert LatencyLimit(8, 2, 1.0, start=100).limit == 8 and LatencyLimit(8, 2, 1.0, start=1).limit == 2  # clamped
     adm = admission_for(LimitsConfig(max_inflight_requests=64, admission_target_s=5, initial_inflight_requests=16))
     assert adm.limit == 16 and adm.snapshot()["max_limit"] == 64
