@@ -26,6 +26,7 @@ from pathlib import Path
 from bench.systems import Topology, decoder_names
 
 STOCK_SYSTEMS = ("v-lora", "v-one")
+SHUTDOWN_S = 20  # the server's own graceful stop (--shutdown-timeout); stop() waits longer before SIGKILL
 
 
 def server_argv(system: str, base: str, adapters: tuple[str, ...], n: int, topo: Topology, tokenizer: str,
@@ -39,7 +40,10 @@ def server_argv(system: str, base: str, adapters: tuple[str, ...], n: int, topo:
             "--host", "127.0.0.1", "--port", str(port), "--dtype", compute_dtype.resolve(topo.dtype),
             "--max-model-len", str(topo.max_model_len), "--block-size", str(topo.block_size),
             "--max-num-seqs", str(topo.max_num_seqs * n), "--enforce-eager", "--enable-prefix-caching",
-            "--kv-cache-memory-bytes", str(int(topo.group_kv_gib(n) * (1 << 30))), "--seed", "0"]
+            "--kv-cache-memory-bytes", str(int(topo.group_kv_gib(n) * (1 << 30))), "--seed", "0",
+            # at 0 (vLLM's default) a stop kills the engine core's worker at once, leaving its shared
+            # memory (/dev/shm/psm_*) behind; with time to exit it unlinks them
+            "--shutdown-timeout", str(SHUTDOWN_S)]
     if chat_template:
         argv += ["--chat-template", chat_template, "--enable-auto-tool-choice", "--tool-call-parser", "pythonic"]
     names = decoder_names(n)
@@ -82,12 +86,14 @@ class StockServer:
         raise RuntimeError(f"the vLLM server at {self.url} was not healthy after {timeout_s:.0f}s (log: {self.log_path})")
 
     def stop(self) -> None:
-        """SIGTERM to its process group (server, engine core), SIGKILL what is left after 60 s."""
+        """SIGTERM to the server, which stops its engine core and worker itself (a signal to the whole
+        group killed them mid-teardown, leaving their shared memory in /dev/shm); SIGKILL to the group,
+        for whatever is left, after 60 s."""
         if self.proc.poll() is None:
             with _suppress_missing():
-                os.killpg(self.proc.pid, signal.SIGTERM)
+                os.kill(self.proc.pid, signal.SIGTERM)
             try:
-                self.proc.wait(60)
+                self.proc.wait(SHUTDOWN_S + 40)
             except subprocess.TimeoutExpired:
                 pass
         with _suppress_missing():

@@ -331,6 +331,7 @@ def test_stock_vllm_servers_parse_with_vllms_own_parser(tmp_path):
     assert lora.kv_cache_memory_bytes == 2 * (1 << 30) // 8  # the app's LoRA group engine: N x the KV space
     one = parser.parse_args(server_argv("v-one", "/m/base", (), 2, topo, TOKENIZER, 1234)[3:])
     assert one.served_model_name == ["agent0", "agent1"] and not one.enable_lora
+    assert one.shutdown_timeout == lora.shutdown_timeout > 0  # a stop lets the worker unlink its shared memory
     text = 'vllm:prefix_cache_queries_total{engine="0"} 300\nvllm:prefix_cache_hits_total{engine="0"} 100\n'
     m = as_prefillshare_counters(parse_metrics(text))
     assert m[("prefillshare_prefill_tokens_computed_total", (("stage", "prefill"),))] == 200  # the prefill stage
