@@ -117,6 +117,15 @@ def _decode_deployments(cfg: AppConfig, plan: AppPlan, metrics) -> dict:
     return decoders
 
 
+def engine_replicas(cfg: AppConfig) -> dict[str, int]:
+    """{Serve deployment name: its configured replicas} of the engines the Router calls (the prefill
+    modules, the decoders), whose routers tell the Router's process how many run
+    (deployments/routing/safe_router.py): admission holds its bound while one of them is short."""
+    out = {f"Prefill-{p.name}": p.placement.num_replicas for p in cfg.prefill_modules}
+    out.update({f"Decode-{d.name}": d.placement.num_replicas for d in cfg.decoders})
+    return out
+
+
 def build(cfg: AppConfig):
     """The Serve application (the Router ingress with everything bound beneath it)."""
     from prefillshare.deployments.ingress.server import Router
@@ -138,7 +147,8 @@ def build(cfg: AppConfig):
     auth = cfg.auth
     if auth.keys_file:  # the Router replica reads the file itself: keys never travel in Serve's config
         auth = auth.model_copy(update={"keys_file": str(cfg.path(auth.keys_file))})
-    return _deployment(Router).options(**_small(cfg, cfg.router)).bind(plan, orch, prefill, decoders, metrics, auth)
+    return _deployment(Router).options(**_small(cfg, cfg.router)).bind(plan, orch, prefill, decoders, metrics, auth,
+                                                                       engine_replicas(cfg))
 
 
 def build_app(args: dict[str, Any]):

@@ -77,4 +77,11 @@ def test_the_shipped_app_binds_without_a_cluster():
 
     from prefillshare.deployments.application import build
 
-    assert isinstance(build(load_config(ROOT / "serve_config.yaml")), Application)
+    app = build(load_config(ROOT / "serve_config.yaml"))
+    assert isinstance(app, Application)
+    # admission holds its bound while one of these runs short: every engine deployment the Router
+    # calls, under the name Serve gives it, with the replicas it is configured with
+    router = app._bound_deployment
+    replicas = router.init_args[6]
+    called = [*router.init_args[2].values(), *router.init_args[3].values()]
+    assert replicas == {a._bound_deployment.name: a._bound_deployment.num_replicas for a in called}

@@ -316,6 +316,31 @@ def test_a_latency_limit_starts_low_and_grows_toward_the_setpoint_until_its_firs
     assert admission_for(LimitsConfig(max_inflight_requests=64, admission_target_s=5)).limit == 64  # default: the bound
 
 
+def test_a_lost_replica_shrinks_the_limit_once_and_it_does_not_grow_until_the_replica_is_back():
+    lim = LatencyLimit(ceiling=64, floor=2, target_s=1.0, window=2, start=20)
+    adm = Admission(64, lim)
+    adm.hold(True)
+    assert lim.limit == 15  # the loss: 0.75x, once
+    adm.hold(True)
+    assert lim.limit == 15
+    for _ in range(3):  # answers in time while requests are turned away: no growth while short
+        lim.turned_away()
+        for _ in range(2):
+            lim.observe(0.1, lim.epoch)
+    assert lim.limit == 15
+    for _ in range(2):
+        lim.observe(5.0, lim.epoch)
+    assert lim.limit == 11  # slow answers still shrink it
+    adm.hold(False)
+    lim.turned_away()
+    for _ in range(2):
+        lim.observe(0.1, lim.epoch)
+    assert lim.limit == 12  # back: one more per window again
+    fixed = Admission(8)
+    fixed.hold(True)
+    assert fixed.limit == 8  # a fixed bound is not steered
+
+
 def test_an_unanswered_request_past_the_setpoint_shrinks_the_limit_before_any_answer():
     """A burst admitted at the ceiling is judged while it runs: the oldest unanswered request of the
     limit's epoch past the setpoint shrinks the limit at the next arrival, once per epoch."""

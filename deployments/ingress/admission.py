@@ -42,7 +42,8 @@ class LatencyLimit:
     once (:meth:`overdue`; while one is, the limit does not grow): a window is judged only when its
     last answer ends, and a Router starting at its ceiling under twice the load it can answer admitted
     a burst that took the first minute's 95th percentile past the target before any window was
-    judged. Each change starts an epoch, and only requests admitted in the current epoch are judged:
+    judged. While a replica on the request path is missing it does not grow (:meth:`hold`). Each
+    change starts an epoch, and only requests admitted in the current epoch are judged:
     those admitted under the old limit would otherwise shrink it again. The whole answer is judged,
     not its first token: on CPUs every decode step slows as the batch grows, so a first token in
     time says little about the rest (measured: a first-output target of 5 s held the p95 of
@@ -64,6 +65,7 @@ class LatencyLimit:
         self.epoch = 0
         self._waits: list[float] = []
         self._binding = False
+        self._held = False
 
     @property
     def limit(self) -> int:
@@ -71,6 +73,16 @@ class LatencyLimit:
 
     def turned_away(self) -> None:
         self._binding = True
+
+    def hold(self, short: bool) -> None:
+        """Whether a deployment on the request path runs fewer replicas than configured. When one is
+        lost the limit shrinks once; until it is back the limit does not grow: the replacement
+        starting takes CPU on a shared node, and answers that are fast just after the loss say little
+        about the next minute (measured: grown from 7 to 12 while a replacement imported vLLM, then
+        past the target while its engine started)."""
+        if short and not self._held:
+            self._shrink()
+        self._held = short
 
     def overdue(self, oldest_since: float, now: float) -> None:
         """The oldest unanswered request of this epoch arrived at ``oldest_since`` (monotonic): past the
@@ -96,13 +108,14 @@ class LatencyLimit:
             self._shrink()
             return
         old = self.value
-        if self._binding and self.slow_start:
-            # a busy box answers in about the time of what is in flight: grow toward the setpoint, at most
-            # doubling (doubling blindly, two Routers went from 8 in flight to 44 in 15 s at 2x saturation)
-            grow = min(2.0, self.setpoint_s / max(p95, 1e-6))
-            self.value = min(float(self.ceiling), max(self.value + 1.0, self.value * grow))
-        elif self._binding:
-            self.value = min(float(self.ceiling), self.value + 1.0)
+        if self._binding and not self._held:
+            if self.slow_start:
+                # a busy box answers in about the time of what is in flight: grow toward the setpoint, at
+                # most doubling (doubling blindly, two Routers went from 8 in flight to 44 in 15 s at 2x)
+                grow = min(2.0, self.setpoint_s / max(p95, 1e-6))
+                self.value = min(float(self.ceiling), max(self.value + 1.0, self.value * grow))
+            else:
+                self.value = min(float(self.ceiling), self.value + 1.0)
         self._waits, self._binding = [], False
         if int(self.value) != int(old):
             self.epoch += 1
@@ -125,6 +138,11 @@ class Admission:
     @property
     def limit(self) -> int:
         return self.steer.limit if self.steer else self.max_limit
+
+    def hold(self, short: bool) -> None:
+        """A deployment on the request path is short of replicas (LatencyLimit.hold); no-op when fixed."""
+        if self.steer is not None:
+            self.steer.hold(short)
 
     def try_enter(self) -> bool:
         """Take a slot; False (counted as rejected) when every slot is taken. With a latency target,

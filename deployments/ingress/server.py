@@ -59,6 +59,7 @@ from prefillshare.deployments.path.decode_call import DecoderCall, Output
 from prefillshare.deployments.path.fanout import FanOut, Leg
 from prefillshare.deployments.path.serve_engines import ServeEngines
 from prefillshare.deployments.prompts import Prompter, RenderError
+from prefillshare.deployments.routing.safe_router import short_of_replicas
 
 
 class _ReplicaGone(Exception):
@@ -153,7 +154,7 @@ async def _internal_error(_: Request, exc: Exception):
 @serve.ingress(api)
 class Router:
     def __init__(self, plan: AppPlan, orchestrator, prefill: dict, decoders: dict, metrics,
-                 auth: AuthConfig | None = None):
+                 auth: AuthConfig | None = None, replicas: dict[str, int] | None = None):
         self.plan = plan
         self.orch = orchestrator
         self.prefill = prefill
@@ -166,6 +167,7 @@ class Router:
         self.created = int(time.time())
         self.limits = plan.limits
         self.admission = admission_for(self.limits)
+        self.replicas = replicas or {}  # {engine deployment it calls: configured replicas}
         self.replica = serve.get_replica_context().replica_id.unique_id
         self._published_limit = self.admission.limit
         self.events.gauge("admission", self.replica, self._published_limit)
@@ -201,6 +203,7 @@ class Router:
                            None, "decoder_unavailable", "server_error", {"Retry-After": str(self.limits.retry_after_s)})
 
     def _admit(self, route: str, arrived: float) -> Slot:
+        self.admission.hold(bool(short_of_replicas(self.replicas)))
         entered = self.admission.try_enter()
         self._publish_limit()
         if not entered:
