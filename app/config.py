@@ -311,10 +311,10 @@ class LimitsConfig(_Strict):
         "(at most max_inflight_requests)")
     initial_inflight_requests: int | None = Field(
         None, ge=1, description="with admission_target_s: the bound a Router replica starts at (clamped between "
-        "min_ and max_inflight_requests); it grows toward the target, up to doubling, while answers meet it and requests are turned "
-        "away, until the first window past it (slow start), so a cold replica does not admit a burst it cannot "
-        "answer in time, at the price of 429s for a burst larger than it in the first seconds. null: start at "
-        "max_inflight_requests")
+        "min_ and max_inflight_requests); it grows toward the target, up to doubling, while answers meet it "
+        "and requests are turned away, until the first window past it (slow start), so a cold replica does not "
+        "admit a burst it cannot answer in time, at the price of 429s for a burst larger than it in the first "
+        "seconds. null: start at max_inflight_requests")
     max_body_bytes: int = Field(1 << 20, ge=1024, description="larger request bodies get 413")
     max_header_bytes: int = Field(32 << 10, ge=1024, description="larger header blocks get 431")
     retry_after_s: int = Field(1, ge=1, description="Retry-After (seconds) sent with 429 and 503")
