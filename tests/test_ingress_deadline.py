@@ -55,6 +55,7 @@ def _router(timeout_s: float, admission: Admission | None = None):
     r.admission = admission or Admission(4)
     r.events = _Events()
     r.replica, r._published_limit = "replica-0", r.admission.limit
+    r.replicas = {}  # no engine deployment to be short of
     return r
 
 

@@ -185,6 +185,17 @@ def test_report_measures_recovery_drift_leaks_and_accounting():
     assert counted["fallbacks"] == {"decoder_retry": 3.0, "prefill_error": 1.0}  # the run's increments only
     assert "retried where safe: decoder_retry 3, router_retry 0" in render(counted)
 
+    # a p95 before the fault that admission held low: back within the admission target is recovered,
+    # but only where the run has a target
+    held = [_s(t, 0.5) for t in range(0, 50)] + [_s(t + 0.5, 3.0) for t in range(50, 120)]
+    assert summarize(_raw(held, [fault], mem))["faults"][0]["recovery_s"] is None
+    targeted = _raw(held, [fault], mem)
+    targeted["spec"]["admission_target_s"] = 5.0
+    f = summarize(targeted)["faults"][0]
+    assert (f["recovery_s"], f["recovered_under_s"]) == (0.0, 5.0)
+    targeted["spec"]["admission_target_s"] = 2.0  # 3 s answers stay past a 2 s target
+    assert summarize(targeted)["faults"][0]["recovery_s"] is None
+
     lost = summarize(_raw(fast + [_s(60, 0.1, "lost RemoteProtocolError")], [fault], mem))
     assert not lost["promises"]["nothing_lost"] and not lost["promises"]["server_accounted"]
     assert lost["faults"][0]["recovery_s"] is None and not lost["promises"]["recovered"]

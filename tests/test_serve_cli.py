@@ -80,7 +80,9 @@ def served(tmp_path_factory):
         # waiting for startup, not asserting on time: the script polls /ready itself
         while not ready.wait(5):
             if proc.poll() is not None:
-                pytest.fail("serve.sh exited before ready:\n" + "".join(lines[-60:]))
+                errors = [ln for ln in lines if any(w in ln for w in ("Error", "Traceback", "failed", "DEPLOY_FAILED"))]
+                pytest.fail("serve.sh exited before ready; its error lines:\n" + "".join(errors[:40])
+                            + "\n... its last lines:\n" + "".join(lines[-30:]))
         yield {"url": f"http://127.0.0.1:{port}", "env": env, "cfg_path": cfg_path, "port": port,
                "pool": pool, "lines": lines, "proc": proc}
     finally:
