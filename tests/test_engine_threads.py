@@ -2,36 +2,46 @@
 under ``threads_bind: nobind`` vLLM leaves torch's thread count alone, and Ray sets OMP_NUM_THREADS
 of an actor to its CPUs rounded down, at least 1, before the actor's code imports torch. A canary on
 that Ray behaviour: the bench's i-lora engine and any user who gives an engine replica whole cores
-rely on it. An OMP_NUM_THREADS in the environment that starts Ray wins (Ray then sets nothing), and
-an in-process vLLM engine of an earlier test sets it in this process, so the test removes it.
+rely on it. The cluster starts in a fresh process with a shell's plain environment, as `serve run`
+does: thread settings an earlier test left in this process (an in-process vLLM engine sets
+OMP_NUM_THREADS, and one set there wins over Ray's) must not decide it.
 Run through scripts/test.sh (loopback-only network namespace)."""
 from __future__ import annotations
 
+import json
 import os
-import shutil
+import subprocess
+import sys
 
 import pytest
 
 pytestmark = pytest.mark.serve
 
+PROBE = """
+import json, os, shutil, sys
+import ray
+tmp = sys.argv[1]
+ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, _temp_dir=tmp)
+try:
+    @ray.remote
+    class Threads:
+        def read(self):
+            import torch
+            return os.environ.get("OMP_NUM_THREADS"), torch.get_num_threads()
+    got = {str(n): ray.get(Threads.options(num_cpus=n).remote().read.remote(), timeout=180) for n in (0.25, 2)}
+finally:
+    ray.shutdown()
+    shutil.rmtree(tmp, ignore_errors=True)
+print(json.dumps(got))
+"""
+# what a login shell carries; nothing that sets threads
+PLAIN_ENV = ("PATH", "HOME", "LANG", "LC_ALL", "TMPDIR", "USER", "RAY_AUTH_MODE", "VIRTUAL_ENV")
 
-def test_ray_gives_an_actor_its_whole_cpus_as_openmp_threads(monkeypatch):
-    import ray
 
-    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-
-    tmp = f"/tmp/romp{os.getpid()}"
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, _temp_dir=tmp)
-    try:
-        @ray.remote
-        class Threads:
-            def read(self) -> tuple[str | None, int]:
-                import torch
-
-                return os.environ.get("OMP_NUM_THREADS"), torch.get_num_threads()
-
-        got = {n: ray.get(Threads.options(num_cpus=n).remote().read.remote(), timeout=180) for n in (0.25, 2)}
-    finally:
-        ray.shutdown()
-        shutil.rmtree(tmp, ignore_errors=True)
-    assert got == {0.25: ("1", 1), 2: ("2", 2)}, got
+def test_ray_gives_an_actor_its_whole_cpus_as_openmp_threads():
+    env = {k: v for k, v in os.environ.items() if k in PLAIN_ENV}
+    out = subprocess.run([sys.executable, "-c", PROBE, f"/tmp/romp{os.getpid()}"], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got == {"0.25": ["1", 1], "2": ["2", 2]}, got
