@@ -276,7 +276,7 @@ class _Retry:
 
 
 def _readiness(d: dict) -> Readiness:
-    return Readiness(bool(d.get("ready")), tuple(d.get("problems") or ()), d.get("engines"))
+    return Readiness(bool(d.get("ready")), tuple(d.get("problems") or ()), d.get("engines"), tuple(d.get("asleep") or ()))
 
 
 def _not_ready(e: PrefillShareError) -> Readiness:

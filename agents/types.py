@@ -181,6 +181,7 @@ class Readiness:
     ready: bool
     problems: tuple[str, ...] = ()
     engines: int | None = None
+    asleep: tuple[str, ...] = ()  # decoders their autoscaler stopped (min_replicas: 0): the next request starts one
 
 
 # ---- parsing -----------------------------------------------------------------------------

@@ -129,10 +129,107 @@ def _queue_limit(v: int) -> int:
 QueueLimit = Annotated[int, Field(ge=-1), AfterValidator(_queue_limit)]
 
 
-class Placement(_Strict):
+ENGINE_LOAD_POLICY = "prefillshare.deployments.autoscaling:EngineLoadPolicy"
+
+
+class AutoscalingPolicyConfig(_Strict):
+    """Serve's ``AutoscalingPolicy``, under its names. The project's policy (``ENGINE_LOAD_POLICY``)
+    scales an engine deployment by what its engines report (deployments/autoscaling.py)."""
+
+    policy_function: str = Field(
+        ENGINE_LOAD_POLICY, description="import path 'module:callable' of the policy; Serve's default reads ongoing "
+        "requests alone (ray.serve.autoscaling_policy:replica_queue_length_autoscaling_policy)")
+    policy_kwargs: dict[str, Any] = Field(
+        default_factory=dict, description="the policy's settings; the project's: first_token_target_s, "
+        "inter_token_target_s, max_kv_cache_usage, target_ongoing_requests")
+
+    @model_validator(mode="after")
+    def _known_kwargs(self) -> AutoscalingPolicyConfig:
+        if self.policy_function == ENGINE_LOAD_POLICY:
+            from prefillshare.app.engine_load import EngineLoadTargets
+
+            try:
+                EngineLoadTargets(**self.policy_kwargs)
+            except (TypeError, ValueError) as e:
+                raise ValueError(f"policy_kwargs: {e}") from None
+        return self
+
+
+class Autoscaling(_Strict):
+    """Serve's ``autoscaling_config`` of one deployment, under Serve's own field names; what is not
+    set keeps Serve's default. Without ``policy``, Serve's ongoing-request policy decides."""
+
+    min_replicas: int = Field(1, ge=0, description="0 lets an idle decoder stop; its first request then waits for "
+                              "an engine start (decoders only)")
+    initial_replicas: int | None = Field(None, ge=0, description="replicas at deploy; default min_replicas")
+    max_replicas: int = Field(ge=1)
+    target_ongoing_requests: float = Field(2.0, gt=0, description="ongoing requests per replica the default policy "
+                                           "holds (Serve's)")
+    upscale_delay_s: float = Field(30.0, ge=0)
+    downscale_delay_s: float = Field(600.0, ge=0)
+    downscale_to_zero_delay_s: float | None = Field(None, ge=0, description="1 -> 0 only; default downscale_delay_s")
+    metrics_interval_s: float = Field(10.0, gt=0, description="how often replicas report their load (Serve's)")
+    look_back_period_s: float = Field(30.0, gt=0, description="the window the load is averaged over (Serve's)")
+    upscaling_factor: float | None = Field(None, gt=0)
+    downscaling_factor: float | None = Field(None, gt=0)
+    policy: AutoscalingPolicyConfig | None = Field(
+        None, description="a policy other than Serve's default; {} picks the project's engine-load policy")
+
+    @model_validator(mode="after")
+    def _bounds(self) -> Autoscaling:
+        if self.min_replicas > self.max_replicas:
+            raise ValueError(f"min_replicas: {self.min_replicas} is above max_replicas {self.max_replicas}")
+        if self.initial_replicas is not None and not self.min_replicas <= self.initial_replicas <= self.max_replicas:
+            raise ValueError(f"initial_replicas: {self.initial_replicas} is outside min_replicas..max_replicas "
+                             f"({self.min_replicas}..{self.max_replicas})")
+        return self
+
+    def serve_config(self) -> dict[str, Any]:
+        """Serve's ``autoscaling_config``: the fields set here, Serve's defaults for the rest (this
+        model's defaults are Serve 2.60's); a policy goes whole, so that ``policy: {}`` is the project's."""
+        out = self.model_dump(exclude_unset=True, exclude={"policy"})
+        if self.policy is not None:
+            out["policy"] = self.policy.model_dump()
+        return out
+
+    @property
+    def initial(self) -> int:
+        return self.min_replicas if self.initial_replicas is None else self.initial_replicas
+
+
+class _Replicas(_Strict):
+    """A hand-set ``num_replicas`` or Serve's ``autoscaling`` (not both)."""
+
+    num_replicas: int = Field(1, ge=1, description="replicas, fixed; leave out with autoscaling")
+    autoscaling: Autoscaling | None = Field(
+        None, description="Serve's autoscaling_config (its field names); replaces num_replicas")
+
+    @model_validator(mode="after")
+    def _one_count(self):
+        if self.autoscaling is not None and "num_replicas" in self.model_fields_set:
+            raise ValueError("num_replicas: give num_replicas or autoscaling, not both (autoscaling sets the count "
+                             "between min_replicas and max_replicas)")
+        return self
+
+    @property
+    def max_replicas(self) -> int:
+        """The most replicas this deployment may run (what a cluster must have room for)."""
+        return self.autoscaling.max_replicas if self.autoscaling else self.num_replicas
+
+    @property
+    def min_replicas(self) -> int:
+        return self.autoscaling.min_replicas if self.autoscaling else self.num_replicas
+
+    def replica_options(self) -> dict[str, Any]:
+        """Serve's options for the count: ``num_replicas`` or ``autoscaling_config``."""
+        if self.autoscaling is None:
+            return {"num_replicas": self.num_replicas}
+        return {"autoscaling_config": self.autoscaling.serve_config()}
+
+
+class Placement(_Replicas):
     """Where a deployment's replicas run; maps onto Serve's replica options."""
 
-    num_replicas: int = Field(1, ge=1)
     num_cpus: float = Field(0.25, ge=0)
     num_gpus: float = Field(0.0, ge=0)
     max_ongoing_requests: int = Field(32, ge=1)
@@ -338,9 +435,8 @@ class RoutingConfig(_Strict):
     max_tracked_prefixes: int = Field(10_000, ge=1)
 
 
-class SmallDeployment(_Strict):
+class SmallDeployment(_Replicas):
     num_cpus: float = Field(0.05, ge=0)
-    num_replicas: int = Field(1, ge=1)
     max_ongoing_requests: int = Field(256, ge=1)
     max_queued_requests: QueueLimit = Field(-1, description="see Placement.max_queued_requests")
 
@@ -417,6 +513,7 @@ class AppConfig(_Strict):
                     f"decoders[{i}].prefill_module: {d.prefill_module!r} is not a configured "
                     f"prefill module (have {names})"
                 )
+        self._check_scaling()
         if self.limits.max_inflight_requests >= self.router.max_ongoing_requests:
             raise ValueError(
                 f"limits.max_inflight_requests ({self.limits.max_inflight_requests}) must be below "
@@ -424,6 +521,23 @@ class AppConfig(_Strict):
                 "requests before the Router can answer 429"
             )
         return self
+
+    def _check_scaling(self) -> None:
+        """Only a decoder may stop when idle (``min_replicas: 0``): a prefill module at zero would send
+        every fan-out to private prefill after limits.prefill_wait_s (and its in-engine decoders live
+        in it), and the Router and Orchestrator are the path itself. The Metrics deployment holds
+        the app's counters: one replica."""
+        at_zero = [f"prefill_modules[{i}].placement" for i, p in enumerate(self.prefill_modules)
+                   if p.placement.min_replicas == 0]
+        at_zero += [name for name in ("router", "orchestrator") if getattr(self, name).min_replicas == 0]
+        if at_zero:
+            why = ("a prefill module must answer within limits.prefill_wait_s (and its lora_decoders live in it)"
+                   if at_zero[0].startswith("prefill") else "it is on every request's path")
+            raise ValueError(f"{at_zero[0]}.autoscaling.min_replicas: 0 is for decoders only; {why}, so it cannot "
+                             "start from zero: set min_replicas: 1 or more")
+        if self.metrics.autoscaling is not None or self.metrics.num_replicas != 1:
+            raise ValueError("metrics: the Metrics deployment holds the app's counters and runs one replica; "
+                             "leave out num_replicas and autoscaling")
 
     def path(self, p: str) -> Path:
         """A model/tokenizer path resolved against `root`."""

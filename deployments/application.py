@@ -16,6 +16,7 @@ from prefillshare.app.engine import alloc_conf
 from prefillshare.app.engine.handover import ModuleLink
 from prefillshare.app.engine_args import engine_config, engine_env
 from prefillshare.app.plan import AppPlan, plan_app
+from prefillshare.deployments.fleet import ReplicaBounds
 
 
 def engine_options(cfg: AppConfig, name: str, p: Placement, eng: EngineSettings, **extra) -> dict[str, Any]:
@@ -29,11 +30,14 @@ def engine_options(cfg: AppConfig, name: str, p: Placement, eng: EngineSettings,
     if p.num_gpus:
         actor["num_gpus"] = p.num_gpus
     opts: dict[str, Any] = dict(
-        name=name, num_replicas=p.num_replicas, max_ongoing_requests=p.max_ongoing_requests,
+        name=name, **p.replica_options(), max_ongoing_requests=p.max_ongoing_requests,
         max_queued_requests=p.max_queued_requests, ray_actor_options=actor,
         # Serve's own shedding (max_queued_requests) answers 429 + Retry-After like the Router does.
         backpressure_config=BackpressureConfig(status_code=429, retry_after_s=cfg.limits.retry_after_s),
-        health_check_period_s=10, health_check_timeout_s=60, graceful_shutdown_timeout_s=20, **extra)
+        health_check_period_s=10, health_check_timeout_s=60,
+        # a replica stopped by a downscale (or a redeploy) finishes what it was given: no admitted
+        # request outlives limits.request_timeout_s, so none is cut
+        graceful_shutdown_timeout_s=max(20.0, cfg.limits.request_timeout_s), **extra)
     if p.placement_group_bundles:
         opts.update(placement_group_bundles=p.placement_group_bundles, placement_group_strategy=p.placement_group_strategy)
     return opts
@@ -45,7 +49,7 @@ def _small(cfg: AppConfig, d) -> dict[str, Any]:
 
     from prefillshare.deployments.ray_internals import REPLICA_ENV
 
-    return dict(num_replicas=d.num_replicas,
+    return dict(**d.replica_options(),
                 ray_actor_options={"num_cpus": d.num_cpus, "runtime_env": {"env_vars": dict(REPLICA_ENV)}},
                 max_ongoing_requests=d.max_ongoing_requests, max_queued_requests=d.max_queued_requests,
                 backpressure_config=BackpressureConfig(status_code=429, retry_after_s=cfg.limits.retry_after_s))
@@ -117,12 +121,14 @@ def _decode_deployments(cfg: AppConfig, plan: AppPlan, metrics) -> dict:
     return decoders
 
 
-def engine_replicas(cfg: AppConfig) -> dict[str, int]:
-    """{Serve deployment name: its configured replicas} of the engines the Router calls (the prefill
-    modules, the decoders), whose routers tell the Router's process how many run
-    (deployments/routing/safe_router.py): admission holds its bound while one of them is short."""
-    out = {f"Prefill-{p.name}": p.placement.num_replicas for p in cfg.prefill_modules}
-    out.update({f"Decode-{d.name}": d.placement.num_replicas for d in cfg.decoders})
+def engine_bounds(cfg: AppConfig) -> dict[str, ReplicaBounds]:
+    """{Serve deployment name: its replica bounds} of the engines the Router calls (the prefill
+    modules, the decoders): deployments/fleet.py follows them (admission's hold, cold decoders)."""
+    def bounds(pl: Placement) -> ReplicaBounds:
+        return ReplicaBounds(pl.min_replicas, pl.max_replicas, pl.autoscaling is not None)
+
+    out = {f"Prefill-{p.name}": bounds(p.placement) for p in cfg.prefill_modules}
+    out.update({f"Decode-{d.name}": bounds(d.placement) for d in cfg.decoders})
     return out
 
 
@@ -143,12 +149,14 @@ def build(cfg: AppConfig):
     decoders.update({dp.name: prefill[dp.prefill_module] for dp in plan.decoders if dp.in_engine})
     # one set of decode handles for both callers: the Router streams completions from them, the
     # Orchestrator streams agent runs' decoders
-    orch = _deployment(Orchestrator).options(**_small(cfg, cfg.orchestrator)).bind(plan, prefill, decoders, metrics)
+    bounds = engine_bounds(cfg)
+    orch = _deployment(Orchestrator).options(**_small(cfg, cfg.orchestrator)).bind(plan, prefill, decoders, metrics,
+                                                                                   bounds)
     auth = cfg.auth
     if auth.keys_file:  # the Router replica reads the file itself: keys never travel in Serve's config
         auth = auth.model_copy(update={"keys_file": str(cfg.path(auth.keys_file))})
     return _deployment(Router).options(**_small(cfg, cfg.router)).bind(plan, orch, prefill, decoders, metrics, auth,
-                                                                       engine_replicas(cfg))
+                                                                       bounds)
 
 
 def build_app(args: dict[str, Any]):

@@ -33,6 +33,7 @@ class Failure:
 
     code: ErrorCode
     message: str
+    retry_after_s: int | None = None  # when known better than limits.retry_after_s (a decoder starting from zero)
 
     def __str__(self) -> str:
         return f"{self.code.value}: {self.message}"
@@ -96,7 +97,8 @@ class ApiError(PrefillShareLibraryError):
     def from_failure(cls, failure: Failure, route: str, retry_after_s: int) -> ApiError:
         """The HTTP answer to ``failure`` on ``route`` ("completions" | "chat" | "agents")."""
         shape = HTTP[failure.code]
-        headers = {"Retry-After": str(retry_after_s)} if shape.retry_after else None
+        wait = failure.retry_after_s if failure.retry_after_s is not None else retry_after_s
+        headers = {"Retry-After": str(wait)} if shape.retry_after else None
         param = INPUT_FIELD[route] if shape.about_input else None
         return cls(shape.status, str(failure), param, shape.code, shape.type, headers)
 

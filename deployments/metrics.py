@@ -24,6 +24,7 @@ from prometheus_client.core import Metric
 from ray import serve
 
 from prefillshare.app.engine.handover import Family
+from prefillshare.app.engine_load import SIGNALS
 from prefillshare.deployments.messages import PrefillRecord, RequestRecord
 
 if TYPE_CHECKING:
@@ -161,6 +162,15 @@ class AppMetrics:
             registry=r)
         self.queue = Gauge("prefillshare_queue_length", "Requests in flight in a replica",
                            ["deployment", "replica"], registry=r)
+        self.replicas = Gauge("prefillshare_deployment_replicas", "Replicas of an engine deployment running now, as "
+                              "Serve's controller reports them", ["deployment"], registry=r)
+        self.target_replicas = Gauge(
+            "prefillshare_deployment_target_replicas", "The replicas Serve's autoscaler wants for an engine deployment "
+            "now (its num_replicas when not autoscaled)", ["deployment"], registry=r)
+        self.autoscaling_signal = Gauge(
+            "prefillshare_autoscaling_signal", "What an engine replica last reported to Serve's autoscaler "
+            "(app/engine_load.py SIGNALS: the engine-load policy's inputs)", ["deployment", "replica", "signal"],
+            registry=r)
         self.prefill_seconds = Histogram("prefillshare_prefill_seconds", "Prefill call latency per module",
                                          ["module"], buckets=_LATENCY_BUCKETS, registry=r)
         self._register_sharing(r)
@@ -210,6 +220,11 @@ class AppMetrics:
 
     def router_failover(self, deployment: str, error: str) -> None:
         self.router_failovers.labels(deployment, error).inc()
+
+    def autoscaling_signals(self, deployment: str, replica: str, stats: dict[str, float]) -> None:
+        """A replica's latest report; a latency it did not report this time (no request made one) reads 0."""
+        for signal in SIGNALS:
+            self.autoscaling_signal.labels(deployment, replica, signal).set(float(stats.get(signal, 0.0)))
 
     def prefill(self, rec: PrefillRecord) -> None:
         self.prefill_computed.labels("prefill", rec.prefill_module).inc(rec.computed_tokens)
@@ -319,6 +334,14 @@ class MetricsServer:
     def queue(self, deployment: str, replica: str, n: int) -> None:
         self.m.queue.labels(deployment, replica).set(n)
 
+    def fleet(self, deployment: str, counts: tuple[int, int]) -> None:
+        running, target = counts
+        self.m.replicas.labels(deployment).set(running)
+        self.m.target_replicas.labels(deployment).set(target)
+
+    def autoscaling_signals(self, deployment: str, replica: str, stats: dict[str, float]) -> None:
+        self.m.autoscaling_signals(deployment, replica, stats)
+
     def engine(self, deployment: str, replica: str, families: list[Family]) -> None:
         self.m.engines.update((deployment, replica), families)
 
@@ -338,4 +361,4 @@ class MetricsServer:
 
 
 _EVENTS = frozenset({"request", "prefill", "fallback", "router_failover", "handover_events", "agent_run", "overloaded", "timeout",
-                     "queue", "engine", "admission", "node_state"})
+                     "queue", "engine", "admission", "node_state", "fleet", "autoscaling_signals"})

@@ -41,6 +41,11 @@ moves or reshapes one; after an upgrade, fix this module and that test, nothing 
   completion's median first token 8-21 ms lower than through the proxy (docs/benchmarks.md).
   :func:`direct_ingress_urls` reads the Router's port from the controller's target groups
   (``get_serve_details()`` of ``serve.context._get_global_client()``).
+- The controller's ``get_serve_instance_details`` (``_controller`` of the same client), awaited
+  rather than ``ray.get`` so that a Router's event loop does not block on it:
+  :func:`deployment_details` gives each deployment's ``target_num_replicas`` (the autoscaler's
+  target) and its replicas' states and start times, which deployments/fleet.py reads. Serve has no
+  public call that gives the target.
 """
 from __future__ import annotations
 
@@ -48,8 +53,8 @@ from typing import Any
 
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
-__all__ = ["REPLICA_ENV", "ChosenReplicaRouter", "direct_ingress_env", "direct_ingress_urls", "replica_assigned",
-           "stream_assigned"]
+__all__ = ["REPLICA_ENV", "ChosenReplicaRouter", "deployment_details", "direct_ingress_env", "direct_ingress_urls",
+           "replica_assigned", "stream_assigned"]
 
 REPLICA_ENV = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0", "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0"}
 
@@ -70,6 +75,16 @@ def direct_ingress_urls(app_name: str) -> list[str]:
     return [f"http://{t['ip']}:{t['port']}" for g in groups
             if g.get("app_name") == app_name and g.get("ingress_deployment_name") and g.get("protocol") == "HTTP"
             for t in g.get("targets", [])]
+
+
+async def deployment_details(app_name: str) -> dict[str, dict[str, Any]]:
+    """{deployment: its details as Serve's ``DeploymentDetails`` dumps them} of ``app_name`` (keys read:
+    ``target_num_replicas``, ``replicas`` with ``state`` and ``start_time_s``); {} while the
+    application is not known to the controller."""
+    from ray.serve.context import _get_global_client
+
+    details = await _get_global_client()._controller.get_serve_instance_details.remote()
+    return (details.get("applications", {}).get(app_name) or {}).get("deployments", {})
 
 
 async def replica_assigned(response) -> Any:

@@ -64,6 +64,8 @@ class FakeEngines:
         self.decodes: list[tuple[str, object]] = []
         self.decode_waits: list[float | None] = []  # the wait_s of each decode call
         self.down: set[str] = set()  # decoders with no replica running
+        self.cold: dict[str, float | None] = {}  # decoders at zero: model -> what wake() answers
+        self.woken: list[tuple[str, float]] = []
         self.fallbacks: list[str] = []
         self.records: list = []
 
@@ -77,6 +79,13 @@ class FakeEngines:
 
     def decoder_down(self, model):
         return model in self.down
+
+    def decoder_cold(self, model):
+        return model in self.cold
+
+    async def wake(self, model, budget_s):
+        self.woken.append((model, budget_s))
+        return self.cold[model]
 
     def decode(self, model, req, wait_s):
         self.decodes.append((model, req))
@@ -326,6 +335,29 @@ def test_a_leg_whose_decoder_has_no_replica_fails_before_its_prefill_and_the_oth
     chunks = _run(_drain(fan.decode(plans[0], time.perf_counter())))
     assert len(chunks) == 1 and chunks[0].error.code is ErrorCode.DECODER_UNAVAILABLE
     assert [m for m, _ in engines.decodes] == []  # never sent to the decoder
+
+
+def test_a_cold_decoder_is_woken_before_its_prefill_and_then_runs():
+    engines = FakeEngines()
+    engines.cold = {"alpha": None}  # at zero; wake() answers once a replica is up
+    fan = FanOut(PLAN, engines)
+    [plan] = _run(fan.prepare([_leg("alpha", list(range(1, 12)))], "c", "completions", None))
+    assert engines.woken == [("alpha", 0.75 * PLAN.limits.request_timeout_s)]  # WAKE_SHARE of the deadline
+    assert plan.error is None and len(engines.prefills) == 1
+    assert _run(_drain(fan.decode(plan, 0.0)))[-1].finish_reason == "stop"
+
+
+def test_a_cold_decoder_whose_start_does_not_fit_fails_with_its_start_as_retry_after_before_any_prefill():
+    engines = FakeEngines()
+    engines.cold = {"alpha": 83.2}  # the measured start, past the budget
+    fan = FanOut(PLAN, engines)
+    shared = list(range(10, 22))
+    plans = _run(fan.prepare([_leg("alpha", shared + [1], "d-a"), _leg("ad0", shared + [3], "d-b")], "r", "agents",
+                             None))
+    err = plans[0].error
+    assert err.code is ErrorCode.DECODER_UNAVAILABLE and err.retry_after_s == 84 and "scaled to zero" in err.message
+    [(_, req, _)] = engines.prefills
+    assert req.prompts == (tuple(shared + [3]),) and plans[1].error is None
 
 
 def test_a_decoder_with_no_replica_in_time_fails_as_unavailable_and_is_not_retried():

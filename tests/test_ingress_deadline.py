@@ -12,6 +12,7 @@ import pytest
 
 from prefillshare.app.config import LimitsConfig
 from prefillshare.deployments.errors import ApiError
+from prefillshare.deployments.fleet import Fleet
 from prefillshare.deployments.ingress.admission import Admission, LatencyLimit
 from prefillshare.deployments.ingress.server import Router
 
@@ -49,13 +50,17 @@ class _Call:
 _ROUTER = next(c for c in Router.func_or_class.__mro__ if c.__name__ == "Router" and "__del__" not in vars(c))
 
 
+async def _no_details():
+    return {}
+
+
 def _router(timeout_s: float, admission: Admission | None = None):
     r = object.__new__(_ROUTER)
     r.limits = LimitsConfig(request_timeout_s=timeout_s)
     r.admission = admission or Admission(4)
     r.events = _Events()
     r.replica, r._published_limit = "replica-0", r.admission.limit
-    r.replicas = {}  # no engine deployment to be short of
+    r.fleet = Fleet({}, _no_details)  # no engine deployment to be short of
     return r
 
 
@@ -243,3 +248,26 @@ def test_the_router_starts_a_request_s_clock_at_the_front_proxy_s_stamp_only_whe
     assert 2.9 < time.monotonic() - arrived < 3.5
     _, _, arrived = asyncio.run(r._accept(_request({}), CompletionBody))
     assert time.monotonic() - arrived < 0.5
+
+
+def test_admission_holds_on_a_crash_but_not_on_an_autoscaler_downscale():
+    """The Router's hold reads the fleet: a deployment that lost a replica its autoscaler still
+    wants shrinks the bound once; one the autoscaler shrank on purpose does not."""
+    from prefillshare.deployments.fleet import ReplicaBounds
+
+    def details(target, running):
+        return {"Decode-a": {"target_num_replicas": target,
+                             "replicas": [{"replica_id": f"r{i}", "state": "RUNNING"} for i in range(running)]}}
+
+    r = _router(5.0, Admission(8, LatencyLimit(8, 1, 5.0)))
+    r.fleet = Fleet({"Decode-a": ReplicaBounds(1, 3, True)}, _no_details)
+    r.fleet.observe(details(3, 3))
+    r._release(r._admit("completions", time.monotonic()), "completed")
+    assert r.admission.limit == 8
+    r.fleet.observe(details(2, 3))  # the autoscaler lowered its target; a replica drains
+    r.fleet.observe(details(2, 2))
+    r._release(r._admit("completions", time.monotonic()), "completed")
+    assert r.admission.limit == 8  # a deliberate downscale is no fault
+    r.fleet.observe(details(2, 1))  # a crash: the target stays at 2
+    r._release(r._admit("completions", time.monotonic()), "completed")
+    assert r.admission.limit < 8

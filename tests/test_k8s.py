@@ -215,11 +215,13 @@ def test_gpu_prefill_and_decoders_share_multi_gpu_pods(gpu_manifest):
     assert {tuple(sorted(k for k in b if k not in ("CPU", "GPU"))) for e in engines
             for b in e["placement"]["placement_group_bundles"]} == {("gpu_node",)}
     # one pod holds a replica of the prefill and of every decoder, and the initial cluster holds
-    # every replica of every engine
+    # every engine's replicas at the autoscalers' minimum (the Ray autoscaler adds pods beyond it)
     (group,) = [g for g in gpu_manifest["spec"]["rayClusterConfig"]["workerGroupSpecs"] if g["groupName"] == "gpu-node"]
     assert len(engines) <= node.per_pod["GPU"]
-    need = sum(e["placement"]["num_replicas"] for e in engines)
+    need = sum(e["placement"]["autoscaling"]["min_replicas"] for e in engines)
     assert need <= node.per_pod["GPU"] * group["replicas"]
+    at_max = sum(e["placement"]["autoscaling"]["max_replicas"] for e in engines)
+    assert node.per_pod["GPU"] * group["replicas"] < at_max <= node.per_pod["GPU"] * group["maxReplicas"]
     limits = group["template"]["spec"]["containers"][0]["resources"]["limits"]
     assert limits["nvidia.com/gpu"] == node.per_pod["GPU"] == node.per_pod["gpu_node"]
     assert cfg["handover"] == "vllm-nixl"
@@ -278,8 +280,8 @@ def test_capacity_catches_too_many_decoder_replicas(gpu_manifest):
     gpus = groups["gpu-node"]["maxReplicas"] * groups["gpu-node"]["template"]["spec"]["containers"][0][
         "resources"]["limits"]["nvidia.com/gpu"]
 
-    def edit(cfg):
-        cfg["decoders"][0]["placement"]["num_replicas"] = gpus + 1
+    def edit(cfg):  # the autoscaler's maximum is what must fit
+        cfg["decoders"][0]["placement"]["autoscaling"]["max_replicas"] = gpus + 1
 
     problems, _ = check_capacity(_with_serve(gpu_manifest, edit))
     assert any("does not fit in gpu-node" in p for p in problems), problems

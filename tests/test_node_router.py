@@ -181,12 +181,10 @@ def test_a_router_as_serve_ships_it_tells_the_request_path_how_many_replicas_are
         router = shipped(deployment_id=DEPLOYMENT, handle_source=DeploymentHandleSource.REPLICA)
         router.initialize_state()
         assert safe_router.running_replicas("Decode-x") is None  # no replica heard of yet: the app starts
-        want = {"Decode-x": 2, "Decode-never-called": 1}
-        assert safe_router.short_of_replicas(want) == []  # nothing known is short while the app starts
         router.update_replicas([_Replica("p1", "node-p"), _Replica("d1", "node-d")])
-        assert safe_router.running_replicas("Decode-x") == 2 and safe_router.short_of_replicas(want) == []
-        router.update_replicas([_Replica("p1", "node-p")])  # one died: capacity short until it is replaced
-        assert safe_router.short_of_replicas(want) == ["Decode-x"]
+        assert safe_router.running_replicas("Decode-x") == 2
+        router.update_replicas([_Replica("p1", "node-p")])  # one died
+        assert safe_router.running_replicas("Decode-x") == 1
         router.update_replicas([])  # the replicas died: none to route to while they restart
         assert safe_router.running_replicas("Decode-x") == 0
 

@@ -80,8 +80,16 @@ def test_the_shipped_app_binds_without_a_cluster():
     app = build(load_config(ROOT / "serve_config.yaml"))
     assert isinstance(app, Application)
     # admission holds its bound while one of these runs short: every engine deployment the Router
-    # calls, under the name Serve gives it, with the replicas it is configured with
+    # calls, under the name Serve gives it, with the bounds of its replica count Serve was given
     router = app._bound_deployment
-    replicas = router.init_args[6]
-    called = [*router.init_args[2].values(), *router.init_args[3].values()]
-    assert replicas == {a._bound_deployment.name: a._bound_deployment.num_replicas for a in called}
+    bounds = router.init_args[6]
+    called = {a._bound_deployment.name: a._bound_deployment for a in
+              [*router.init_args[2].values(), *router.init_args[3].values()]}
+    assert set(bounds) == set(called)
+    for name, dep in called.items():
+        auto = dep._deployment_config.autoscaling_config
+        if auto is None:
+            assert bounds[name].min_replicas == bounds[name].max_replicas == dep.num_replicas
+        else:
+            assert (bounds[name].min_replicas, bounds[name].max_replicas) == (auto.min_replicas, auto.max_replicas)
+    assert any(b.autoscaled for b in bounds.values())

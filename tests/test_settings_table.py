@@ -39,6 +39,8 @@ PROBES: dict[str, tuple[dict[str, Any], Any]] = {
     "lora_decoders": ({"lora_decoders": [{"name": "ie", "path": "checkpoints/chat/adapters/lookup", "rank": 8}]},
                       ("ie",)),
     "placement.num_replicas": ({"num_replicas": 3}, 3),
+    "placement.autoscaling": ({"autoscaling": {"max_replicas": 3, "upscale_delay_s": 2}},
+                              {"max_replicas": 3, "upscale_delay_s": 2}),
     "placement.num_cpus": ({"num_cpus": 0.125}, 0.125),
     "placement.num_gpus": ({"num_gpus": 1}, 1),
     "placement.max_ongoing_requests": ({"max_ongoing_requests": 7}, 7),

@@ -128,6 +128,9 @@ class _LeasingEngines:
     def decoder_down(self, model):
         return False  # every decoder has a replica up
 
+    def decoder_cold(self, model):
+        return False
+
     def fallback(self, reason):
         raise AssertionError(f"no fallback expected, got {reason}")
 

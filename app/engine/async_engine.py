@@ -334,6 +334,7 @@ class Engine:
 
         self.cfg = cfg
         self._closed = False
+        self.queued_prompt_tokens = 0  # prompt tokens of requests with no output yet (the autoscaler's queue signal)
         self._loras = {}
         if cfg.lora_adapters:
             from vllm.lora.request import LoRARequest
@@ -424,6 +425,8 @@ class Engine:
         generated: dict[int, int] = {}  # per sequence (index): tokens generated so far
         agen = self._llm.generate(prompt, params, rid, lora_request=lora_request)
         deadline = asyncio.get_running_loop().time() + self.cfg.request_timeout_s
+        queued = len(ids)
+        self.queued_prompt_tokens += queued
         try:
             while True:
                 left = deadline - asyncio.get_running_loop().time()
@@ -433,6 +436,8 @@ class Engine:
                     return
                 except TimeoutError as e:
                     raise EngineError(f"request {rid} timed out after {self.cfg.request_timeout_s}s") from e
+                self.queued_prompt_tokens -= queued
+                queued = 0
                 plps = None
                 if params.prompt_logprobs is not None and out.prompt_logprobs:
                     plps = prompt_logprobs(out.prompt_token_ids or ids, out.prompt_logprobs, params.prompt_logprobs)
@@ -466,6 +471,7 @@ class Engine:
         except EngineGenerateError as e:
             raise EngineError(f"request {rid} failed: {e.__cause__ or e}") from e
         finally:
+            self.queued_prompt_tokens -= queued
             with contextlib.suppress(Exception):
                 await agen.aclose()
 

@@ -68,12 +68,12 @@ def _config_demands(app_name: str, app_cfg: dict) -> list[Demand]:
                 if pl.placement_group_bundles
                 else {_CPU: pl.num_cpus, _GPU: pl.num_gpus}
             )
-            out.append(Demand(f"{app_name}/{kind}-{item.name}", {k: v for k, v in need.items() if v}, pl.num_replicas))
+            out.append(Demand(f"{app_name}/{kind}-{item.name}", {k: v for k, v in need.items() if v}, pl.max_replicas))
     for name in ("router", "orchestrator", "metrics"):
         small = getattr(cfg, name, None)
         if small is not None:
             out.append(Demand(f"{app_name}/{name.capitalize()}", {_CPU: small.num_cpus} if small.num_cpus else {},
-                              small.num_replicas))
+                              small.max_replicas))
     return out
 
 

@@ -33,6 +33,7 @@ from prefillshare.app.config import AuthConfig
 from prefillshare.app.plan import AppPlan
 from prefillshare.app.sampling import Sampling
 from prefillshare.deployments.errors import ApiError, ErrorCode, Failure, error_body
+from prefillshare.deployments.fleet import ReplicaBounds, serve_fleet
 from prefillshare.deployments.ingress.admission import Outcome, Slot, admission_for, arrived_at
 from prefillshare.deployments.ingress.openai_format import Answer, ToolCallOut
 from prefillshare.deployments.ingress.prompt_options import (
@@ -59,7 +60,7 @@ from prefillshare.deployments.path.decode_call import DecoderCall, Output
 from prefillshare.deployments.path.fanout import FanOut, Leg
 from prefillshare.deployments.path.serve_engines import ServeEngines
 from prefillshare.deployments.prompts import Prompter, RenderError
-from prefillshare.deployments.routing.safe_router import short_of_replicas
+from prefillshare.deployments.routing.safe_router import running_replicas
 
 
 class _ReplicaGone(Exception):
@@ -154,20 +155,22 @@ async def _internal_error(_: Request, exc: Exception):
 @serve.ingress(api)
 class Router:
     def __init__(self, plan: AppPlan, orchestrator, prefill: dict, decoders: dict, metrics,
-                 auth: AuthConfig | None = None, replicas: dict[str, int] | None = None):
+                 auth: AuthConfig | None = None, bounds: dict[str, ReplicaBounds] | None = None):
         self.plan = plan
         self.orch = orchestrator
         self.prefill = prefill
         self.decoders = decoders
         self.metrics = metrics  # the Metrics deployment: events go through self.events, /metrics renders there
         self.events = MetricsSender(metrics)
-        self.fanout = FanOut(plan, ServeEngines(prefill, decoders, self.events))  # completions' own path
+        # the engine deployments' replicas as the controller sees them (admission's hold, cold decoders)
+        self.fleet = serve_fleet(bounds or {}, self.events)
+        self.fleet.start()
+        self.fanout = FanOut(plan, ServeEngines(prefill, decoders, self.events, self.fleet))  # completions' own path
         self.prompter = Prompter(plan.tokenizer, plan.renderers)  # each decoder's own rendering
         load_grammar_backend()  # now, not in the first structured request
         self.created = int(time.time())
         self.limits = plan.limits
         self.admission = admission_for(self.limits)
-        self.replicas = replicas or {}  # {engine deployment it calls: configured replicas}
         self.replica = serve.get_replica_context().replica_id.unique_id
         self._published_limit = self.admission.limit
         self.events.gauge("admission", self.replica, self._published_limit)
@@ -203,7 +206,8 @@ class Router:
                            None, "decoder_unavailable", "server_error", {"Retry-After": str(self.limits.retry_after_s)})
 
     def _admit(self, route: str, arrived: float) -> Slot:
-        self.admission.hold(bool(short_of_replicas(self.replicas)))
+        self.fleet.start()
+        self.admission.hold(bool(self.fleet.short()))
         entered = self.admission.try_enter()
         self._publish_limit()
         if not entered:
@@ -619,7 +623,9 @@ class Router:
 
     @api.get("/ready")
     async def ready(self):
-        """200 when every engine deployment is healthy and answers a probe; 503 otherwise."""
+        """200 when every engine deployment is healthy and answers a probe; 503 otherwise. A decoder its
+        autoscaler stopped (``min_replicas: 0``) is not probed (a probe would start it): it is listed
+        under ``asleep`` and starts on its next request."""
         problems: list[str] = []
         try:
             app_status = serve.status().applications.get(serve.get_replica_context().app_name)
@@ -630,7 +636,9 @@ class Router:
         except Exception as e:  # noqa: BLE001
             problems.append(f"serve status: {e}")
         probes = {f"prefill:{k}": h for k, h in self.prefill.items()}
-        probes.update({f"decoder:{k}": h for k, h in self.decoders.items()})
+        asleep = sorted(k for k, h in self.decoders.items()
+                        if self.fleet.cold(h.deployment_name, running_replicas(h.deployment_name)))
+        probes.update({f"decoder:{k}": h for k, h in self.decoders.items() if k not in asleep})
         probes["orchestrator"] = self.orch
 
         async def probe(name, h):
@@ -643,7 +651,7 @@ class Router:
         if problems:
             return JSONResponse(status_code=503, content={"ready": False, "problems": sorted(problems),
                                                           "admission": self.admission.snapshot()})
-        return {"ready": True, "engines": len(self.prefill) + len(self.decoders),
+        return {"ready": True, "engines": len(self.prefill) + len(self.decoders), "asleep": asleep,
                 "admission": self.admission.snapshot()}
 
     @api.get("/sharing")

@@ -28,6 +28,15 @@ class Engines(Protocol):
         """The decoder has no replica running, as far as this process knows (False when unsure)."""
         ...
 
+    def decoder_cold(self, model: str) -> bool:
+        """The decoder's autoscaler stopped its last replica (``min_replicas: 0``): a request starts one."""
+        ...
+
+    async def wake(self, model: str, budget_s: float) -> float | None:
+        """Start a cold decoder and wait for it up to ``budget_s``: None once it answers, else the
+        seconds its start is expected to take (the caller's Retry-After)."""
+        ...
+
     def decode(self, model: str, req: DecodeRequest, wait_s: float | None) -> DecodeStream:
         """The decoder's stream; iterating it raises :class:`Shed` when its queue is full and
         :class:`Unreachable` when the decoder has no replica running and none took the call within

@@ -12,7 +12,10 @@ surviving replica); a prefill that fails again, or that no replica takes within
 ``limits.prefill_wait_s``, degrades to private prefill; a prefill deployment that sheds the call (:class:`Shed`) fails
 its legs as ``overloaded``. A leg whose decoder has no replica running (it died and restarts)
 fails as ``decoder_unavailable`` before any prefill: the base's work and the caller's admission
-slot go to requests that can be answered. :meth:`FanOut.decode` streams a plan (deployments/path/decode_call.py).
+slot go to requests that can be answered. A leg whose decoder is *cold* (its autoscaler stopped
+the last replica, ``min_replicas: 0``) starts it and waits for it before the prefill, when the
+measured engine start fits ``WAKE_SHARE`` of ``limits.request_timeout_s``; otherwise it fails as
+``decoder_unavailable`` with that start as its Retry-After. :meth:`FanOut.decode` streams a plan (deployments/path/decode_call.py).
 The prefill's ticket may carry a hand-off per prompt (the mode's, opaque here: vllm-nixl's lease
 of the base's blocks); each decoder request carries its own prompt's.
 
@@ -23,6 +26,7 @@ run. The engines come in as :class:`Engines`: Ray Serve handles in the app
 from __future__ import annotations
 
 import asyncio
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -35,6 +39,10 @@ from prefillshare.deployments.path.decode_call import DecodePlan, DecoderCall, O
 from prefillshare.deployments.path.engines import Engines
 from prefillshare.deployments.prompts import common_prefix
 from prefillshare.deployments.routing.locality import locality_keys
+
+# The share of limits.request_timeout_s a request may spend waiting for a cold decoder to start;
+# the rest is for its prefill and its answer.
+WAKE_SHARE = 0.75
 
 
 @dataclass(frozen=True)
@@ -67,9 +75,14 @@ class FanOut:
         done = [_Prefilled(leg) for leg in legs]
         groups: dict[str, list[_Prefilled]] = {}  # legs whose module prefills and hands over, by module
         served: dict[str, list[_Prefilled]] = {}  # legs every module serves: the locality keys' prompts
+        still_cold = await self._wake({p.leg.model for p in done if self.engines.decoder_cold(p.leg.model)})
         for p in done:
             dp = self.plan.decoder(p.leg.model)
-            if self.engines.decoder_down(p.leg.model):
+            if p.leg.model in still_cold:
+                p.error = Failure(ErrorCode.DECODER_UNAVAILABLE, f"decoder {p.leg.model}: scaled to zero while idle; "
+                                  f"a replica is starting (about {still_cold[p.leg.model]} s)",
+                                  retry_after_s=still_cold[p.leg.model])
+            elif self.engines.decoder_down(p.leg.model):
                 p.error = Failure(ErrorCode.DECODER_UNAVAILABLE, f"decoder {p.leg.model}: no replica is running "
                                   "(it is restarting)")
             elif dp.in_engine and dp.prefill_module is not None:  # its module's engine serves it: no prefill apart
@@ -85,6 +98,16 @@ class FanOut:
         await asyncio.gather(*[self._prefill_group(m, g, f"{request_id}-{m}", salt, keys[m])
                                for m, g in groups.items()])
         return [self._decode_plan(p, route, salt, keys) for p in done]
+
+    async def _wake(self, models: set[str]) -> dict[str, int]:
+        """Start every cold decoder of a request at once; {model: expected start, s} of those not up
+        within the request's share (WAKE_SHARE)."""
+        if not models:
+            return {}
+        budget = WAKE_SHARE * self.plan.limits.request_timeout_s
+        order = sorted(models)
+        waits = await asyncio.gather(*[self.engines.wake(m, budget) for m in order])
+        return {m: max(1, math.ceil(w)) for m, w in zip(order, waits) if w is not None}
 
     def decode(self, plan: DecodePlan, t0: float, output: Output | None = None) -> DecoderCall:
         """A prepared plan's decoder call (accumulating into ``output`` when given); latencies

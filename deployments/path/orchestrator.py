@@ -27,6 +27,7 @@ from ray import serve
 from prefillshare.app.plan import AppPlan
 from prefillshare.app.sampling import Sampling
 from prefillshare.deployments.errors import ErrorCode, Failure, failure_fields
+from prefillshare.deployments.fleet import ReplicaBounds, serve_fleet
 from prefillshare.deployments.logprobs import chat_logprobs
 from prefillshare.deployments.messages import AgentEvent, AgentRunRequest, AgentSpec
 from prefillshare.deployments.metrics import MetricsSender
@@ -80,10 +81,14 @@ class _Agent:
 
 @serve.deployment(name="Orchestrator")
 class Orchestrator:
-    def __init__(self, plan: AppPlan, prefill: dict, decoders: dict, metrics=None):
+    def __init__(self, plan: AppPlan, prefill: dict, decoders: dict, metrics=None,
+                 bounds: dict[str, ReplicaBounds] | None = None):
         self.plan = plan
         self.events = MetricsSender(metrics) if metrics is not None else None
-        self.fanout = FanOut(plan, ServeEngines(prefill, decoders, self.events))
+        # which decoders are cold (their autoscaler stopped them); polled only when one may be
+        self.fleet = serve_fleet({n: b for n, b in (bounds or {}).items() if b.autoscaled and b.min_replicas == 0})
+        self.fleet.start()
+        self.fanout = FanOut(plan, ServeEngines(prefill, decoders, self.events, self.fleet))
         self.prompter = Prompter(plan.tokenizer, plan.renderers)  # each decoder's own rendering
 
     def _prompt(self, spec: AgentSpec, context: str, round_: int) -> list[int]:
@@ -96,6 +101,7 @@ class Orchestrator:
     # --- agent workflows -------------------------------------------------------------
     async def run(self, req: AgentRunRequest) -> AsyncIterator[AgentEvent]:
         """Rounds of concurrent agents over one context; events stream as they happen."""
+        self.fleet.start()
         if self.events is not None:
             self.events.send("agent_run")
         context = req.context

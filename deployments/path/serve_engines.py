@@ -10,14 +10,18 @@ fire-and-forget (batched by the caller's :class:`~prefillshare.deployments.metri
 from __future__ import annotations
 
 import asyncio
+import logging
 
 from ray.serve.exceptions import BackPressureError
 
 from prefillshare.deployments.errors import Shed, Unreachable
+from prefillshare.deployments.fleet import Fleet
 from prefillshare.deployments.messages import DecodeChunk, DecodeRequest, PrefillRequest, PrefillTicket, RequestRecord
 from prefillshare.deployments.metrics import MetricsSender
 from prefillshare.deployments.ray_internals import replica_assigned, stream_assigned
 from prefillshare.deployments.routing.safe_router import running_replicas
+
+log = logging.getLogger("ray.serve")
 
 
 class _Stream:
@@ -55,10 +59,14 @@ class ServeEngines:
     """``prefill``: {module: handle of its Prefill deployment}; ``decoders``: {served name:
     handle of its Decode deployment}; ``metrics``: this replica's sender to the Metrics deployment (or None)."""
 
-    def __init__(self, prefill: dict, decoders: dict, metrics: MetricsSender | None = None):
+    def __init__(self, prefill: dict, decoders: dict, metrics: MetricsSender | None = None,
+                 fleet: Fleet | None = None):
         self._prefill = prefill
         self._decoders = {k: h.options(stream=True) for k, h in decoders.items()}
+        self._wakers = dict(decoders)  # unary handles: ``ready`` starts a decoder at zero
         self._metrics = metrics
+        self._fleet = fleet
+        self._waking: dict[str, asyncio.Future] = {}  # deployment -> its ``ready`` call while it starts
 
     async def prefill(self, module: str, req: PrefillRequest, wait_s: float) -> PrefillTicket:
         resp = self._prefill[module].prefill.remote(req)
@@ -75,7 +83,34 @@ class ServeEngines:
             raise Shed(str(e)) from None
 
     def decoder_down(self, model: str) -> bool:
-        return running_replicas(self._decoders[model].deployment_name) == 0
+        """No replica runs and the decoder is not one its autoscaler may stop (that one is cold)."""
+        name = self._decoders[model].deployment_name
+        return running_replicas(name) == 0 and not (self._fleet is not None and self._fleet.can_sleep(name))
+
+    def decoder_cold(self, model: str) -> bool:
+        name = self._decoders[model].deployment_name
+        return self._fleet is not None and self._fleet.cold(name, running_replicas(name))
+
+    async def wake(self, model: str, budget_s: float) -> float | None:
+        """Start a cold decoder (a call to it makes Serve's autoscaler leave zero) and wait for it up
+        to ``budget_s``; None once it answers, else the seconds a start is expected to take. A start
+        expected past the budget is not waited for: the call is made and the estimate returned."""
+        assert self._fleet is not None, "only a fleet makes a decoder cold"
+        name = self._decoders[model].deployment_name
+        estimate = self._fleet.start_estimate_s(name)
+        call = self._waking.get(name)
+        if call is None or call.done():
+            call = self._waking[name] = asyncio.ensure_future(self._wakers[model].ready.remote())
+        if estimate > budget_s:
+            return estimate
+        try:
+            await asyncio.wait_for(asyncio.shield(call), budget_s)
+        except TimeoutError:
+            return estimate
+        except Exception as e:  # noqa: BLE001 - the replica failed to start: a start takes as long again
+            log.warning("decoder %s failed to start from zero: %s: %s", model, type(e).__name__, e)
+            return estimate
+        return None
 
     def decode(self, model: str, req: DecodeRequest, wait_s: float | None) -> _Stream:
         response = self._decoders[model].generate.remote(req)  # makes this process's router for it on the first call

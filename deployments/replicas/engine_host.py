@@ -19,6 +19,7 @@ from ray import serve
 
 from prefillshare.app.engine.async_engine import Engine, EngineConfig, EngineRequestError
 from prefillshare.app.engine.handover import Handover
+from prefillshare.app.engine_load import EngineLoadMeter
 from prefillshare.deployments.errors import ErrorCode, Failure
 from prefillshare.deployments.messages import DecodeChunk, DecodeRequest
 from prefillshare.deployments.metrics import ENGINE_PUSH_S, MetricsSender, engine_samples
@@ -38,6 +39,7 @@ class EngineHost:
         self.replica_id = ctx.replica_id.unique_id
         self.deployment = ctx.deployment
         self.in_flight = 0
+        self._load = EngineLoadMeter()
         self._node_state = handover.node_state() if handover is not None else None
         if metrics is not None:
             self._engine_metrics = asyncio.get_running_loop().create_task(self._push_engine_metrics())
@@ -104,6 +106,15 @@ class EngineHost:
                 num_cached_tokens=out.num_cached_tokens, index=out.index, logprobs=out.new_logprobs, stop_reason=out.stop_reason,
                 prompt_logprobs=out.prompt_logprobs,
             )
+
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        """What this replica's engine reports to Serve's autoscaler each ``metrics_interval_s``
+        (app/engine_load.py SIGNALS; the project's policy reads them, Serve's default ignores them);
+        also sent to the Metrics deployment, so /metrics shows what the decision read."""
+        stats = self._load.sample(self.engine.queued_prompt_tokens)
+        if self.metrics is not None:
+            self.metrics.gauge("autoscaling_signals", self.deployment, self.replica_id, stats)
+        return stats
 
     async def ready(self) -> dict:
         await self.engine.check_health()

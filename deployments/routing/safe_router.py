@@ -51,18 +51,6 @@ def running_replicas(deployment: str) -> int | None:
     return len(router.curr_replicas)
 
 
-def short_of_replicas(expected: dict[str, int]) -> list[str]:
-    """The deployments of ``expected`` ({name: configured replicas}) whose router in this process
-    routes to fewer replicas than that now (one died and has not been replaced yet); a deployment
-    this process has not called, or whose replicas are not known yet, is not counted."""
-    short = []
-    for name, want in expected.items():
-        running = running_replicas(name)
-        if running is not None and running < want:
-            short.append(name)
-    return short
-
-
 def default_choice(candidates: Sequence[RunningReplica]) -> list[list[RunningReplica]]:
     """Serve's default policy (power of two choices): two random candidates, one tier; the
     routing loop then takes the one with the shorter queue."""
