@@ -438,7 +438,11 @@ def app_gauges(url: str) -> dict:
     except Exception:  # noqa: BLE001 - a sample missed while a replica restarts
         return {}
     present = {n for n, _ in m}
-    return {key: metric_sum(m, name) for name, key in _GAUGES.items() if name in present}
+    out: dict = {key: metric_sum(m, name) for name, key in _GAUGES.items() if name in present}
+    replicas = {dict(labels)["deployment"]: v for (n, labels), v in m.items() if n == "prefillshare_deployment_replicas"}
+    if replicas:  # running replicas per engine deployment, as the controller reports them
+        out["replicas"] = replicas
+    return out
 
 
 def fallbacks(url: str) -> dict[str, float] | None:

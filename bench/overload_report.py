@@ -17,7 +17,14 @@ Each promise of docs/reliability.md "Overload and faults" is one boolean in
 - errors_within_budget: admitted requests that ended in a typed error are under
   ``ERROR_BUDGET`` of those admitted (split by cause and by the fault before them in ``errors``);
 - p95_within_target (runs given the app's ``admission_target_s``): each minute's p95 of complete
-  answers is within it, the ``AFTER_KILL_S`` after each kill left out (``minutes``).
+  answers is within it, the ``AFTER_KILL_S`` after each kill left out (``minutes``);
+- capacity_recovered: after each fault, answers per second (a ``CAPACITY_WINDOW_S`` window of
+  completions) are back to ``CAPACITY_FACTOR`` of the minute before the fault within
+  ``CAPACITY_LIMIT_S`` of the fault's end: for a kill, the replacement's readiness (its
+  deployment's running replicas back to their count before the kill, from the app's
+  ``prefillshare_deployment_replicas``), else the fault's hold (``capacity``);
+- capacity_held (runs with a searched saturation rate): answers per second over the whole run
+  average at least ``RUN_CAPACITY_FACTOR`` of it.
 
 The generator's own lag (how late it sent each arrival) and its CPU use are reported apart from
 the app's (``client``), so a late client is not read as a slow app.
@@ -41,6 +48,10 @@ BEFORE_FAULT_S = 30.0
 MIN_SAMPLES = 3  # a window with fewer complete answers says nothing about p95
 ERROR_BUDGET = 0.02  # admitted requests that may end in a typed error
 AFTER_KILL_S = 30.0  # left out of the per-minute target check after each kill
+CAPACITY_FACTOR = 0.8  # answers per second after a fault, against the minute before it
+CAPACITY_LIMIT_S = 60.0  # from the fault's end (a kill's replacement ready)
+CAPACITY_WINDOW_S = 20.0
+RUN_CAPACITY_FACTOR = 0.7  # the run's mean answers per second, against the searched saturation rate
 NOT_ADMITTED = ("shed", "bad_input_ok", "not_sent")  # and "bad_input_wrong <status>"
 
 
@@ -89,6 +100,47 @@ def recovery(samples: list[dict], fault: dict, window_s: float, end_s: float, ta
             out.update(recovery_s=at - t, p95_after_s=p95)
             break
         at += step
+    return out
+
+
+def _answer_rate(samples: list[dict], start: float, end: float) -> float:
+    """Complete answers per second finished in [start, end)."""
+    done = sum(1 for s in samples if s["outcome"] == "ok" and start <= s["sent_s"] + s["latency_s"] < end)
+    return done / max(end - start, 1e-9)
+
+
+def ready_after(memory: list[dict], fault: dict) -> float | None:
+    """When a killed deployment's running replicas were back to their count before the kill (None:
+    not within the run, or the run sampled no replica counts)."""
+    dep, t = fault.get("deployment"), fault["at_s"]
+    rows = [r for r in memory if "replicas" in r]
+    before = [r["replicas"][dep] for r in rows if r["t_s"] < t and dep in r["replicas"]]
+    if not before:
+        return None
+    # the controller reports the loss a few seconds after the kill: back means after the loss was seen
+    lost = next((r["t_s"] for r in rows if r["t_s"] >= t and r["replicas"].get(dep, 0) < before[-1]), None)
+    if lost is None:
+        return t
+    return next((r["t_s"] for r in rows if r["t_s"] > lost and r["replicas"].get(dep, 0) >= before[-1]), None)
+
+
+def capacity(samples: list[dict], memory: list[dict], fault: dict, end_s: float) -> dict:
+    """Answers per second in the minute before ``fault`` and how long after its end a
+    ``CAPACITY_WINDOW_S`` window of completions was back to ``CAPACITY_FACTOR`` of that."""
+    t = fault["at_s"]
+    before = _answer_rate(samples, max(0.0, t - 60.0), t)
+    ended = ready_after(memory, fault) if fault.get("kind") == "kill" else t + float(fault.get("hold_s") or 0.0)
+    out = {"label": fault["label"], "at_s": t, "answers_per_s_before": before, "ended_s": ended,
+           "back_after_s": None, "answers_per_s_after": None}
+    if ended is None:
+        return out
+    at = ended
+    while at + CAPACITY_WINDOW_S <= end_s and at <= ended + CAPACITY_LIMIT_S:
+        rate = _answer_rate(samples, at, at + CAPACITY_WINDOW_S)
+        if rate >= CAPACITY_FACTOR * before:
+            out.update(back_after_s=at - ended, answers_per_s_after=rate)
+            break
+        at += CAPACITY_WINDOW_S / 4
     return out
 
 
@@ -225,7 +277,13 @@ def summarize(raw: dict) -> dict:
     }
     if target is not None:
         promises["p95_within_target"] = all(m["within_target"] is not False for m in per_minute)
-    return {"requests": len(samples), "outcomes": dict(sorted(outcomes.items())), "faults": faults,
+    caps = [capacity(samples, raw["memory"], f, duration) for f in raw["faults"]]
+    promises["capacity_recovered"] = all(c["back_after_s"] is not None for c in caps)
+    run_rate = _answer_rate(samples, 0.0, duration)
+    sat = raw.get("saturation_per_s")
+    if sat:
+        promises["capacity_held"] = run_rate >= RUN_CAPACITY_FACTOR * sat
+    return {"capacity": caps, "answers_per_s": run_rate, "requests": len(samples), "outcomes": dict(sorted(outcomes.items())), "faults": faults,
             "p95_first_minute_s": first, "p95_last_minute_s": last, "leaks": mem, "server": acc,
             "fallbacks": fallback_delta(raw), "errors": errs, "minutes": per_minute, "admission_target_s": target,
             "client": client_share(raw), "cpu_by_minute": cpu_by_minute(raw["memory"], duration),
@@ -248,6 +306,16 @@ def render(report: dict) -> str:
     lines += ["", "| fault | at | p95 before | recovered after (p95 back under) |", "|---|---|---|---|"]
     lines += [f"| {f['label']} | {f['at_s']:.0f} s | {ms(f['p95_before_s'])} | "
               f"{secs(f['recovery_s'])} ({ms(f.get('recovered_under_s'))}) |" for f in report["faults"]]
+    if report.get("capacity") is not None:
+        lines += ["", f"answers per second after each fault (back to {CAPACITY_FACTOR:g}x the minute before, "
+                  f"within {CAPACITY_LIMIT_S:.0f} s of the fault's end: a kill's replacement ready):",
+                  "| fault | before | fault ended | back after | then |", "|---|---|---|---|---|"]
+        lines += [f"| {c['label']} | {c['answers_per_s_before']:.1f}/s | "
+                  f"{'-' if c['ended_s'] is None else format(c['ended_s'], '.0f') + ' s'} | {secs(c['back_after_s'])} | "
+                  f"{'-' if c['answers_per_s_after'] is None else format(c['answers_per_s_after'], '.1f') + '/s'} |"
+                  for c in report["capacity"]]
+        lines += [f"answers per second over the run: {report['answers_per_s']:.2f}"
+                  + (f" ({report['answers_per_s'] / sat:.2f}x the saturation rate)" if sat else "")]
     lines += ["", f"p95 first minute {ms(report['p95_first_minute_s'])}, last minute {ms(report['p95_last_minute_s'])}"]
     e = report.get("errors")
     if e is not None:

@@ -41,9 +41,9 @@ c["decoders"].append({"name": "chat-group", "model": "checkpoints/base", "max_lo
 # Serve's proxy must fit (their engines share the real cores whatever they are given)
 for d in c["prefill_modules"]:
     d["placement"] = {**d["placement"], "num_replicas": replicas, "num_cpus": 0.5 / replicas}
-for d in c["decoders"]:
-    d["placement"] = {**d["placement"], "num_replicas": replicas, "num_cpus": 0.25 / replicas,
-                      "placement_group_bundles": [{"CPU": 0.25 / replicas}]}
+for d in c["decoders"]:  # a fixed fleet: the faults, not the autoscaler, change it
+    d["placement"] = {**{k: v for k, v in d["placement"].items() if k != "autoscaling"}, "num_replicas": replicas,
+                      "num_cpus": 0.25 / replicas, "placement_group_bundles": [{"CPU": 0.25 / replicas}]}
 # the load generator stamps X-Request-Start as a front proxy would: admission judges from the send
 c["limits"]["request_start_header"] = "x-request-start"
 # a Router starts admitting 4 at once and doubles while answers are in time (slow start): at twice

@@ -152,11 +152,14 @@ def build(cfg: AppConfig):
     bounds = engine_bounds(cfg)
     orch = _deployment(Orchestrator).options(**_small(cfg, cfg.orchestrator)).bind(plan, prefill, decoders, metrics,
                                                                                    bounds)
+    # the Router's fleet also shows the two small deployments on /metrics (their loss holds nothing)
+    shown = {name: ReplicaBounds(d.min_replicas, d.max_replicas, d.autoscaling is not None, engine=False)
+             for name, d in (("Router", cfg.router), ("Orchestrator", cfg.orchestrator))}
     auth = cfg.auth
     if auth.keys_file:  # the Router replica reads the file itself: keys never travel in Serve's config
         auth = auth.model_copy(update={"keys_file": str(cfg.path(auth.keys_file))})
     return _deployment(Router).options(**_small(cfg, cfg.router)).bind(plan, orch, prefill, decoders, metrics, auth,
-                                                                       bounds)
+                                                                       {**bounds, **shown})
 
 
 def build_app(args: dict[str, Any]):

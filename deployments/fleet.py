@@ -37,6 +37,7 @@ class ReplicaBounds:
     min_replicas: int
     max_replicas: int
     autoscaled: bool
+    engine: bool = True  # an engine deployment: its loss holds admission (the Router and Orchestrator are only shown)
 
 
 @dataclass
@@ -88,7 +89,8 @@ class Fleet:
 
     def short(self) -> list[str]:
         """Deployments that lost a replica the autoscaler still wants (a crash, not a scale event)."""
-        return [n for n, v in self._views.items() if v.running < min(v.target, v.peak)]
+        return [n for n, v in self._views.items()
+                if v.running < min(v.target, v.peak) and self.bounds[n].engine]
 
     def target(self, deployment: str) -> int | None:
         view = self._views.get(deployment)

@@ -98,3 +98,10 @@ def test_the_poll_keeps_its_last_view_when_the_controller_does_not_answer():
         assert len(calls) >= 2 and f.target("D") == 2
 
     asyncio.run(run())
+
+
+def test_the_router_and_orchestrator_are_shown_but_their_loss_holds_nothing():
+    f, seen = _fleet(Orchestrator=ReplicaBounds(2, 2, False, engine=False))
+    f.observe({"Orchestrator": _details(2, "RUNNING", "RUNNING")})
+    f.observe({"Orchestrator": _details(2, "RUNNING")})
+    assert f.short() == [] and seen[-1] == ("Orchestrator", 1, 2)

@@ -176,7 +176,8 @@ def test_report_measures_recovery_drift_leaks_and_accounting():
     assert f["p95_before_s"] == 1.0 and 15 <= f["recovery_s"] <= 25
     assert rep["promises"] == {"nothing_lost": True, "shed_with_retry_after": True, "bad_input_refused": True,
                                "recovered": True, "no_drift": True, "no_leaks": True, "server_accounted": True,
-                               "errors_within_budget": True}  # no target given: p95 not judged against one
+                               "errors_within_budget": True, "capacity_recovered": True, "capacity_held": True}
+    # no target given: p95 not judged against one; the fault is no kill of a sampled replica: its end is its start
     assert "kill Decode-x" in render(rep)
     assert rep["fallbacks"] is None and "retried where safe" not in render(rep)  # /metrics not read
     counted = summarize({**_raw(fast, [fault], mem, before=before, after=after),
@@ -336,3 +337,27 @@ def test_the_report_shows_cpu_by_role_per_minute():
     assert [r["cpu_s"] for r in rep["cpu_by_minute"]] == [{"Router": 40.0, "proxy": 10.0}, {"Router": 5.0, "proxy": 60.0}]
     text = render(rep)
     assert "| minute | proxy | Router | rest | all |" in text and "| 1 | 60 | 5 | 0 | 65 |" in text
+
+
+def test_the_report_judges_capacity_after_a_kill_from_the_replacements_readiness():
+    """Answers per second must be back to 0.8x the minute before a kill within 60 s of its replacement
+    answering (the replica count on /metrics back to what it was), and the run's mean at 0.7x saturation."""
+    from bench.overload_report import capacity, ready_after
+
+    kill = {"at_s": 60.0, "label": "kill Decode-x", "kind": "kill", "deployment": "Decode-x"}
+    mem = [{"t_s": t, "replicas": {"Decode-x": 2.0 if t < 60 or t >= 90 else 1.0}} for t in range(0, 240, 2)]
+    assert ready_after(mem, kill) == 90
+    before = [_s(t / 4, 0.5) for t in range(0, 240)]  # 4 answers/s in the minute before
+    trickle = [_s(60 + t, 0.5) for t in range(0, 60)]  # 1/s until 120 s
+    fast_back = [_s(120 + t / 4, 0.5) for t in range(0, 400)]  # 4/s again from 120 s: 30 s after the replacement
+    c = capacity(before + trickle + fast_back, mem, kill, 240.0)
+    assert c["answers_per_s_before"] == pytest.approx(4.0, rel=0.05) and 25 <= c["back_after_s"] <= 35
+    slow_back = [_s(180 + t / 4, 0.5) for t in range(0, 200)]  # 4/s only from 180 s: 90 s after it
+    late = capacity(before + trickle + [_s(120 + t, 0.5) for t in range(60)] + slow_back, mem, kill, 240.0)
+    assert late["back_after_s"] is None
+    raw = _raw(before + trickle + [_s(120 + t, 0.5) for t in range(60)] + slow_back, [kill], mem, duration=240.0)
+    raw["saturation_per_s"] = 4.0
+    rep = summarize(raw)
+    assert rep["promises"]["capacity_recovered"] is False
+    assert rep["promises"]["capacity_held"] is False  # (240+60+60+200)/240 = 2.3/s < 0.7 x 4
+    assert "answers per second after each fault" in render(rep)

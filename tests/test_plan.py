@@ -85,7 +85,8 @@ def test_the_shipped_app_binds_without_a_cluster():
     bounds = router.init_args[6]
     called = {a._bound_deployment.name: a._bound_deployment for a in
               [*router.init_args[2].values(), *router.init_args[3].values()]}
-    assert set(bounds) == set(called)
+    assert set(bounds) == set(called) | {"Router", "Orchestrator"}
+    assert {n for n, b in bounds.items() if b.engine} == set(called)
     for name, dep in called.items():
         auto = dep._deployment_config.autoscaling_config
         if auto is None:

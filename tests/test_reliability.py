@@ -316,7 +316,7 @@ def test_a_latency_limit_starts_low_and_grows_toward_the_setpoint_until_its_firs
     assert admission_for(LimitsConfig(max_inflight_requests=64, admission_target_s=5)).limit == 64  # default: the bound
 
 
-def test_a_lost_replica_shrinks_the_limit_once_and_it_does_not_grow_until_the_replica_is_back():
+def test_a_lost_replica_shrinks_the_limit_once_it_does_not_grow_until_the_replica_is_back_then_returns():
     lim = LatencyLimit(ceiling=64, floor=2, target_s=1.0, window=2, start=20)
     adm = Admission(64, lim)
     adm.hold(True)
@@ -332,10 +332,11 @@ def test_a_lost_replica_shrinks_the_limit_once_and_it_does_not_grow_until_the_re
         lim.observe(5.0, lim.epoch)
     assert lim.limit == 11  # slow answers still shrink it
     adm.hold(False)
+    assert lim.limit == 20  # back: the replica's share at once, the limit it had before the loss
     lim.turned_away()
     for _ in range(2):
         lim.observe(0.1, lim.epoch)
-    assert lim.limit == 12  # back: one more per window again
+    assert lim.limit == 21  # then one more per window again
     fixed = Admission(8)
     fixed.hold(True)
     assert fixed.limit == 8  # a fixed bound is not steered

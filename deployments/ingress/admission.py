@@ -66,6 +66,7 @@ class LatencyLimit:
         self._waits: list[float] = []
         self._binding = False
         self._held = False
+        self._before_loss = 0.0  # the limit when the hold began
 
     @property
     def limit(self) -> int:
@@ -75,13 +76,22 @@ class LatencyLimit:
         self._binding = True
 
     def hold(self, short: bool) -> None:
-        """Whether a deployment on the request path runs fewer replicas than configured. When one is
-        lost the limit shrinks once; until it is back the limit does not grow: the replacement
-        starting takes CPU on a shared node, and answers that are fast just after the loss say little
-        about the next minute (measured: grown from 7 to 12 while a replacement imported vLLM, then
-        past the target while its engine started)."""
+        """Whether a deployment on the request path runs fewer replicas than its autoscaler's target
+        (deployments/fleet.py: a crash, not a scale event). When one is lost the limit shrinks once;
+        until it is back the limit does not grow: the replacement starting takes CPU on a shared
+        node, and answers that are fast just after the loss say little about the next minute
+        (measured: grown from 7 to 12 while a replacement imported vLLM, then past the target while
+        its engine started). Once it is back the limit returns to what it was before the loss, if it
+        is lower: the replacement's share of the load comes back as soon as it answers, not one
+        request per window (measured: answers per second at a third of saturation for minutes
+        after the last fault, docs/reliability.md); slow answers shrink it again as usual."""
         if short and not self._held:
+            self._before_loss = self.value
             self._shrink()
+        elif not short and self._held and self._before_loss > self.value:
+            self.value = self._before_loss
+            self._waits, self._binding = [], False
+            self.epoch += 1
         self._held = short
 
     def overdue(self, oldest_since: float, now: float) -> None:
