@@ -270,7 +270,27 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--pack", action="store_true",
                         help="a session's agents share decode nodes (fewer KV pulls); default: spread over N nodes")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    parser.add_argument("--config", default=None,
+                        help="a serve_config.yaml: check its replica bounds (max_replicas, or num_replicas) against "
+                             "what each workload needs")
     parser.set_defaults(func=run)
+
+
+def fleet_check(config, profile: Profile, workloads: list[Workload], pack: bool = False) -> list[str]:
+    """One line per workload: whether the config's prefill modules and decoders, at their
+    ``max_replicas``, hold the replicas PrefillShare needs for it (the autoscaler cannot go past them)."""
+    prefill_max = sum(p.placement.max_replicas for p in config.prefill_modules)
+    decode_max = sum(d.placement.max_replicas for d in config.decoders)
+    lines = []
+    for w in workloads:
+        s = size(profile, w, "prefillshare", pack)
+        short = [f"{what} needs {need}, max_replicas allow {have}" for what, need, have in
+                 (("prefill", s.prefill_replicas, prefill_max), ("decode", s.decode_replicas, decode_max))
+                 if need > have]
+        lines.append(f"N={w.fanout} L={w.context} O={w.output} R={w.rate:g}/s: "
+                     + ("; ".join(short) + ": raise max_replicas" if short else
+                        f"fits (prefill {s.prefill_replicas} of {prefill_max}, decode {s.decode_replicas} of {decode_max})"))
+    return lines
 
 
 def run(args: argparse.Namespace) -> int:
@@ -292,4 +312,13 @@ def run(args: argparse.Namespace) -> int:
     print(table(profile, workloads, args.pack))
     print("(x.xx) = replica-seconds per second of work; replicas = ceil(load / utilization); "
           "work ratio = baseline replica-seconds per session / PrefillShare's")
+    if args.config:
+        from prefillshare.app.config import ConfigError, load_config
+
+        try:
+            config = load_config(args.config)
+        except ConfigError as e:
+            raise SystemExit(f"prefillshare capacity: --config: {e}") from None
+        print(f"\n{args.config} at its maximum replicas:")
+        print("\n".join(fleet_check(config, profile, workloads, args.pack)))
     return 0

@@ -18,6 +18,7 @@ COMMANDS = {
     "footprint": ("bench.footprint", "engine memory, CPU and start-up: vLLM's worker process vs the worker inside EngineCore"),
     "hops": ("bench.hop_bench", "per-token cost of the Orchestrator's stream hop: decoder alone, relayed, completion path"),
     "soak": ("bench.soak", "mixed fan-out/completion traffic for a fixed time: errors by code, p50/p95 per window, p95 drift"),
+    "burst": ("bench.burst", "base load, a burst of several times it, base again: replicas over time per deployment, nothing lost"),
     "overload": ("bench.overload", "open-loop traffic at 2x the saturation rate with faults (kill -9, stalls): nothing lost, recovery, drift, leaks"),
 }
 

@@ -28,6 +28,7 @@ import random
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -229,9 +230,9 @@ class Traffic:
             return classify_events(kind, events, done)
 
 
-async def open_loop(traffic: Traffic, rate: float, duration_s: float, seed: int,
+async def open_loop(traffic: Traffic, rate: float | Callable[[float], float], duration_s: float, seed: int,
                     on_tick=None) -> tuple[list[Sample], float]:
-    """Poisson arrivals at ``rate``/s for ``duration_s``; waits for every answer (bounded by
+    """Poisson arrivals at ``rate``/s (or ``rate(t)``/s at ``t`` s, a schedule) for ``duration_s``; waits for every answer (bounded by
     the client timeout). ``on_tick(elapsed_s)`` runs once a second on its own task (faults fire
     there). At most ``spec.max_outstanding`` requests are in flight from this client: an arrival
     beyond that is recorded as ``not_sent`` (the client, not the app, would be the bottleneck:
@@ -264,7 +265,8 @@ async def open_loop(traffic: Traffic, rate: float, duration_s: float, seed: int,
                     pass
 
         tick = asyncio.create_task(ticker()) if on_tick is not None else None
-        next_at = rng.expovariate(rate)
+        rate_at = rate if callable(rate) else (lambda _t: rate)
+        next_at = rng.expovariate(rate_at(0.0))
         while next_at < duration_s:
             delay = t0 + next_at - time.perf_counter()
             if delay > 0:
@@ -275,7 +277,7 @@ async def open_loop(traffic: Traffic, rate: float, duration_s: float, seed: int,
             else:
                 outstanding += 1
                 tasks.append(asyncio.create_task(one(arrival, next_at)))
-            next_at += rng.expovariate(rate)
+            next_at += rng.expovariate(rate_at(next_at))
         samples = list(await asyncio.gather(*tasks)) + skipped
         done.set()
         if tick is not None:
@@ -439,9 +441,11 @@ def app_gauges(url: str) -> dict:
         return {}
     present = {n for n, _ in m}
     out: dict = {key: metric_sum(m, name) for name, key in _GAUGES.items() if name in present}
-    replicas = {dict(labels)["deployment"]: v for (n, labels), v in m.items() if n == "prefillshare_deployment_replicas"}
-    if replicas:  # running replicas per engine deployment, as the controller reports them
-        out["replicas"] = replicas
+    for name, key in (("prefillshare_deployment_replicas", "replicas"), ("prefillshare_deployment_target_replicas",
+                                                                          "targets")):
+        per = {dict(labels)["deployment"]: v for (n, labels), v in m.items() if n == name}
+        if per:  # per deployment, as the controller reports them: running replicas, the autoscaler's target
+            out[key] = per
     return out
 
 

@@ -73,7 +73,12 @@ def keyless_config(paths: dict[str, Path], pool: str, group: dict | None = None,
         "prefill_modules": [{"name": "base", "model": str(paths["base"]), "engine": TEST_ENGINE,
                              "placement": {"num_replicas": 1, "num_cpus": 0.5},
                              "lora_decoders": in_engine, "max_lora_rank": 8, **(module or {})}],
-        "decoders": [dec("lookup"), dec("tool_call"), dec("verify"),
+        # lookup is sized by Serve's autoscaler (held at one replica): its engine reports the engine-load
+        # policy's signals, which /metrics and the dashboard show
+        "decoders": [{**dec("lookup"), "placement": {**place, "autoscaling": {
+                         "min_replicas": 1, "max_replicas": 1, "metrics_interval_s": 1,
+                         "policy": {"policy_kwargs": {"inter_token_target_s": 0.5}}}}},
+                     dec("tool_call"), dec("verify"),
                      {"name": "group", "model": str(paths["base"]), "engine": TEST_ENGINE, "placement": place,
                       "adapters": adapters, "max_lora_rank": 8, **group},
                      dec("tmpl")],

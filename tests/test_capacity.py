@@ -90,3 +90,21 @@ def test_packing_a_sessions_agents_cuts_the_kv_pulls():
     assert packed.kv_pulls_per_session == 2 < spread.kv_pulls_per_session  # 16 agents on 8-GPU nodes
     assert packed.kv_bytes_per_s < spread.kv_bytes_per_s
     assert size(H200_PAPER, w, "disagg", pack=True).kv_pulls_per_session == 16  # nothing to share there
+
+
+def test_the_config_check_plans_for_max_replicas():
+    """`prefillshare capacity --config`: the autoscaler cannot go past max_replicas, so that is what
+    must hold the replicas a workload needs."""
+    from prefillshare.app.config import load_config
+    from prefillshare.app.scaling import PROFILES, Workload, fleet_check
+
+    base = {"prefill_modules": [{"name": "base", "model": "checkpoints/base"}],
+            "decoders": [{"name": "lookup", "model": "checkpoints/decoders/lookup",
+                          "placement": {"autoscaling": {"max_replicas": 2}}}]}
+    profile, heavy = PROFILES["cpu-measured"], Workload(8, 2048, 64, 3.0, 0.7)
+    [line] = fleet_check(load_config(base), profile, [heavy])
+    assert "decode needs" in line and "allow 2" in line and "raise max_replicas" in line
+    base["decoders"][0]["placement"]["autoscaling"]["max_replicas"] = 64
+    base["prefill_modules"][0]["placement"] = {"autoscaling": {"max_replicas": 64}}
+    [line] = fleet_check(load_config(base), profile, [heavy])
+    assert line.endswith(")") and "fits" in line

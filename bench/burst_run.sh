@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# The burst run of docs/reliability.md "Autoscaling", in one command: serves a variant of the
+# default app that fits this 2-core box (the base prefill module with its in-engine chat adapters,
+# decoders lookup and route), every engine deployment autoscaled (1-2 replicas) by the project's
+# engine-load policy with delays of seconds, on a private loopback-only Ray cluster; runs
+# `python -m bench burst` (base load, a 4x burst held 3 minutes, base again); then stops the app
+# and checks that nothing it started is left (processes, /dev/shm).
+#   bash bench/burst_run.sh [OUT_DIR] [BASE_RATE]
+# Needs root for the network namespace (as scripts/test.sh); ~12 minutes on 2 cores.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT="${1:-runs/burst}"
+BASE="${2:-2}"
+UP=10
+DOWN=60
+source scripts/netns.sh
+export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false RAY_AUTH_MODE=disabled VLLM_HOST_IP=127.0.0.1
+export RAY_TMPDIR="/tmp/ps-burst-$$"
+PY=.venv/bin/python
+mkdir -p "$OUT"
+CONFIG="$OUT/serve_config.yaml"
+POOL=/dev/shm/prefillshare-burst-$$
+"$PY" - "$CONFIG" "$POOL" "$UP" "$DOWN" <<'PYEOF'
+import sys, yaml
+cfg = yaml.safe_load(open("serve_config.yaml"))
+c = cfg["applications"][0]["args"]["config"]
+c["pool"]["path"] = sys.argv[2]
+up, down = float(sys.argv[3]), float(sys.argv[4])
+c["decoders"] = [d for d in c["decoders"] if d["name"] in ("lookup", "route")]
+# seconds, not minutes: the run shows growth and shrinkage in 10 minutes; replicas report every second
+timing = {"min_replicas": 1, "max_replicas": 2, "upscale_delay_s": up, "downscale_delay_s": down,
+          "metrics_interval_s": 1, "look_back_period_s": 10}
+for d in c["prefill_modules"]:
+    pl = {k: v for k, v in d["placement"].items() if k != "num_replicas"}
+    # it prefills for the decoders and decodes for its in-engine chat adapters: both targets
+    d["placement"] = {**pl, "autoscaling": {**timing, "policy": {"policy_kwargs": {
+        "first_token_target_s": 1.0, "inter_token_target_s": 0.25, "target_ongoing_requests": 4}}}}
+for d in c["decoders"]:
+    d["placement"] = {**d["placement"], "autoscaling": {**timing, "policy": {"policy_kwargs": {
+        "inter_token_target_s": 0.25, "target_ongoing_requests": 2}}}}
+c["limits"]["request_start_header"] = "x-request-start"
+yaml.safe_dump(cfg, open(sys.argv[1], "w"), sort_keys=False)
+PYEOF
+shm_before=$(ls /dev/shm | sort)
+set -m
+"$PY" -c 'import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); os.execv(sys.argv[1], sys.argv[1:])' \
+  .venv/bin/serve run "$CONFIG" >"$OUT/serve.log" 2>&1 &
+SERVE_PID=$!
+set +m
+for _ in $(seq 1 300); do
+  "$PY" -c "import urllib.request,sys; sys.exit(0 if urllib.request.urlopen('http://127.0.0.1:8000/ready', timeout=10).status == 200 else 1)" 2>/dev/null && break
+  sleep 2
+done
+echo "app ready at $(date -u +%T); load average: $(cut -d' ' -f1-3 /proc/loadavg)" | tee "$OUT/run.log"
+.venv/bin/python -m bench burst --url http://127.0.0.1:8000 --out "$OUT" --base "$BASE" \
+  --downscale-delay "Prefill-base=$DOWN" --downscale-delay "Decode-lookup=$DOWN" \
+  --downscale-delay "Decode-route=$DOWN" 2>&1 | tee -a "$OUT/run.log"
+rc=${PIPESTATUS[0]}
+kill -INT "$SERVE_PID" 2>/dev/null  # serve run's graceful stop (as Ctrl-C)
+for _ in $(seq 1 150); do kill -0 "$SERVE_PID" 2>/dev/null || break; sleep 1; done
+kill -0 "$SERVE_PID" 2>/dev/null && echo "serve run did not stop in 150 s: SIGKILL" | tee -a "$OUT/run.log"
+kill -KILL -- "-$SERVE_PID" 2>/dev/null
+wait "$SERVE_PID" 2>/dev/null
+sleep 5
+"$PY" -m prefillshare.app.cli pool-reclaim "$CONFIG" 2>&1 | tee -a "$OUT/run.log"
+left=$(comm -13 <(echo "$shm_before") <(ls /dev/shm | sort))
+echo "/dev/shm entries left after the stop: ${left:-none}" | tee -a "$OUT/run.log"
+rm -rf "$RAY_TMPDIR"
+exit "$rc"
