@@ -255,7 +255,12 @@ def _main(args: argparse.Namespace) -> int:
     report = summarize(raw, downscale)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "burst.json").write_text(json.dumps({"raw": raw, "report": report}, separators=(",", ":")))
+    (out / "burst_raw.json").write_text(json.dumps(raw, separators=(",", ":")))  # the samples: to re-read, not to keep
+    rows = raw["fleet"]
+    changes = [{k: r[k] for k in ("t_s", "replicas", "targets") if k in r} for i, r in enumerate(rows)
+               if i == 0 or any(r.get(k) != rows[i - 1].get(k) for k in ("replicas", "targets"))]
+    (out / "burst.json").write_text(json.dumps({"spec": raw["spec"], "report": report, "fleet_changes": changes},
+                                               separators=(",", ":")))
     text = render(raw, report)
     (out / "burst.md").write_text(text + "\n")
     plot(raw, report, out / "burst.png")
