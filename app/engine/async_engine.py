@@ -32,7 +32,7 @@ import json
 import os
 import threading
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -326,6 +326,33 @@ def _core_processes(llm) -> list:
     return list(getattr(getattr(resources, "engine_manager", None), "processes", None) or [])
 
 
+def _outputs(out, rid: str, ids: list[int], params, generated: dict[int, int]) -> Iterator[EngineOutput]:
+    """One engine step's DELTA outputs (each sequence's new tokens and text) as EngineOutputs;
+    ``generated`` counts each sequence's tokens so far."""
+    plps = None
+    if params.prompt_logprobs is not None and out.prompt_logprobs:
+        plps = prompt_logprobs(out.prompt_token_ids or ids, out.prompt_logprobs, params.prompt_logprobs)
+    for j, comp in enumerate(out.outputs):
+        new = list(comp.token_ids)
+        generated[comp.index] = generated.get(comp.index, 0) + len(new)
+        yield EngineOutput(
+            request_id=rid,
+            new_token_ids=new,
+            new_text=comp.text or "",
+            num_generated_tokens=generated[comp.index],
+            finished=out.finished and j == len(out.outputs) - 1,
+            finish_reason=comp.finish_reason,
+            num_prompt_tokens=len(out.prompt_token_ids or ids),
+            num_cached_tokens=int(out.num_cached_tokens or 0),
+            kv_transfer_params=out.kv_transfer_params,
+            index=comp.index,
+            new_logprobs=(token_logprobs(new, comp.logprobs, params.logprobs)
+                          if params.logprobs is not None else None),
+            stop_reason=comp.stop_reason,
+            prompt_logprobs=plps if j == 0 else None,
+        )
+
+
 class Engine:
     """An ``AsyncLLM`` with typed inputs and outputs and errors that surface."""
 
@@ -438,28 +465,8 @@ class Engine:
                     raise EngineError(f"request {rid} timed out after {self.cfg.request_timeout_s}s") from e
                 self.queued_prompt_tokens -= queued
                 queued = 0
-                plps = None
-                if params.prompt_logprobs is not None and out.prompt_logprobs:
-                    plps = prompt_logprobs(out.prompt_token_ids or ids, out.prompt_logprobs, params.prompt_logprobs)
-                for j, comp in enumerate(out.outputs):  # DELTA outputs: each step's new tokens and text
-                    new = list(comp.token_ids)
-                    generated[comp.index] = generated.get(comp.index, 0) + len(new)
-                    yield EngineOutput(
-                        request_id=rid,
-                        new_token_ids=new,
-                        new_text=comp.text or "",
-                        num_generated_tokens=generated[comp.index],
-                        finished=out.finished and j == len(out.outputs) - 1,
-                        finish_reason=comp.finish_reason,
-                        num_prompt_tokens=len(out.prompt_token_ids or ids),
-                        num_cached_tokens=int(out.num_cached_tokens or 0),
-                        kv_transfer_params=out.kv_transfer_params,
-                        index=comp.index,
-                        new_logprobs=(token_logprobs(new, comp.logprobs, params.logprobs)
-                                      if params.logprobs is not None else None),
-                        stop_reason=comp.stop_reason,
-                        prompt_logprobs=plps if j == 0 else None,
-                    )
+                for output in _outputs(out, rid, ids, params, generated):
+                    yield output
                 if out.finished:
                     return
         except EngineDeadError as e:
