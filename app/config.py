@@ -220,6 +220,11 @@ class _Replicas(_Strict):
     def min_replicas(self) -> int:
         return self.autoscaling.min_replicas if self.autoscaling else self.num_replicas
 
+    @property
+    def start_replicas(self) -> int:
+        """The replicas Serve starts at deploy: ``num_replicas``, or autoscaling's initial count."""
+        return self.autoscaling.initial if self.autoscaling else self.num_replicas
+
     def replica_options(self) -> dict[str, Any]:
         """Serve's options for the count: ``num_replicas`` or ``autoscaling_config``."""
         if self.autoscaling is None:

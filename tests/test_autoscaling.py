@@ -64,6 +64,7 @@ def test_a_decoder_may_start_from_zero_and_serve_gets_autoscaling_config_without
     assert AutoscalingConfig(**auto).max_replicas == 3  # Serve takes it as given (the policy imports)
     router = _small(cfg, cfg.router)
     assert router["autoscaling_config"] == {"min_replicas": 1, "max_replicas": 2} and "num_replicas" not in router
+    assert d.placement.start_replicas == 0 and cfg.prefill_modules[0].placement.start_replicas == 1
     bounds = engine_bounds(cfg)
     assert bounds["Decode-lookup"].min_replicas == 0 and bounds["Decode-lookup"].autoscaled
     assert bounds["Prefill-base"].max_replicas == 1 and not bounds["Prefill-base"].autoscaled
