@@ -17,6 +17,7 @@ BASE="${2:-4}"
 UP=10
 DOWN=60
 source scripts/netns.sh
+source bench/local_app.sh
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false RAY_AUTH_MODE=disabled VLLM_HOST_IP=127.0.0.1
 export RAY_TMPDIR="/tmp/ps-burst-$$"
 PY=.venv/bin/python
@@ -48,31 +49,12 @@ for d in c["decoders"]:
 c["limits"]["request_start_header"] = "x-request-start"
 yaml.safe_dump(cfg, open(sys.argv[1], "w"), sort_keys=False)
 PYEOF
-shm_before=$(ls /dev/shm | sort)
-set -m
-"$PY" -c 'import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); os.execv(sys.argv[1], sys.argv[1:])' \
-  .venv/bin/serve run "$CONFIG" >"$OUT/serve.log" 2>&1 &
-SERVE_PID=$!
-set +m
-for _ in $(seq 1 300); do
-  "$PY" -c "import urllib.request,sys; sys.exit(0 if urllib.request.urlopen('http://127.0.0.1:8000/ready', timeout=10).status == 200 else 1)" 2>/dev/null && break
-  sleep 2
-done
-echo "app ready at $(date -u +%T); load average: $(cut -d' ' -f1-3 /proc/loadavg)" | tee "$OUT/run.log"
+local_app_start
 # half the requests to the two full decoders, half to two in-engine adapters of the base's module
 .venv/bin/python -m bench burst --url http://127.0.0.1:8000 --out "$OUT" --base "$BASE" \
   --models lookup,route,chat-lookup,chat-route \
   --downscale-delay "Prefill-base=$DOWN" --downscale-delay "Decode-lookup=$DOWN" \
   --downscale-delay "Decode-route=$DOWN" 2>&1 | tee -a "$OUT/run.log"
 rc=${PIPESTATUS[0]}
-kill -INT "$SERVE_PID" 2>/dev/null  # serve run's graceful stop (as Ctrl-C)
-for _ in $(seq 1 150); do kill -0 "$SERVE_PID" 2>/dev/null || break; sleep 1; done
-kill -0 "$SERVE_PID" 2>/dev/null && echo "serve run did not stop in 150 s: SIGKILL" | tee -a "$OUT/run.log"
-kill -KILL -- "-$SERVE_PID" 2>/dev/null
-wait "$SERVE_PID" 2>/dev/null
-sleep 5
-"$PY" -m prefillshare.app.cli pool-reclaim "$CONFIG" 2>&1 | tee -a "$OUT/run.log"
-left=$(comm -13 <(echo "$shm_before") <(ls /dev/shm | sort))
-echo "/dev/shm entries left after the stop: ${left:-none}" | tee -a "$OUT/run.log"
-rm -rf "$RAY_TMPDIR"
+local_app_stop
 exit "$rc"

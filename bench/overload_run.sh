@@ -17,6 +17,7 @@ DURATION="${2:-600}"
 REPLICAS="${3:-2}"
 RATE="${4:-}"
 source scripts/netns.sh
+source bench/local_app.sh
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false RAY_AUTH_MODE=disabled VLLM_HOST_IP=127.0.0.1
 export RAY_TMPDIR="/tmp/ps-overload-$$"
 PY=.venv/bin/python
@@ -55,19 +56,7 @@ for small in ("router", "orchestrator"):
 yaml.safe_dump(cfg, open(sys.argv[1], "w"), sort_keys=False)
 EOF
 APP=$("$PY" -c "import yaml,sys; print(yaml.safe_load(open(sys.argv[1]))['applications'][0]['name'])" "$CONFIG")
-shm_before=$(ls /dev/shm | sort)
-# serve run in its own process group with SIGINT restored (a background job ignores it), so
-# the stop below is Serve's graceful shutdown, as in scripts/serve.sh
-set -m
-"$PY" -c 'import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); os.execv(sys.argv[1], sys.argv[1:])' \
-  .venv/bin/serve run "$CONFIG" >"$OUT/serve.log" 2>&1 &
-SERVE_PID=$!
-set +m
-for _ in $(seq 1 300); do
-  "$PY" -c "import urllib.request,sys; sys.exit(0 if urllib.request.urlopen('http://127.0.0.1:8000/ready', timeout=10).status == 200 else 1)" 2>/dev/null && break
-  sleep 2
-done
-echo "app ready at $(date -u +%T); load average: $(cut -d' ' -f1-3 /proc/loadavg)" | tee "$OUT/run.log"
+local_app_start
 t=$((DURATION / 6))
 TARGET=$("$PY" -c "import yaml,sys; print(yaml.safe_load(open(sys.argv[1]))['applications'][0]['args']['config']['limits']['admission_target_s'])" "$CONFIG")
 echo "replicas per deployment: $REPLICAS; admission target: $TARGET s" | tee -a "$OUT/run.log"
@@ -78,17 +67,5 @@ echo "replicas per deployment: $REPLICAS; admission target: $TARGET s" | tee -a 
   --fault "$((t * 5)):fill-pool:$POOL:30" 2>&1 | tee -a "$OUT/run.log"
 rc=${PIPESTATUS[0]}
 echo "load average at the end: $(cut -d' ' -f1-3 /proc/loadavg)" | tee -a "$OUT/run.log"
-kill -INT "$SERVE_PID" 2>/dev/null  # serve run's graceful stop (as Ctrl-C)
-for _ in $(seq 1 120); do kill -0 "$SERVE_PID" 2>/dev/null || break; sleep 1; done
-kill -0 "$SERVE_PID" 2>/dev/null && echo "serve run did not stop in 120 s: SIGKILL" | tee -a "$OUT/run.log"
-kill -KILL -- "-$SERVE_PID" 2>/dev/null
-wait "$SERVE_PID" 2>/dev/null
-sleep 5
-left=$(comm -13 <(echo "$shm_before") <(ls /dev/shm | sort))
-echo "/dev/shm entries left after the stop: ${left:-none}" | tee -a "$OUT/run.log"
-# as scripts/serve.sh does after a stop: the pool folder of owners that were all killed is removed
-"$PY" -m prefillshare.app.cli pool-reclaim "$CONFIG" 2>&1 | tee -a "$OUT/run.log"
-left=$(comm -13 <(echo "$shm_before") <(ls /dev/shm | sort))
-echo "/dev/shm entries left after pool-reclaim: ${left:-none}" | tee -a "$OUT/run.log"
-rm -rf "$RAY_TMPDIR"
+local_app_stop
 exit "$rc"
