@@ -30,12 +30,12 @@ from dataclasses import replace
 from pathlib import Path
 
 from bench.overload import Mix, OverloadSpec, Sampler, Traffic, models_of, open_loop
+from bench.overload_report import answer_rate, is_admitted
 
 UPSCALE_ENGINE_START_S = 180.0  # an engine start on this 2-core box while the burst runs
 DRAIN_S = 60.0  # a replica chosen for removal finishes its requests (answers here take seconds)
 ERROR_BUDGET = 0.005
 CACHE_KEEP = 0.8
-NOT_ADMITTED = ("shed", "bad_input_ok", "not_sent")
 
 
 def schedule(base: float, burst: float, before_s: float, burst_s: float) -> Callable[[float], float]:
@@ -133,8 +133,8 @@ def summarize(raw: dict, downscale_s: dict[str, float]) -> dict:
     outcomes: dict[str, int] = {}
     for s in samples:
         outcomes[s["outcome"]] = outcomes.get(s["outcome"], 0) + 1
-    admitted = [s for s in samples if s["outcome"] not in NOT_ADMITTED and not s["outcome"].startswith("bad_input")]
-    errors = [s for s in admitted if s["outcome"].startswith("error")]
+    taken = [s for s in samples if is_admitted(s["outcome"])]
+    errors = [s for s in taken if s["outcome"].startswith("error")]
     events = scale_events(rows, b0, b1, downscale_s)
     prefill_up = next((e for e in events if e["deployment"].startswith("Prefill-") and e["reached_s"]), None)
     before = cache_ratio(rows, 0.0, b0)
@@ -145,17 +145,16 @@ def summarize(raw: dict, downscale_s: dict[str, float]) -> dict:
         "scaled_down": bool(events) and all(e["down_took_s"] is not None and e["down_took_s"] <= e["down_bound_s"]
                                             for e in events),
         "nothing_lost": not any(k.startswith("lost") for k in outcomes),
-        "errors_within_budget": (len(errors) / len(admitted) if admitted else 0.0) < ERROR_BUDGET,
+        "errors_within_budget": (len(errors) / len(taken) if taken else 0.0) < ERROR_BUDGET,
     }
     if prefill_up is not None:
         promises["prefix_cache_kept"] = before is not None and after is not None and after >= CACHE_KEEP * before
     per_phase = {}
     for name, (a, z) in {"before": (0.0, b0), "burst": (b0, b1), "after": (b1, b1 + spec["after_s"])}.items():
-        done = [s for s in samples if s["outcome"] == "ok" and a <= s["sent_s"] + s["latency_s"] < z]
         sent = [s for s in samples if a <= s["sent_s"] < z]
-        per_phase[name] = {"sent_per_s": len(sent) / (z - a), "answers_per_s": len(done) / (z - a),
+        per_phase[name] = {"sent_per_s": len(sent) / (z - a), "answers_per_s": answer_rate(samples, a, z),
                            "shed": sum(1 for s in sent if s["outcome"] == "shed")}
-    return {"outcomes": dict(sorted(outcomes.items())), "admitted": len(admitted), "errors": len(errors),
+    return {"outcomes": dict(sorted(outcomes.items())), "admitted": len(taken), "errors": len(errors),
             "scale_events": events, "prefix_cache_hit_ratio": {"before_burst": before, "after_prefill_upscale": after},
             "phases": per_phase, "promises": promises}
 

@@ -103,7 +103,7 @@ def recovery(samples: list[dict], fault: dict, window_s: float, end_s: float, ta
     return out
 
 
-def _answer_rate(samples: list[dict], start: float, end: float) -> float:
+def answer_rate(samples: list[dict], start: float, end: float) -> float:
     """Complete answers per second finished in [start, end)."""
     done = sum(1 for s in samples if s["outcome"] == "ok" and start <= s["sent_s"] + s["latency_s"] < end)
     return done / max(end - start, 1e-9)
@@ -128,7 +128,7 @@ def capacity(samples: list[dict], memory: list[dict], fault: dict, end_s: float)
     """Answers per second in the minute before ``fault`` and how long after its end a
     ``CAPACITY_WINDOW_S`` window of completions was back to ``CAPACITY_FACTOR`` of that."""
     t = fault["at_s"]
-    before = _answer_rate(samples, max(0.0, t - 60.0), t)
+    before = answer_rate(samples, max(0.0, t - 60.0), t)
     ended = ready_after(memory, fault) if fault.get("kind") == "kill" else t + float(fault.get("hold_s") or 0.0)
     out = {"label": fault["label"], "at_s": t, "answers_per_s_before": before, "ended_s": ended,
            "back_after_s": None, "answers_per_s_after": None}
@@ -136,7 +136,7 @@ def capacity(samples: list[dict], memory: list[dict], fault: dict, end_s: float)
         return out
     at = ended
     while at + CAPACITY_WINDOW_S <= end_s and at <= ended + CAPACITY_LIMIT_S:
-        rate = _answer_rate(samples, at, at + CAPACITY_WINDOW_S)
+        rate = answer_rate(samples, at, at + CAPACITY_WINDOW_S)
         if rate >= CAPACITY_FACTOR * before:
             out.update(back_after_s=at - ended, answers_per_s_after=rate)
             break
@@ -179,7 +179,7 @@ def fallback_delta(raw: dict) -> dict[str, float] | None:
     return {k: v - before.get(k, 0.0) for k, v in sorted(after.items()) if v - before.get(k, 0.0)}
 
 
-def _admitted(outcome: str) -> bool:
+def is_admitted(outcome: str) -> bool:
     return outcome not in NOT_ADMITTED and not outcome.startswith("bad_input_wrong")
 
 
@@ -187,7 +187,7 @@ def errors(samples: list[dict], faults: list[dict]) -> dict:
     """Admitted requests and those that ended in a typed error, by cause (the error's code) and
     by the fault fired last before they were sent ("before any fault" for the first ones)."""
     fired = sorted(faults, key=lambda f: f["at_s"])
-    admitted = [s for s in samples if _admitted(s["outcome"])]
+    admitted = [s for s in samples if is_admitted(s["outcome"])]
     failed = [s for s in admitted if s["outcome"].startswith("error")]
     by_cause: dict[str, int] = {}
     by_fault: dict[str, dict[str, int]] = {}
@@ -279,7 +279,7 @@ def summarize(raw: dict) -> dict:
         promises["p95_within_target"] = all(m["within_target"] is not False for m in per_minute)
     caps = [capacity(samples, raw["memory"], f, duration) for f in raw["faults"]]
     promises["capacity_recovered"] = all(c["back_after_s"] is not None for c in caps)
-    run_rate = _answer_rate(samples, 0.0, duration)
+    run_rate = answer_rate(samples, 0.0, duration)
     sat = raw.get("saturation_per_s")
     if sat:
         promises["capacity_held"] = run_rate >= RUN_CAPACITY_FACTOR * sat

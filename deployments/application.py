@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from prefillshare.app.config import AppConfig, EngineSettings, Placement, config_from_args
+from prefillshare.app.config import AppConfig, EngineSettings, Placement, SmallDeployment, config_from_args
 from prefillshare.app.engine import alloc_conf
 from prefillshare.app.engine.handover import ModuleLink
 from prefillshare.app.engine_args import engine_config, engine_env
@@ -121,14 +121,15 @@ def _decode_deployments(cfg: AppConfig, plan: AppPlan, metrics) -> dict:
     return decoders
 
 
+def _bounds(r: Placement | SmallDeployment, engine: bool = True) -> ReplicaBounds:
+    return ReplicaBounds(r.min_replicas, r.max_replicas, r.autoscaling is not None, engine)
+
+
 def engine_bounds(cfg: AppConfig) -> dict[str, ReplicaBounds]:
     """{Serve deployment name: its replica bounds} of the engines the Router calls (the prefill
     modules, the decoders): deployments/fleet.py follows them (admission's hold, cold decoders)."""
-    def bounds(pl: Placement) -> ReplicaBounds:
-        return ReplicaBounds(pl.min_replicas, pl.max_replicas, pl.autoscaling is not None)
-
-    out = {f"Prefill-{p.name}": bounds(p.placement) for p in cfg.prefill_modules}
-    out.update({f"Decode-{d.name}": bounds(d.placement) for d in cfg.decoders})
+    out = {f"Prefill-{p.name}": _bounds(p.placement) for p in cfg.prefill_modules}
+    out.update({f"Decode-{d.name}": _bounds(d.placement) for d in cfg.decoders})
     return out
 
 
@@ -153,8 +154,7 @@ def build(cfg: AppConfig):
     orch = _deployment(Orchestrator).options(**_small(cfg, cfg.orchestrator)).bind(plan, prefill, decoders, metrics,
                                                                                    bounds)
     # the Router's fleet also shows the two small deployments on /metrics (their loss holds nothing)
-    shown = {name: ReplicaBounds(d.min_replicas, d.max_replicas, d.autoscaling is not None, engine=False)
-             for name, d in (("Router", cfg.router), ("Orchestrator", cfg.orchestrator))}
+    shown = {"Router": _bounds(cfg.router, engine=False), "Orchestrator": _bounds(cfg.orchestrator, engine=False)}
     auth = cfg.auth
     if auth.keys_file:  # the Router replica reads the file itself: keys never travel in Serve's config
         auth = auth.model_copy(update={"keys_file": str(cfg.path(auth.keys_file))})

@@ -30,12 +30,12 @@ class EngineLoadPolicy:
         self.targets = EngineLoadTargets(**policy_kwargs)
 
     def __call__(self, ctx) -> tuple[int, dict[str, Any]]:
-        stats = {name: {str(r): v for r, v in per_replica.items()}
-                 for name, per_replica in (ctx.aggregated_metrics or {}).items()}
         replicas = ctx.current_num_replicas
-        ratios = load_ratios(stats, self.targets, ctx.total_num_requests, replicas)
         if replicas == 0:  # at zero nothing reports; Serve's own jump from zero answers a waiting request
             return ctx.target_num_replicas, dict(ctx.policy_state)
+        stats = {name: {str(r): v for r, v in per_replica.items()}
+                 for name, per_replica in (ctx.aggregated_metrics or {}).items()}
+        ratios = load_ratios(stats, self.targets, ctx.total_num_requests, replicas)
         want, signal = desired_replicas(replicas, ratios)
         state = dict(ctx.policy_state)
         state.update(last_signal=signal, last_ratio=ratios.get(signal, 0.0) if signal else 0.0)

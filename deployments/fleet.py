@@ -39,6 +39,11 @@ class ReplicaBounds:
     autoscaled: bool
     engine: bool = True  # an engine deployment: its loss holds admission (the Router and Orchestrator are only shown)
 
+    @property
+    def can_sleep(self) -> bool:
+        """Its autoscaler may stop the last replica (``min_replicas: 0``)."""
+        return self.autoscaled and self.min_replicas == 0
+
 
 @dataclass
 class _View:
@@ -63,6 +68,7 @@ class Fleet:
     def observe(self, details: dict[str, dict[str, Any]], now: float | None = None) -> None:
         """Take one snapshot of the controller's deployment details."""
         now = time.time() if now is None else now
+        seen: set[str] = set()
         for name in self.bounds:
             d = details.get(name)
             if d is None:
@@ -72,6 +78,7 @@ class Fleet:
             running = 0
             for r in replicas:
                 rid, state = r.get("replica_id"), r.get("state")
+                seen.add(rid)
                 if state == "RUNNING":
                     running += 1
                     started = self._starting.pop(rid, None)
@@ -86,6 +93,8 @@ class Fleet:
                 view.running, view.peak = running, max(view.peak, running)
             if self._report is not None:
                 self._report(name, running, target)
+        # a replica that died while starting is no start to measure
+        self._starting = {rid: t for rid, t in self._starting.items() if rid in seen}
 
     def short(self) -> list[str]:
         """Deployments that lost a replica the autoscaler still wants (a crash, not a scale event)."""
@@ -98,7 +107,7 @@ class Fleet:
 
     def can_sleep(self, deployment: str) -> bool:
         b = self.bounds.get(deployment)
-        return b is not None and b.autoscaled and b.min_replicas == 0
+        return b is not None and b.can_sleep
 
     def cold(self, deployment: str, running_here: int | None) -> bool:
         """A deployment allowed to stop when idle runs no replica now. ``running_here``: this

@@ -60,7 +60,6 @@ from prefillshare.deployments.path.decode_call import DecoderCall, Output
 from prefillshare.deployments.path.fanout import FanOut, Leg
 from prefillshare.deployments.path.serve_engines import ServeEngines
 from prefillshare.deployments.prompts import Prompter, RenderError
-from prefillshare.deployments.routing.safe_router import running_replicas
 
 
 class _ReplicaGone(Exception):
@@ -636,8 +635,7 @@ class Router:
         except Exception as e:  # noqa: BLE001
             problems.append(f"serve status: {e}")
         probes = {f"prefill:{k}": h for k, h in self.prefill.items()}
-        asleep = sorted(k for k, h in self.decoders.items()
-                        if self.fleet.cold(h.deployment_name, running_replicas(h.deployment_name)))
+        asleep = sorted(k for k in self.decoders if self.fanout.engines.decoder_cold(k))
         probes.update({f"decoder:{k}": h for k, h in self.decoders.items() if k not in asleep})
         probes["orchestrator"] = self.orch
 

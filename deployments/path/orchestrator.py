@@ -86,7 +86,7 @@ class Orchestrator:
         self.plan = plan
         self.events = MetricsSender(metrics) if metrics is not None else None
         # which decoders are cold (their autoscaler stopped them); polled only when one may be
-        self.fleet = serve_fleet({n: b for n, b in (bounds or {}).items() if b.autoscaled and b.min_replicas == 0})
+        self.fleet = serve_fleet({n: b for n, b in (bounds or {}).items() if b.can_sleep})
         self.fleet.start()
         self.fanout = FanOut(plan, ServeEngines(prefill, decoders, self.events, self.fleet))
         self.prompter = Prompter(plan.tokenizer, plan.renderers)  # each decoder's own rendering
