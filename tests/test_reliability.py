@@ -316,21 +316,26 @@ def test_a_latency_limit_starts_low_and_grows_toward_the_setpoint_until_its_firs
     assert admission_for(LimitsConfig(max_inflight_requests=64, admission_target_s=5)).limit == 64  # default: the bound
 
 
-def test_a_lost_replica_shrinks_the_limit_once_it_does_not_grow_until_the_replica_is_back_then_returns():
+def test_a_lost_replica_shrinks_the_limit_once_it_grows_back_no_further_than_before_until_the_replica_returns():
     lim = LatencyLimit(ceiling=64, floor=2, target_s=1.0, window=2, start=20)
     adm = Admission(64, lim)
     adm.hold(True)
     assert lim.limit == 15  # the loss: 0.75x, once
     adm.hold(True)
     assert lim.limit == 15
-    for _ in range(3):  # answers in time while requests are turned away: no growth while short
+    for _ in range(3):  # answers in time while requests are turned away: one more per window, not slow start
         lim.turned_away()
         for _ in range(2):
             lim.observe(0.1, lim.epoch)
-    assert lim.limit == 15
+    assert lim.limit == 18
+    for _ in range(4):
+        lim.turned_away()
+        for _ in range(2):
+            lim.observe(0.1, lim.epoch)
+    assert lim.limit == 20  # not past the limit before the loss while short
     for _ in range(2):
         lim.observe(5.0, lim.epoch)
-    assert lim.limit == 11  # slow answers still shrink it
+    assert lim.limit == 15  # slow answers still shrink it
     adm.hold(False)
     assert lim.limit == 20  # back: the replica's share at once, the limit it had before the loss
     lim.turned_away()

@@ -78,13 +78,15 @@ class LatencyLimit:
     def hold(self, short: bool) -> None:
         """Whether a deployment on the request path runs fewer replicas than its autoscaler's target
         (deployments/fleet.py: a crash, not a scale event). When one is lost the limit shrinks once;
-        until it is back the limit does not grow: the replacement starting takes CPU on a shared
-        node, and answers that are fast just after the loss say little about the next minute
-        (measured: grown from 7 to 12 while a replacement imported vLLM, then past the target while
-        its engine started). Once it is back the limit returns to what it was before the loss, if it
-        is lower: the replacement's share of the load comes back as soon as it answers, not one
-        request per window (measured: answers per second at a third of saturation for minutes
-        after the last fault, docs/reliability.md); slow answers shrink it again as usual."""
+        until it is back the limit grows one per window in time, as usual, but not past what it was
+        before the loss, and not by slow start: the replacement starting takes CPU on a shared node,
+        and answers that are fast just after the loss say little about the next minute (measured:
+        grown from 7 to 12 while a replacement imported vLLM, then past the target while its engine
+        started). Not growing at all kept the limit at 4-5 with answers at 1.5-3 s while restarts
+        overlapped (answers per second at 0.57x saturation over a run with a kill every 100 s,
+        docs/reliability.md). Once it is back the limit returns to what it was before the loss, if
+        it is lower: the replacement's share of the load comes back as soon as it answers, not one
+        request per window; slow answers shrink it again as usual."""
         if short and not self._held:
             self._before_loss = self.value
             self._shrink()
@@ -118,7 +120,9 @@ class LatencyLimit:
             self._shrink()
             return
         old = self.value
-        if self._binding and not self._held:
+        if self._binding and self._held:
+            self.value = max(self.value, min(self._before_loss, self.value + 1.0))
+        elif self._binding:
             if self.slow_start:
                 # a busy box answers in about the time of what is in flight: grow toward the setpoint, at
                 # most doubling (doubling blindly, two Routers went from 8 in flight to 44 in 15 s at 2x)
