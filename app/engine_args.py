@@ -7,6 +7,9 @@ docs/serving.md's settings table lists where each setting goes (tests/test_setti
 """
 from __future__ import annotations
 
+import math
+import os
+
 from prefillshare.app.config import (
     AppConfig,
     ConfigError,
@@ -31,7 +34,43 @@ def engine_env(cfg: AppConfig, p: Placement, eng: EngineSettings) -> dict[str, s
             "HF_HUB_OFFLINE": "1", **cfg.engine_env, **p.env}
 
 
-# AsyncEngineArgs fields the app sets itself: from the project's own settings, or per deployment.
+def bound_cores(threads_bind: str) -> int | None:
+    """How many cores ``VLLM_CPU_OMP_THREADS_BIND`` gives one engine's OpenMP threads (None: 'nobind',
+    as many threads as the replica's num_cpus rounded down, at least one)."""
+    if threads_bind == "nobind":
+        return None
+    if threads_bind == "auto":
+        return os.cpu_count() or 1
+    count = 0
+    for part in threads_bind.split("|")[0].split(","):  # a list per rank after '|': the first rank's
+        first, _, last = part.partition("-")
+        count += int(last or first) - int(first) + 1
+    return count
+
+
+def oversubscribed_threads(cfg: AppConfig) -> list[str]:
+    """Each CPU engine whose ``threads_bind`` runs more OpenMP threads than its replica reserves cores:
+    vLLM's threads spin on every core they are given, so the Router, Serve's proxy and the other
+    engines on the node wait behind them (measured on 2 cores: '0-1' under the default app's 0.5-CPU
+    prefill module took in-engine adapters from 0.83x to 0.61x of one engine's throughput,
+    docs/serving.md "Threads"). One line per engine, naming the field and what to set instead."""
+    engines: list[tuple[str, PrefillModuleConfig | DecoderConfig]] = [
+        *((f"prefill_modules[{i}]", p) for i, p in enumerate(cfg.prefill_modules)),
+        *((f"decoders[{i}]", d) for i, d in enumerate(cfg.decoders))]
+    out = []
+    for where, dep in engines:
+        p, bind = dep.placement, dep.engine.threads_bind
+        cores = bound_cores(bind)
+        if p.num_gpus or cores is None or cores <= max(1, math.ceil(p.num_cpus)):
+            continue
+        out.append(f"{where}.engine.threads_bind: {bind!r} runs {cores} OpenMP threads on {cores} cores, where the "
+                   f"replica reserves {where}.placement.num_cpus={p.num_cpus} beside the Router, Serve's proxy and "
+                   f"the other engines; set threads_bind: nobind (as many threads as num_cpus, at least one), or "
+                   f"num_cpus: {cores} on a node with cores to spare")
+    return out
+
+
+# AsyncEngineArgs fields the app sets itself# AsyncEngineArgs fields the app sets itself: from the project's own settings, or per deployment.
 APP_ENGINE_ARGS = frozenset({
     "model", "tokenizer", "skip_tokenizer_init", "load_format", "kv_transfer_config", "enable_prefix_caching",
     "structured_outputs_config", "disable_log_stats", "enable_lora", "max_lora_rank", "max_loras", "max_cpu_loras",

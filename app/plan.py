@@ -36,7 +36,8 @@ from prefillshare.app.config import (
 from prefillshare.app.engine import compute_dtype
 from prefillshare.app.engine.handover import Handover
 from prefillshare.app.engine.modes import handover_for
-from prefillshare.app.engine_args import check_engine_kwargs
+from prefillshare.app.engine_args import check_engine_kwargs, oversubscribed_threads
+from prefillshare.app.prompt_split import Activation
 from prefillshare.app.rendering import Renderer, RenderError
 from prefillshare.app.sharing import ModuleSharing, module_sharing
 
@@ -199,6 +200,9 @@ def _check_adapter(s: _Served, group_id: str) -> None:
 
     a, d, m = s.adapter, s.decoder, s.manifest
     assert a is not None, "called for adapters only"
+    if s.in_engine and isinstance(m, Exception) and Activation.of_adapter(s.path).is_alora:
+        _check_alora(s)  # PEFT's Activated LoRA, brought as PEFT wrote it: its own format says how it acts
+        return
     if isinstance(m, Exception):
         raise ConfigError(f"{s.where}.path: {m}")
     if m.adapter is None:
@@ -219,6 +223,17 @@ def _check_adapter(s: _Served, group_id: str) -> None:
                           "cache-conditioned: in-engine it would read the base's KV it was never trained on (naive "
                           "reuse). Retrain it with `prefillshare train --lora` or serve it in a decode group "
                           "(decoders[].adapters) with its own prefill")
+
+
+def _check_alora(s: _Served) -> None:
+    """An Activated LoRA adapter without the project's manifest: trained by PEFT to act from its
+    invocation on over the base's KV before it, which is what an in-engine decoder reads. Its rank
+    must be the config's (vLLM sizes the module's slots by max_lora_rank)."""
+    assert s.adapter is not None
+    peft = json.loads((s.path / "adapter_config.json").read_text())
+    if int(peft.get("r", 0)) != s.adapter.rank:
+        raise ConfigError(f"{s.where}.rank: {s.adapter.rank} in the config, the adapter's adapter_config.json "
+                          f"says r={peft.get('r')}")
 
 
 def _engine_mismatch(base: PrefillModuleConfig, d: DecoderConfig) -> list[str]:
@@ -293,6 +308,8 @@ def plan_app(cfg: AppConfig) -> AppPlan:
 
     cfg.check_paths()
     check_engine_kwargs(cfg)
+    for line in oversubscribed_threads(cfg):
+        log.warning("%s", line)
     module_ids = {p.name: prefill_module_id(cfg.path(p.model)) for p in cfg.prefill_modules}
     group_ids = {d.name: prefill_module_id(cfg.path(d.model)) for d in cfg.decoders if d.adapters}
     tok = _Tokenizer(cfg.path(cfg.tokenizer))

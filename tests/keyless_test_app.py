@@ -15,6 +15,7 @@ minutes on 2 cores); each module's ``app_url`` waits until every engine answers 
 """
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -28,10 +29,17 @@ TOKENIZER = ROOT / "checkpoints" / "tokenizer"
 MAX_NEW = 6  # limits.max_tokens_default
 ADAPTERS = ("ad0", "prüf-ágent-1")
 IN_ENGINE = ("ie0", "ie1")  # the base module's in-engine LoRA decoders (lora_decoders)
+ALORA, INVOCATION = "ia0", "<|check|>"  # and an Activated LoRA one (PEFT's alora_invocation_tokens)
 # tmpl's chat template: the switches vLLM's chat route passes (continue_final_message, a kwarg) show in the prompt
 TEMPLATE = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}{% if not (loop.last and continue_final_message is "
             "defined and continue_final_message) %}</{{ m.role }}>{% endif %}{% endfor %}"
             "{% if add_generation_prompt %}<assistant>{% endif %}{% if shout %}!{% endif %}")
+
+
+def invocation_ids() -> list[int]:
+    from prefillshare.app.training.tokenizer import load_tokenizer
+
+    return load_tokenizer(TOKENIZER).encode(INVOCATION, add_special_tokens=False)
 
 
 @pytest.fixture(scope="package")
@@ -52,6 +60,10 @@ def keyless_models(tmp_path_factory):
         paths[name] = random_adapter(root / name, paths["base"], name, 8, seed=i + 1, b_std=0.1)
     for i, name in enumerate(IN_ENGINE):
         paths[name] = random_adapter(root / name, paths["base"], name, 8, seed=i + 11, b_std=0.1)
+    paths[ALORA] = random_adapter(root / ALORA, paths["base"], ALORA, 8, seed=21, b_std=0.1)
+    peft_config = json.loads((paths[ALORA] / "adapter_config.json").read_text())
+    peft_config["alora_invocation_tokens"] = invocation_ids()
+    (paths[ALORA] / "adapter_config.json").write_text(json.dumps(peft_config))
     other = make_models(root / "other", {}, base_seed=7)
     paths["foreign"] = random_adapter(root / "foreign", other["base"], "foreign", 8, seed=3)
     return paths
@@ -61,7 +73,7 @@ def keyless_config(paths: dict[str, Path], pool: str, group: dict | None = None,
     """The package app's config; ``group`` overrides fields of its LoRA group, ``module`` of its prefill
     module (the build tests)."""
     group = dict(group or {})
-    in_engine = [{"name": a, "path": str(paths[a]), "rank": 8} for a in IN_ENGINE]
+    in_engine = [{"name": a, "path": str(paths[a]), "rank": 8} for a in (*IN_ENGINE, ALORA)]
     adapters = group.pop("adapters", [{"name": a, "path": str(paths[a]), "rank": 8} for a in ADAPTERS])
     place = {"num_cpus": 0.25, "placement_group_bundles": [{"CPU": 0.25}]}
     dec = lambda name: {"name": name, "model": str(paths[name]), "engine": TEST_ENGINE, "placement": place}  # noqa: E731

@@ -147,6 +147,25 @@ def test_cpu_engines_run_their_worker_inside_enginecore_unless_threads_are_pinne
     assert flag not in engine_env(cfg, Placement(num_gpus=1), EngineSettings())
 
 
+def test_pinned_threads_beyond_a_replicas_cpus_are_warned_about_naming_the_field_and_the_fix(caplog):
+    from prefillshare.app.engine_args import bound_cores, oversubscribed_threads
+    from prefillshare.app.plan import plan_app
+
+    assert [bound_cores(b) for b in ("nobind", "0", "0-1", "0,2-3", "0-1|2-3")] == [None, 1, 2, 3, 2]
+    assert oversubscribed_threads(load_config(minimal())) == []  # nobind: threads follow num_cpus
+    cfg = load_config(minimal(decoders=[{"name": "lookup", "model": "checkpoints/decoders/lookup",
+                                         "engine": {"threads_bind": "0-1"}, "placement": {"num_cpus": 0.5}}]))
+    (line,) = oversubscribed_threads(cfg)
+    assert line.startswith("decoders[0].engine.threads_bind: '0-1' runs 2 OpenMP threads")
+    assert "decoders[0].placement.num_cpus=0.5" in line and "threads_bind: nobind" in line
+    ok = minimal(decoders=[{"name": "lookup", "model": "checkpoints/decoders/lookup",
+                            "engine": {"threads_bind": "0-1"}, "placement": {"num_cpus": 2}}])
+    assert oversubscribed_threads(load_config(ok)) == []  # the replica reserves what it pins
+    with caplog.at_level("WARNING", logger="ray.serve"):
+        plan_app(cfg)
+    assert line in caplog.text  # said when the app is built
+
+
 # --- prefix-locality policy ----------------------------------------------------------------
 def test_rendezvous_is_stable_and_spreads_keys():
     ids = ["r1", "r2", "r3"]

@@ -95,6 +95,45 @@ def test_chat_data_any_agent_name_lora_exports_merged_and_adapter_with_rendering
         tok, [("system", f"Answer from the record.\n{question}"), ("user", context), ("assistant", "x")])[0]
 
 
+def test_invocation_writes_pefts_activated_lora_form_that_peft_loads_and_the_app_serves_in_engine(base, tmp_path,
+                                                                                                  capsys):
+    """--invocation: the adapter alone, in PEFT's aLoRA form, trained from the invocation on over the
+    base's KV of what precedes it (the split the engine serves), and no merged model."""
+    from peft import PeftModel
+
+    from prefillshare.app.config import load_config
+    from prefillshare.app.models.checkpoint import load_model
+    from prefillshare.app.plan import plan_app
+    from prefillshare.app.prompt_split import Activation
+    from prefillshare.app.training.batches import Encoded, collate
+
+    data = _write(tmp_path / "chat.jsonl", _conversations(6))
+    out = tmp_path / "check"
+    assert cli(["train", "--base", str(base), "--data", str(data), "--agent", AGENT, "--agent-field", "task",
+                "--lora", "--lora-rank", "4", "--invocation", "<|check|>", "--out", str(out), *FAST]) == 0
+    tok = load_tokenizer(base)
+    invocation = tok.encode("<|check|>", add_special_tokens=False)
+    peft_cfg = json.loads((out / "adapter_config.json").read_text())
+    assert peft_cfg["alora_invocation_tokens"] == invocation and peft_cfg["task_type"] == "CAUSAL_LM"
+    assert not (out / "config.json").exists() and not (tmp_path / "check-adapter").exists()  # nothing merged
+    manifest = read_manifest(out)
+    assert manifest.method == "cache_conditioned" and manifest.training["invocation"] == invocation
+    loaded = PeftModel.from_pretrained(load_model(base), out)
+    assert loaded.peft_config["default"].alora_invocation_tokens == invocation
+    assert Activation.of_adapter(out) == Activation(tuple(invocation))
+    # training split each prompt at the invocation: the adapter's own tokens start with it
+    batch = collate([Encoded(AGENT, (1, 5, 6, *invocation, 9), (7, 2))], 0, Activation(tuple(invocation)))
+    assert batch.prefix_ids[0].tolist() == [1, 5, 6] and batch.own_ids[0].tolist()[:len(invocation)] == invocation
+    cfg = load_config({"tokenizer": str(base), "prefill_modules": [
+        {"name": "base", "model": str(base), "max_lora_rank": 4,
+         "lora_decoders": [{"name": AGENT, "path": str(out), "rank": 4}]}]})
+    (served,) = plan_app(cfg).decoders
+    assert served.in_engine and served.name == AGENT
+    assert cli(["train", "--base", str(base), "--data", str(data), "--agent", AGENT, "--agent-field", "task",
+                "--invocation", "<|check|>", "--out", str(tmp_path / "full"), *FAST]) != 0
+    assert "--invocation needs --lora" in capsys.readouterr().err
+
+
 def test_layout_system_first_is_recorded_and_served_in_the_order_sent(base, tmp_path):
     data = _write(tmp_path / "chat.jsonl", _conversations(4))
     out = tmp_path / "old"

@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 import torch
 from vllm import SamplingParams
-from vllm.lora import model_manager
+from vllm.lora import model_manager, peft_helper
 from vllm.lora.layers.utils import LoRAMapping
 from vllm.lora.ops import torch_ops
 from vllm.lora.punica_wrapper import punica_cpu
@@ -36,6 +36,7 @@ from vllm.v1.worker.gpu_input_batch import CachedRequestState, InputBatch
 
 from prefillshare.app.engine import vllm_plugin
 from prefillshare.app.engine.vllm_plugin import HANDOVER_ADAPTERS_ENV
+from prefillshare.app.prompt_split import Activation
 
 ROOT = Path(__file__).resolve().parent.parent
 KEYS = "vllm.v1.core.kv_cache_utils.generate_block_hash_extra_keys"
@@ -47,8 +48,10 @@ EXPAND = "vllm.lora.punica_wrapper.punica_cpu.sgmv_expand"
 EXPAND_SLICE = "vllm.lora.punica_wrapper.punica_cpu.sgmv_expand_slice"
 LORA_LINEAR = "vllm.lora.punica_wrapper.punica_cpu.PunicaWrapperCPU.add_lora_linear"
 LORA_LOGITS = "vllm.lora.punica_wrapper.punica_cpu.PunicaWrapperCPU.add_lora_logits"
+VALIDATE = "vllm.lora.peft_helper.PEFTHelper._validate_features"
 # what register() replaces: vLLM's name for it, owner, attribute, the plugin's replacement
 REPLACED = [
+    (VALIDATE, peft_helper.PEFTHelper, "_validate_features", vllm_plugin._validate_features),
     (KEYS, kv_cache_utils, "generate_block_hash_extra_keys", vllm_plugin._block_hash_extra_keys),
     (POOL_KEYS, block_pool, "generate_block_hash_extra_keys", vllm_plugin._block_hash_extra_keys),
     (MAKE_LORA_INPUTS, InputBatch, "make_lora_inputs", vllm_plugin._make_lora_inputs),
@@ -63,6 +66,7 @@ _RUNS = ["output_tensor", "b_seq_start_loc", "seq_len_tensor", "lora_indices_ten
          "token_nums"]
 # the parameters the plugin's replacements take (and pass on to vLLM's own function), in order
 PARAMS = {
+    VALIDATE: ["self"],
     KEYS: ["request", "start_token_idx", "end_token_idx", "start_mm_idx"],
     POOL_KEYS: ["request", "start_token_idx", "end_token_idx", "start_mm_idx"],
     MAKE_LORA_INPUTS: ["self", "num_scheduled_tokens", "num_sampled_tokens"],
@@ -73,7 +77,8 @@ PARAMS = {
     EXPAND: ["inputs", "lora_b_weights", *_RUNS, "add_inputs"],
     EXPAND_SLICE: ["inputs", "lora_b_weights", *_RUNS, "slice_offset", "slice_size", "add_inputs"],
 }
-HANDOVER, OTHER = "chat-h", "chat-o"  # a hand-over adapter and an ordinary one
+HANDOVER, OTHER, ALORA = "chat-h", "chat-o", "chat-a"  # a hand-over adapter, an ordinary one, an Activated LoRA one
+INVOKE = (7, 8)  # ALORA's invocation tokens
 
 
 def _vllms(label: str, owner, attr: str):
@@ -98,7 +103,7 @@ def none_hash(monkeypatch):
 @pytest.fixture
 def adapters(monkeypatch):
     """The plugin as in an engine whose hand-over adapter is HANDOVER, with vLLM's own functions behind it."""
-    monkeypatch.setattr(vllm_plugin, "_ADAPTERS", frozenset({HANDOVER}))
+    monkeypatch.setattr(vllm_plugin, "_ADAPTERS", {HANDOVER: Activation(), ALORA: Activation(INVOKE)})
     for label, owner, attr, _ in REPLACED:
         monkeypatch.setitem(vllm_plugin._VLLM, attr, _vllms(label, owner, attr))
 
@@ -612,7 +617,7 @@ class FakeBatch:
         self.num_prompt_tokens = np.array([*prompt_lens, 99], dtype=np.int32)
         self.num_computed_tokens_cpu = np.array([*computed, 0], dtype=np.int32)
         self.request_lora_mapping = np.array([*lora_ids, 1], dtype=np.int64)
-        loras = {1: _lora(HANDOVER, 1), 2: _lora(OTHER, 2)}
+        loras = {1: _lora(HANDOVER, 1), 2: _lora(OTHER, 2), 3: _lora(ALORA, 3)}
         self.lora_id_to_lora_request = {i: loras[i] for i in lora_ids if i}
 
 
@@ -647,7 +652,7 @@ def test_a_hand_over_adapter_gets_lora_id_0_before_the_hand_over_point(adapters,
 
 def test_a_batch_without_hand_over_adapters_keeps_vllms_ids(adapters, monkeypatch):
     batch = FakeBatch([10, 4, 6], [0, 0, 0], [1, 0, 2])
-    monkeypatch.setattr(vllm_plugin, "_ADAPTERS", frozenset())  # an engine whose adapters are all ordinary
+    monkeypatch.setattr(vllm_plugin, "_ADAPTERS", {})  # an engine whose adapters are all ordinary
     assert _ids(batch, [6, 4, 6]) == [1] * 6 + [0] * 4 + [2] * 6
 
 
@@ -724,6 +729,73 @@ def test_a_hand_over_adapters_block_hashes_are_the_bases_up_to_the_hand_over_poi
     assert not set(hashes(13, o)) & set(base)  # an ordinary adapter keeps its own blocks
 
 
+# --- Activated LoRA: the activation point is the start of the invocation's last occurrence -------------
+
+def test_vllm_refuses_activated_lora_in_validate_legal_through_validate_features():
+    """Stock: validate_legal (vLLM's load of every adapter) refuses aLoRA with the message
+    _validate_features gives, the function the plugin replaces."""
+    helper = peft_helper.PEFTHelper(r=8, lora_alpha=16, target_modules=["q_proj"], alora_invocation_tokens=list(INVOKE))
+    stock = _vllms(VALIDATE, peft_helper.PEFTHelper, "_validate_features")
+    assert any("Activated LoRA" in m for m in stock(helper)), f"{VALIDATE} no longer refuses aLoRA"
+    assert "self._validate_features()" in inspect.getsource(peft_helper.PEFTHelper.validate_legal), (
+        "vllm.lora.peft_helper.PEFTHelper.validate_legal no longer calls _validate_features")
+
+
+def test_an_activated_lora_adapter_of_the_engine_loads_and_every_other_check_stays(adapters):
+    ok = peft_helper.PEFTHelper(r=8, lora_alpha=16, target_modules=["q_proj"], alora_invocation_tokens=list(INVOKE))
+    assert vllm_plugin._validate_features(ok) == [] and ok.alora_invocation_tokens == list(INVOKE)
+    other = peft_helper.PEFTHelper(r=8, lora_alpha=16, target_modules=["q_proj"], alora_invocation_tokens=[9, 9])
+    assert any("Activated LoRA" in m for m in vllm_plugin._validate_features(other))  # not this engine's
+    dora = peft_helper.PEFTHelper(r=8, lora_alpha=16, target_modules=["q_proj"], alora_invocation_tokens=list(INVOKE),
+                                  use_dora=True)
+    assert vllm_plugin._validate_features(dora) == ["vLLM does not yet support DoRA."]
+
+
+class AloraBatch(FakeBatch):
+    """Requests of the Activated LoRA adapter (id 3) with their prompts in token_ids_cpu, as vLLM keeps them."""
+
+    def __init__(self, prompts, computed, lora_ids):
+        super().__init__([len(p) for p in prompts], computed, lora_ids)
+        self.token_ids_cpu = np.zeros((len(prompts) + 1, 64), dtype=np.int32)
+        for i, p in enumerate(prompts):
+            self.token_ids_cpu[i, :len(p)] = p
+
+
+def test_an_activated_lora_adapter_acts_from_its_invocations_last_occurrence():
+    twice = [1, 7, 8, 2, 3, 7, 8, 4, 5]  # invoked at 1 and at 5: acts from 5 on
+    once = [1, 2, 7, 8, 3]
+    cases = [
+        ([twice, once], [0, 0], [3, 3], [9, 5], [0] * 5 + [3] * 4 + [0, 0] + [3] * 3),
+        ([twice], [3], [3], [4], [0, 0, 3, 3]),  # a chunk that reaches the point
+        ([twice, once], [9, 5], [3, 3], [1, 1], [3, 3]),  # decode
+        ([twice, once], [0, 0], [3, 1], [9, 5], [0] * 5 + [3] * 4 + [0] * 4 + [1]),  # beside a hand-over adapter
+    ]
+    for prompts, computed, lora_ids, scheduled, want in cases:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(vllm_plugin, "_ADAPTERS", {HANDOVER: Activation(), ALORA: Activation(INVOKE)})
+            for label, owner, attr, _ in REPLACED:
+                mp.setitem(vllm_plugin._VLLM, attr, _vllms(label, owner, attr))
+            assert _ids(AloraBatch(prompts, computed, lora_ids), scheduled) == want, (prompts, computed)
+
+
+def test_an_activated_lora_adapters_blocks_are_the_bases_before_its_invocation(adapters, monkeypatch, none_hash):
+    monkeypatch.setattr(kv_cache_utils, "generate_block_hash_extra_keys", vllm_plugin._block_hash_extra_keys)
+    hasher = kv_cache_utils.get_request_block_hasher(4, sha256)
+    a = _lora(ALORA, 3)
+
+    def hashes(prompt, lora=None):
+        return Request("r", prompt, SamplingParams(max_tokens=1), None, lora_request=lora, cache_salt="t",
+                       block_hasher=hasher).block_hashes
+
+    prompt = [*range(100, 110), *INVOKE, 200, 201]  # invoked at 10: blocks 0-4 and 4-8 the base's, 8-12 holds it
+    base, adapter = hashes(prompt), hashes(prompt, a)
+    assert len(base) == 3 and adapter[:2] == base[:2] and adapter[2] != base[2]
+    early = [100, *INVOKE, *range(101, 110), 201]  # invoked at 1 only: the first block is the adapter's
+    assert hashes(early, a)[0] != hashes(early)[0]
+    again = [100, *INVOKE, *range(101, 108), *INVOKE, 201]  # and again at 10: the last occurrence counts
+    assert hashes(again, a)[:2] == hashes(again)[:2]
+
+
 # --- register() -----------------------------------------------------------------------------------
 
 def test_register_without_hand_over_adapters_installs_nothing(monkeypatch):
@@ -742,12 +814,13 @@ def test_register_without_hand_over_adapters_installs_nothing(monkeypatch):
 _REGISTER_CHILD = """
 import json, sys
 from types import SimpleNamespace as NS
-from vllm.lora import model_manager
+from vllm.lora import model_manager, peft_helper
 from vllm.lora.punica_wrapper import punica_cpu
 from vllm.v1.core import block_pool, kv_cache_utils
 from vllm.v1.worker.gpu_input_batch import InputBatch
 owners = {"kv_cache_utils": kv_cache_utils, "block_pool": block_pool, "InputBatch": InputBatch,
-          "punica_cpu": punica_cpu, "model_manager": model_manager, "PunicaWrapperCPU": punica_cpu.PunicaWrapperCPU}
+          "punica_cpu": punica_cpu, "model_manager": model_manager, "PunicaWrapperCPU": punica_cpu.PunicaWrapperCPU,
+          "PEFTHelper": peft_helper.PEFTHelper}
 targets = json.loads(sys.argv[1])
 stock = {label: getattr(owners[o], attr) for label, o, attr in targets}
 from vllm.plugins import load_general_plugins
@@ -768,11 +841,12 @@ print(json.dumps({"first": first, "again": state(), "adapters": sorted(p.handove
 
 def test_register_with_hand_over_adapters_installs_every_replacement_through_vllms_plugin_loader():
     """In a fresh process (this one stays unpatched), as vLLM loads it in an engine's."""
-    targets = [(label, {InputBatch: "InputBatch", punica_cpu.PunicaWrapperCPU: "PunicaWrapperCPU"}.get(
+    targets = [(label, {InputBatch: "InputBatch", punica_cpu.PunicaWrapperCPU: "PunicaWrapperCPU",
+                        peft_helper.PEFTHelper: "PEFTHelper"}.get(
                 owner, owner.__name__.rsplit(".", 1)[-1]), attr)
                for label, owner, attr, _ in REPLACED]
     env = {k: v for k, v in os.environ.items() if k != "VLLM_PLUGINS"}  # no allow-list: every plugin installed
-    env[HANDOVER_ADAPTERS_ENV] = json.dumps(["chat-a", "chat-b"])
+    env[HANDOVER_ADAPTERS_ENV] = vllm_plugin.adapters_env({"chat-a": Activation(), "chat-b": Activation((5, 6))})
     out = subprocess.run([sys.executable, "-c", _REGISTER_CHILD, json.dumps(targets)], env=env, cwd=ROOT,
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-4000:]

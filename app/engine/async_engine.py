@@ -28,7 +28,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import json
 import os
 import threading
 import uuid
@@ -41,6 +40,7 @@ from prefillshare.app.config import EngineSettings, LimitsConfig, LoRAGroup, def
 from prefillshare.app.engine import alloc_conf, compute_dtype, core_lifetime, niceness, vllm_plugin
 from prefillshare.app.engine.handover import KV_ROLE
 from prefillshare.app.errors import PrefillShareLibraryError
+from prefillshare.app.prompt_split import Activation
 from prefillshare.app.sampling import Sampling, TokenLogprob, prompt_logprobs, to_sampling_params, token_logprobs
 
 __all__ = [
@@ -105,8 +105,8 @@ class EngineConfig:
     lora_adapters: tuple[tuple[str, str], ...] = ()
     max_lora_rank: int | None = default(LoRAGroup, "max_lora_rank")  # with adapters; None: vLLM's default
     max_loras: int | None = None  # None: as many as lora_adapters; also vLLM's max_cpu_loras (all stay loaded)
-    # names among lora_adapters that act from the hand-over point on (in-engine LoRA decoders: the base's
-    # prefix cache and base tokens before that point; app/engine/vllm_plugin.py)
+    # names among lora_adapters that act from their activation point on (in-engine LoRA decoders: the base's
+    # prefix cache and base tokens before that point; app/prompt_split.py, app/engine/vllm_plugin.py)
     handover_adapters: tuple[str, ...] = ()
     # any other AsyncEngineArgs field, passed through as given (serve_config.yaml's engine.engine_kwargs)
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
@@ -145,6 +145,12 @@ class EngineConfig:
         unknown = sorted(set(self.handover_adapters) - {name for name, _ in self.lora_adapters})
         if unknown:
             raise ValueError(f"EngineConfig.handover_adapters: {unknown} are not among lora_adapters")
+        activated = [name for name, path in self.lora_adapters
+                     if name not in self.handover_adapters and Activation.of_adapter(path).is_alora]
+        if activated:
+            raise ValueError(f"EngineConfig.lora_adapters: {activated} are Activated LoRA adapters "
+                             "(alora_invocation_tokens): serve them in-engine, as handover_adapters "
+                             "(a prefill module's lora_decoders)")
         if self.is_consumer and self.enable_prefix_caching:
             raise ValueError("EngineConfig.enable_prefix_caching must be off for a PrefillShare consumer "
                              "(its local cache may hold its own KV after a fallback)")
@@ -155,11 +161,17 @@ class EngineConfig:
         return (self.kv_transfer_config or {}).get("kv_role") == KV_ROLE["consumer"]
 
     @property
+    def activations(self) -> dict[str, Activation]:
+        """Each in-engine adapter's activation rule, as its directory states it."""
+        paths = dict(self.lora_adapters)
+        return {name: Activation.of_adapter(paths[name]) for name in self.handover_adapters}
+
+    @property
     def core_env(self) -> dict[str, str]:
-        """The engine core's env: ``extra_env``, and the hand-over adapters vLLM's plugin reads."""
+        """The engine core's env: ``extra_env``, and the in-engine adapters vLLM's plugin reads."""
         if not self.handover_adapters:
             return dict(self.extra_env)
-        return {**self.extra_env, vllm_plugin.HANDOVER_ADAPTERS_ENV: json.dumps(sorted(self.handover_adapters)),
+        return {**self.extra_env, vllm_plugin.HANDOVER_ADAPTERS_ENV: vllm_plugin.adapters_env(self.activations),
                 **vllm_plugin.HANDOVER_ENGINE_ENV}
 
     @property
@@ -367,6 +379,8 @@ class Engine:
             from vllm.lora.request import LoRARequest
 
             self._loras = {name: LoRARequest(name, i + 1, path) for i, (name, path) in enumerate(cfg.lora_adapters)}
+        # Activated LoRA adapters: a prompt without the invocation sequence is refused here, before vLLM
+        self._invoked = {name: a for name, a in cfg.activations.items() if a.is_alora}
         core_lifetime.install()  # the engine core dies with this process, even by SIGKILL
         with _engine_env(cfg):
             try:
@@ -438,6 +452,8 @@ class Engine:
         ids = [int(t) for t in prompt_token_ids]
         if not ids:
             raise EngineRequestError("prompt_token_ids is empty")
+        if lora in self._invoked:
+            self._invoked[lora].check(lora, ids)
         if len(ids) >= self.cfg.max_model_len:
             raise EngineRequestError(
                 f"prompt_token_ids: {len(ids)} tokens, max_model_len is {self.cfg.max_model_len}"

@@ -1,25 +1,33 @@
-"""The project's vLLM plugin: LoRA decoders that act from the hand-over point on, inside the base's engine.
+"""The project's vLLM plugin: LoRA decoders that act from their activation point on, inside the base's engine.
 
-A cache-conditioned LoRA decoder is the base for every prompt token before the hand-over point
-(``prompt_split.shared_length``) and base + adapter from there on. vLLM 0.32 applies an adapter to
-every token of its request and keys every prefix-cache block with it, and has no hook to do
-otherwise (it refuses Activated LoRA, the same idea), so this module changes vLLM's behaviour, and
-nothing else in the project does. It is vLLM's general plugin ``prefillshare`` (pyproject's
-``vllm.general_plugins`` entry point), which vLLM loads in every process of an engine; it acts only
-in an engine whose environment names its hand-over adapters (:data:`HANDOVER_ADAPTERS_ENV`, a JSON
-list of LoRA names, set from ``EngineConfig.handover_adapters``). Stock engines, the benchmarks'
+An in-engine LoRA decoder is the base for every prompt token before its activation point and base +
+adapter from there on (app/prompt_split.py: the hand-over point for the project's
+cache-conditioned adapters, the last occurrence of the invocation sequence for PEFT's Activated
+LoRA). vLLM 0.32 applies an adapter to every token of its request and keys every prefix-cache block
+with it, has no hook to do otherwise, and refuses Activated LoRA adapters, so this module changes
+vLLM's behaviour, and nothing else in the project does. It is vLLM's general plugin ``prefillshare``
+(pyproject's ``vllm.general_plugins`` entry point), which vLLM loads in every process of an engine;
+it acts only in an engine whose environment names its in-engine adapters
+(:data:`HANDOVER_ADAPTERS_ENV`, a JSON object of LoRA name to invocation token ids, empty for the
+hand-over point, set from ``EngineConfig.handover_adapters``). Stock engines, the benchmarks'
 baselines included, run unchanged.
 
 What it replaces, each wrapping or standing in for vLLM's own function (canary: tests/test_vllm_plugin.py, which fails
 naming the function on a vLLM whose code changed):
 
+- ``vllm.lora.peft_helper.PEFTHelper._validate_features``: an adapter whose
+  ``alora_invocation_tokens`` are those of an in-engine adapter of this engine is not refused for
+  them (every other check stays); any other Activated LoRA adapter still is.
 - ``vllm.v1.core.kv_cache_utils.generate_block_hash_extra_keys`` (and the name
-  ``vllm.v1.core.block_pool`` imported, for KV events): a block that lies wholly before the hand-over
-  point is keyed as the base's block (the adapter's key dropped; the tenant's salt stays), so the base
-  and every hand-over adapter share it. A block that reaches the hand-over point keeps the adapter.
+  ``vllm.v1.core.block_pool`` imported, for KV events): a block that lies wholly before the request's
+  activation point is keyed as the base's block (the adapter's key dropped; the tenant's salt stays),
+  so the base and every in-engine adapter share it. A block that reaches the point keeps the adapter.
+  The point is found once per request (an Activated LoRA prompt is searched once) and kept on it.
 - ``vllm.v1.worker.gpu_input_batch.InputBatch.make_lora_inputs`` (the CPU model runner and vLLM's V1
   GPU runner share it; such an engine runs the V1 runner, :data:`HANDOVER_ENGINE_ENV`): a token before
-  the hand-over point gets LoRA id 0 (no adapter).
+  the activation point gets LoRA id 0 (no adapter). Only requests with prompt tokens in the step are
+  looked at; a decode token is past any point (an Activated LoRA prompt without its invocation never
+  reaches the engine: the engine refuses it, app/engine/async_engine.py).
 - ``vllm.lora.model_manager.get_punica_wrapper``: vLLM sizes the LoRA wrapper's per-run buffers for
   ``max_num_seqs`` runs of tokens with one adapter, one per request; a hand-over request in prefill
   is two (no adapter, then its adapter), so the wrapper gets room for twice as many. Without it a
@@ -51,39 +59,45 @@ from typing import Any
 import numpy as np
 
 from prefillshare.app.errors import PrefillShareLibraryError
-from prefillshare.app.prompt_split import shared_length
+from prefillshare.app.prompt_split import Activation, shared_length
 
-__all__ = ["HANDOVER_ADAPTERS_ENV", "HANDOVER_ENGINE_ENV", "PluginNotActiveError", "check_engine", "check_loadable",
-           "handover_adapters", "register"]
+__all__ = ["HANDOVER_ADAPTERS_ENV", "HANDOVER_ENGINE_ENV", "PluginNotActiveError", "adapters_env", "check_engine",
+           "check_loadable", "handover_adapters", "register"]
 
 HANDOVER_ADAPTERS_ENV = "PREFILLSHARE_HANDOVER_ADAPTERS"
 # the rest of such an engine's env: vLLM's V1 model runner, whose InputBatch the CPU runner shares (on
 # GPUs with Triton vLLM 0.32 picks its V2 runner, which keeps its LoRA ids elsewhere)
 HANDOVER_ENGINE_ENV = {"VLLM_USE_V2_MODEL_RUNNER": "0"}
 
-_ADAPTERS: frozenset[str] = frozenset()
+_ADAPTERS: dict[str, Activation] = {}
 _VLLM: dict[str, Any] = {}  # vLLM's own functions, by name
 
 
 def handover_adapters() -> frozenset[str]:
-    """The LoRA names this process's engine runs from the hand-over point on (empty: plugin idle)."""
-    return _ADAPTERS
+    """The LoRA names this process's engine runs from their activation point on (empty: plugin idle)."""
+    return frozenset(_ADAPTERS)
+
+
+def adapters_env(activations: dict[str, Activation]) -> str:
+    """:data:`HANDOVER_ADAPTERS_ENV`'s value for an engine's in-engine adapters."""
+    return json.dumps({name: list(a.invocation_tokens) for name, a in sorted(activations.items())})
 
 
 def register() -> None:
     """vLLM's entry point: install the replacements once per process, if the engine names adapters."""
     global _ADAPTERS
-    names = os.environ.get(HANDOVER_ADAPTERS_ENV)
-    if not names:
+    named = os.environ.get(HANDOVER_ADAPTERS_ENV)
+    if not named:
         return
-    _ADAPTERS = frozenset(json.loads(names))
+    _ADAPTERS = {name: Activation(tuple(tokens)) for name, tokens in json.loads(named).items()}
     if _VLLM:
         return  # installed already (vLLM loads plugins more than once per process)
-    from vllm.lora import model_manager
+    from vllm.lora import model_manager, peft_helper
     from vllm.lora.punica_wrapper import punica_cpu
     from vllm.v1.core import block_pool, kv_cache_utils
     from vllm.v1.worker import gpu_input_batch
 
+    _replace(peft_helper.PEFTHelper, "_validate_features", _validate_features)
     _replace(kv_cache_utils, "generate_block_hash_extra_keys", _block_hash_extra_keys)
     _replace(block_pool, "generate_block_hash_extra_keys", _block_hash_extra_keys)
     _replace(gpu_input_batch.InputBatch, "make_lora_inputs", _make_lora_inputs)
@@ -130,14 +144,42 @@ def _replace(owner, name: str, replacement) -> None:
     setattr(owner, name, replacement)
 
 
+# --- loading: Activated LoRA adapters this engine serves in-engine --------------------------------
+
+def _validate_features(self) -> list[str]:
+    tokens = self.alora_invocation_tokens
+    if not tokens or Activation(tuple(int(t) for t in tokens)) not in _ADAPTERS.values():
+        return _VLLM["_validate_features"](self)
+    self.alora_invocation_tokens = None  # vLLM's other checks, without the one this plugin answers
+    try:
+        return _VLLM["_validate_features"](self)
+    finally:
+        self.alora_invocation_tokens = tokens
+
+
 # --- scheduler side: prefix-cache keys -------------------------------------------------------------
+
+_START = "_prefillshare_activation_start"  # set on a vLLM Request: its activation point, found once
+NOWHERE = 1 << 62  # the start of an Activated LoRA prompt without its invocation: no token gets the adapter
+
+
+def _request_start(request, activation: Activation) -> int:
+    if not activation.is_alora:
+        return shared_length(request.num_prompt_tokens)
+    start = getattr(request, _START, None)
+    if start is None:
+        found = activation.start(request.prompt_token_ids)
+        start = NOWHERE if found is None else found
+        setattr(request, _START, start)
+    return start
+
 
 def _block_hash_extra_keys(request, start_token_idx: int, end_token_idx: int, start_mm_idx: int):
     keys, next_mm_idx = _VLLM["generate_block_hash_extra_keys"](request, start_token_idx, end_token_idx,
                                                                  start_mm_idx)
     lora = request.lora_request
-    if (keys is not None and lora is not None and lora.lora_name in _ADAPTERS
-            and end_token_idx <= shared_length(request.num_prompt_tokens)):
+    activation = None if lora is None else _ADAPTERS.get(lora.lora_name)
+    if keys is not None and activation is not None and end_token_idx <= _request_start(request, activation):
         keys = tuple(k for k in keys if k[0] != "lora") or None
     return keys, next_mm_idx
 
@@ -147,17 +189,26 @@ def _block_hash_extra_keys(request, start_token_idx: int, end_token_idx: int, st
 def _make_lora_inputs(self, num_scheduled_tokens: np.ndarray, num_sampled_tokens: np.ndarray):
     prompt_mapping, token_mapping, requests = _VLLM["make_lora_inputs"](self, num_scheduled_tokens,
                                                                        num_sampled_tokens)
-    handover_ids = [i for i, r in self.lora_id_to_lora_request.items() if r.lora_name in _ADAPTERS]
-    if not handover_ids:
+    by_id = {i: _ADAPTERS[r.lora_name] for i, r in self.lora_id_to_lora_request.items() if r.lora_name in _ADAPTERS}
+    if not by_id:
         return prompt_mapping, token_mapping, requests
     n = self.num_reqs
-    ids = np.asarray(token_mapping, dtype=np.int64)
-    # each scheduled token's position: the request's computed tokens + its offset in this step
     counts = np.asarray(num_scheduled_tokens[:n], dtype=np.int64)
-    firsts = np.repeat(np.cumsum(counts) - counts, counts)
-    positions = np.repeat(self.num_computed_tokens_cpu[:n], counts) + (np.arange(ids.size) - firsts)
-    handover = np.repeat([shared_length(int(p)) for p in self.num_prompt_tokens[:n]], counts)
-    ids[np.isin(ids, handover_ids) & (positions < handover)] = 0
+    computed, prompts = self.num_computed_tokens_cpu[:n], self.num_prompt_tokens[:n]
+    # requests of an in-engine adapter with prompt tokens in this step: the only ones with tokens before a point
+    rows = [i for i in np.flatnonzero((computed < prompts) & (counts > 0)).tolist()
+            if int(self.request_lora_mapping[i]) in by_id]
+    if not rows:
+        return prompt_mapping, token_mapping, requests
+    ids = np.asarray(token_mapping, dtype=np.int64)
+    firsts = np.cumsum(counts) - counts
+    for i in rows:
+        activation = by_id[int(self.request_lora_mapping[i])]
+        prompt = int(prompts[i])
+        start = activation.start(self.token_ids_cpu[i, :prompt]) if activation.is_alora else shared_length(prompt)
+        # the step's tokens of this request sit at positions computed[i] .. computed[i] + counts[i]
+        before = min(max((NOWHERE if start is None else start) - int(computed[i]), 0), int(counts[i]))
+        ids[firsts[i]: firsts[i] + before] = 0
     return prompt_mapping, tuple(ids.tolist()), requests
 
 

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from transformers import DynamicCache
 from transformers.cache_utils import Cache, DynamicLayer
 
-from prefillshare.app.prompt_split import split_prompt
+from prefillshare.app.prompt_split import HANDOVER, Activation, split_prompt
 from prefillshare.app.rendering import Renderer
 from prefillshare.app.training import tasks
 
@@ -70,8 +70,10 @@ class Batch:
         return cls(d["prefix_ids"], d["prefix_mask"], d["own_ids"], d["own_mask"], d["labels"])
 
 
-def collate(examples: Sequence[Encoded], pad_id: int) -> Batch:
-    splits = [split_prompt(e.prompt) for e in examples]
+def collate(examples: Sequence[Encoded], pad_id: int, activation: Activation = HANDOVER) -> Batch:
+    """Each prompt split where the decoder takes over: the hand-over point, or an Activated LoRA
+    adapter's invocation (the base's KV before it, the adapter's tokens from it on)."""
+    splits = [split_prompt(e.prompt, activation) for e in examples]
     own = [o + list(e.response[:-1]) for (_, o), e in zip(splits, examples)]
     b = len(examples)
     p_width = max(len(s) for s, _ in splits)

@@ -103,6 +103,9 @@ def configure_train(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lora", action="store_true", help="train LoRA adapters: exports the merged model to --out "
                    "and the adapter alone to --adapter-out")
     p.add_argument("--lora-rank", type=int, default=8)
+    p.add_argument("--invocation", help="with --lora: write PEFT's Activated LoRA form (alora_invocation_tokens): "
+                   "this string ends every training prompt, the adapter acts from it on over the base's KV of what "
+                   "precedes it, and only the adapter is written (to --adapter-out, else --out); serve it in-engine")
     p.add_argument("--adapter-out", help="with --lora: adapter-only export (PEFT + prefillshare.json; default "
                    "<out>-adapter)")
     p.add_argument("--shared-layers", type=int, default=2, help="layer_split: lower layers kept from the base")
@@ -151,31 +154,40 @@ def _train_own(args) -> int:
     records = read_records(args.data, args.agent, args.agent_field)
     renderer = choose_renderer(records, tok, args.chat_template, args.no_chat_template, args.system, args.data,
                                layout=args.layout.replace("-", "_"))
-    train = render_records(records, tok, renderer, max_length)
+    invocation: tuple[int, ...] = ()
+    if args.invocation is not None:
+        if not args.lora:
+            raise ValueError("--invocation needs --lora (an Activated LoRA adapter)")
+        invocation = tuple(tok.encode(args.invocation, add_special_tokens=False))
+        if not invocation:
+            raise ValueError(f"--invocation {args.invocation!r} tokenizes to no tokens")
+    train = render_records(records, tok, renderer, max_length, invocation)
     evals = []
     if args.eval_data:
-        evals = render_records(read_records(args.eval_data, args.agent, args.agent_field), tok, renderer, max_length)
+        evals = render_records(read_records(args.eval_data, args.agent, args.agent_field), tok, renderer, max_length,
+                               invocation)
     steps = args.steps or 300
     cfg = TrainConfig(method=args.method, steps=steps, batch_size=args.batch_size or 8, grad_accum=args.grad_accum,
                       lr=args.lr, warmup=args.warmup if args.warmup is not None else steps // 10, seed=args.seed,
                       lora=args.lora, lora_rank=args.lora_rank, shared_layers=args.shared_layers,
                       eval_every=args.eval_every, precision=args.precision,
                       gradient_checkpointing=args.gradient_checkpointing, max_length=max_length,
-                      report_to=args.report_to)
+                      report_to=args.report_to, invocation=invocation)
     agents = [args.agent] if args.agent else list(dict.fromkeys(r.agent for r in records))
     for agent in agents:
         out = Path(args.out) if args.agent else Path(args.out) / agent
         adapter_out = None
         if args.lora:
             adapter_out = Path(args.adapter_out) / agent if args.adapter_out and not args.agent else \
-                Path(args.adapter_out or f"{str(out).rstrip('/')}-adapter")
+                Path(args.adapter_out or (out if invocation else f"{str(out).rstrip('/')}-adapter"))
         state = Path(args.state_dir) / agent if args.state_dir and not args.agent else \
             Path(args.state_dir or f"{str(out).rstrip('/')}.state")
         path = train_decoder(base, train, agent, out, cfg, state_dir=state, resume=args.resume,
                              progress=not args.no_progress, renderer=renderer, eval_examples=evals,
                              adapter_out=adapter_out, tokenizer=tok)
         print(f"wrote {path} (agent {agent!r}, {sum(e.agent == agent for e in train)} examples, "
-              f"prompt format {renderer.format})" + (f" and adapter {adapter_out}" if adapter_out else ""))
+              f"prompt format {renderer.format})" + (f" and adapter {adapter_out}" if adapter_out and
+                                                       adapter_out != path else ""))
     return 0
 
 

@@ -129,8 +129,10 @@ def truncate(prompt: list[int], response: list[int], max_length: int | None, bos
     return ([bos] if keep_bos and bos is not None else []) + prompt[-room:]
 
 
-def render_records(records: Sequence[Record], tok, renderer: Renderer, max_length: int | None = None) -> list[Encoded]:
-    """Token ids of each record in ``renderer``'s format, truncated to ``max_length``."""
+def render_records(records: Sequence[Record], tok, renderer: Renderer, max_length: int | None = None,
+                   invocation: Sequence[int] = ()) -> list[Encoded]:
+    """Token ids of each record in ``renderer``'s format, ``invocation`` after each prompt (an
+    Activated LoRA adapter's), truncated to ``max_length``."""
     out = []
     for r in records:
         try:
@@ -143,6 +145,7 @@ def render_records(records: Sequence[Record], tok, renderer: Renderer, max_lengt
                                                       ("assistant", r.answer)])
         except RenderError as e:
             raise DataError(f"{r.where}: {e}") from None
+        p = [*p, *invocation]
         if len(p) < 1:
             raise DataError(f"{r.where}: the prompt renders to no tokens")
         out.append(Encoded(r.agent, tuple(truncate(p, resp, max_length, tok.bos_token_id, r.where)), tuple(resp)))

@@ -32,6 +32,7 @@ from transformers import Trainer, TrainerCallback, TrainingArguments
 from prefillshare.app.models import checkpoint
 from prefillshare.app.models.identity import prefill_module_id, tokenizer_hash
 from prefillshare.app.models.manifest import METHODS, AdapterSpec, DecodeManifest
+from prefillshare.app.prompt_split import HANDOVER, Activation
 from prefillshare.app.rendering import Renderer
 from prefillshare.app.training import batches
 
@@ -62,6 +63,9 @@ class TrainConfig:
     max_length: int | None = None  # prompt + response tokens; longer prompts lose context from the left
     report_to: str = "none"        # e.g. "tensorboard"
     logging_steps: int = 10
+    # LoRA only: PEFT's Activated LoRA form. Each prompt ends with these tokens; the adapter trains from
+    # them on over the base's KV of what precedes them, and is written with alora_invocation_tokens
+    invocation: tuple[int, ...] = ()
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -72,6 +76,8 @@ class TrainConfig:
             raise ValueError(f"precision must be auto, bf16 or fp32, got {self.precision!r}")
         if self.lr is not None and self.lr <= 0:
             raise ValueError(f"lr must be > 0, got {self.lr}")
+        if self.invocation and (not self.lora or self.method != "cache_conditioned"):
+            raise ValueError("invocation (Activated LoRA) needs lora and the cache_conditioned method")
 
     @property
     def learning_rate(self) -> float:
@@ -98,11 +104,11 @@ class EncodedDataset(Dataset):
 class Collator:
     """Encoded examples -> the padded batch (left-padded prefix, right-padded own tokens)."""
 
-    def __init__(self, pad_id: int):
-        self.pad_id = pad_id
+    def __init__(self, pad_id: int, activation: Activation = HANDOVER):
+        self.pad_id, self.activation = pad_id, activation
 
     def __call__(self, items: Sequence[batches.Encoded]) -> dict[str, torch.Tensor]:
-        return batches.collate(items, self.pad_id).as_dict()
+        return batches.collate(items, self.pad_id, self.activation).as_dict()
 
 
 def enable_checkpointing_with_prefix(model) -> None:
@@ -295,7 +301,7 @@ def train_decoder(
     args = training_arguments(cfg, state_dir, bool(evals) and cfg.eval_every > 0, progress)
     stopper = _StopAfter(stop_after) if stop_after else None
     trainer = CacheConditionedTrainer(
-        model=model, args=args, method=cfg.method, base=base, data_collator=Collator(batches.pad_id_of(tok)),
+        model=model, args=args, method=cfg.method, base=base, data_collator=Collator(batches.pad_id_of(tok), Activation(cfg.invocation)),
         train_dataset=EncodedDataset(data), eval_dataset=EncodedDataset(evals) if evals else None,
         callbacks=[stopper] if stopper else None)
     t0 = time.perf_counter()
@@ -309,11 +315,19 @@ def train_decoder(
     base_id, tok_hash = prefill_module_id(base_dir), tokenizer_hash(base_dir)
     dtype = checkpoint.stored_dtype(base_dir)  # trained in float32, stored the way the base is
     extra = renderer.extra_files()
+    if cfg.invocation:  # PEFT's Activated LoRA form; no merged model (merged, it would act on every token)
+        lora_cfg = model.peft_config["default"]
+        lora_cfg.alora_invocation_tokens, lora_cfg.task_type = list(cfg.invocation), "CAUSAL_LM"
+        training["invocation"] = list(cfg.invocation)
+        adapter_out = adapter_out or out_dir
     if cfg.lora and adapter_out is not None:
         adapter = AdapterSpec(base_id, cfg.lora_rank, tuple(cfg.lora_targets), float(cfg.lora_alpha or 2 * cfg.lora_rank))
         checkpoint.save_adapter(model, adapter_out, base_dir,
                                 DecodeManifest(agent, base_id, tok_hash, training, prompt=renderer.fmt, adapter=adapter),
                                 extra_files=extra, dtype=dtype)
+        if cfg.invocation:
+            shutil.rmtree(state_dir, ignore_errors=True)
+            return Path(adapter_out)
     if cfg.lora:
         model = model.merge_and_unload()
     model.eval()

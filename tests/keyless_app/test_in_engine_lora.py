@@ -14,7 +14,7 @@ import json
 import shutil
 
 import pytest
-from keyless_test_app import IN_ENGINE, MAX_NEW, keyless_config
+from keyless_test_app import ALORA, IN_ENGINE, INVOCATION, MAX_NEW, invocation_ids, keyless_config
 
 CONTEXT = "order\nname: ines\nitem: desk\nqty: 2\ncity: lima\nday: fri\nnote: leave it at the back door please"
 # a context no other test sends: what is cached of it, the test's own requests computed
@@ -46,9 +46,11 @@ def test_in_engine_decoders_plan_on_their_module_and_its_engine_runs_them_from_t
     assert not plan.decoder("ad0").in_engine and plan.decoder("ad0").group == "group"
     p = cfg.prefill_modules[0]
     ec = engine_config(cfg, p.model, p.engine, p.placement, None, p)
-    assert [n for n, _ in ec.lora_adapters] == list(IN_ENGINE) and ec.handover_adapters == IN_ENGINE
-    assert json.loads(ec.core_env["PREFILLSHARE_HANDOVER_ADAPTERS"]) == sorted(IN_ENGINE)
-    assert ec.engine_args().enable_lora and ec.max_loras == len(IN_ENGINE)
+    served = (*IN_ENGINE, ALORA)
+    assert [n for n, _ in ec.lora_adapters] == list(served) and ec.handover_adapters == served
+    # each named to the engine's plugin with its activation rule: the hand-over point, or the invocation
+    assert json.loads(ec.core_env["PREFILLSHARE_HANDOVER_ADAPTERS"]) == {"ie0": [], "ie1": [], ALORA: invocation_ids()}
+    assert ec.engine_args().enable_lora and ec.max_loras == len(served)
 
 
 def _naive(models, tmp_path):
@@ -189,3 +191,43 @@ def test_in_engine_decoders_answer_on_the_openai_routes_and_stream(app_url, refe
     while _metric(app_url, "vllm:prefix_cache_hits_total") <= before and time.monotonic() < deadline:
         time.sleep(1)
     assert _metric(app_url, "vllm:prefix_cache_hits_total") > before  # vLLM's own counter saw the hits
+
+
+@pytest.mark.serve
+@pytest.mark.engine
+def test_an_activated_lora_decoder_acts_from_its_invocation_as_peft_does_and_refuses_a_prompt_without_it(app_url,
+                                                                                                       models):
+    """ia0 (PEFT's aLoRA form) over a context ie0 has cached: it reads every block before its
+    invocation from the module's cache, and answers PEFT's own generate(); without the invocation, 400."""
+    import openai
+    import torch
+    from peft import PeftModel
+    from transformers import AutoTokenizer
+
+    from prefillshare.app.models.checkpoint import load_model
+    from prefillshare.app.prompt_split import last_occurrence
+    from prefillshare.app.training.tasks import render_prompt
+    from tests.keyless_test_app import TOKENIZER
+
+    tok = AutoTokenizer.from_pretrained(str(TOKENIZER))
+    oa = openai.OpenAI(base_url=app_url + "/v1", api_key="unused", max_retries=0, timeout=300)
+    context = render_prompt(FRESH.replace("kyiv", "oslo"), "is it ready?")
+    oa.completions.create(model="ie0", prompt=context, max_tokens=1, temperature=0)  # the context, cached
+    prompt = context + "\n" + INVOCATION
+    ids = tok(prompt)["input_ids"]
+    start = last_occurrence(ids, invocation_ids())
+    assert start is not None and start >= 32
+    peft = PeftModel.from_pretrained(load_model(models["base"], torch.float32), str(models[ALORA])).eval()
+    with torch.no_grad():
+        want = peft.generate(input_ids=torch.tensor([ids]), max_new_tokens=MAX_NEW, do_sample=False,
+                             eos_token_id=tok.eos_token_id, pad_token_id=tok.eos_token_id)[0, len(ids):].tolist()
+    out = oa.completions.create(model=ALORA, prompt=prompt, max_tokens=MAX_NEW, temperature=0)
+    assert out.choices[0].text == tok.decode(want, skip_special_tokens=True)
+    assert out.usage.prompt_tokens_details.cached_tokens == start // 32 * 32  # the base's blocks, up to the invocation
+    for stream in (False, True):
+        with pytest.raises(openai.BadRequestError) as e:
+            r = oa.completions.create(model=ALORA, prompt=context, max_tokens=MAX_NEW, temperature=0, stream=stream)
+            list(r) if stream else None
+        err = e.value.body if isinstance(e.value.body, dict) else {}
+        assert e.value.status_code == 400 and err.get("param") == "prompt", e.value
+        assert repr(ALORA) in err["message"] and str(invocation_ids()) in err["message"], err
