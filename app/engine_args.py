@@ -53,7 +53,7 @@ def oversubscribed_threads(cfg: AppConfig) -> list[str]:
     vLLM's threads spin on every core they are given, so the Router, Serve's proxy and the other
     engines on the node wait behind them (measured on 2 cores: '0-1' under the default app's 0.5-CPU
     prefill module took in-engine adapters from 0.83x to 0.61x of one engine's throughput,
-    docs/serving.md "Threads"). One line per engine, naming the field and what to set instead."""
+    docs/serving.md "Threads on a node shared with the Router and Serve's proxy"). One line per engine, naming the field and what to set instead."""
     engines: list[tuple[str, PrefillModuleConfig | DecoderConfig]] = [
         *((f"prefill_modules[{i}]", p) for i, p in enumerate(cfg.prefill_modules)),
         *((f"decoders[{i}]", d) for i, d in enumerate(cfg.decoders))]

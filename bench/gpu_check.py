@@ -38,6 +38,7 @@ import json
 import mmap
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -428,14 +429,19 @@ def handover(args, results: dict, failures: list[str], step: str, limit: float) 
 
 def in_engine(args, results: dict, failures: list[str], limit: float) -> None:
     """Step in_engine: bench.in_engine_probe (the shipped chat adapters in the base's own engine)."""
-    res, _ = _probe(args, "in_engine", [], limit, module="bench.in_engine_probe")
+    work = tempfile.mkdtemp(prefix="ps-gpu-alora-")
+    res, _ = _probe(args, "in_engine", ["--work", work], limit, module="bench.in_engine_probe")
+    shutil.rmtree(work, ignore_errors=True)
     results["in_engine"] = res
     failures.extend(f"in_engine: {f}"[:300] for f in res["failures"])
     share = res["sharing"]
     print(f"  in_engine: {res['tokens']['compared']} greedy answers compared, {len(res['tokens']['mismatches'])} "
           f"differ; a fan-out of 4 adapters over {share['prompt_tokens']} tokens computed "
-          f"{share['computed_over_one_prompt']}x one prompt (vLLM's counters)", flush=True)
+          f"{share['computed_over_one_prompt']}x one prompt (vLLM's counters); aLoRA: {res['alora']['compared']} "
+          f"answers against PEFT, a fan-out of 2 computed {res['alora']['computed_over_one_prompt']}x one prompt",
+          flush=True)
     results.setdefault("ratios", {})["in_engine: fan-out of 4 computed / one prompt"] = share["computed_over_one_prompt"]
+    results["ratios"]["in_engine: aLoRA fan-out of 2 computed / one prompt"] = res["alora"]["computed_over_one_prompt"]
 
 
 # ---------------------------------------------------------------- the run
@@ -448,10 +454,11 @@ STEPS = {
     "lora": ("vllm-nixl, the app's settings: a LoRA adapter consumer's tokens on the pulled KV", 65),
     "speed": ("vllm-nixl, the app's settings: TTFT shared vs private, KV GB/s vs a copy, UCX's transport", 100),
     "speed-auto": ("vllm-nixl without the CUDA IPC override: KV GB/s and UCX's transport", 70),
-    "in_engine": ("in-engine LoRA decoders: tokens vs transformers, the base's prefix cache shared", 50),
+    "in_engine": ("in-engine LoRA decoders: tokens vs transformers (aLoRA: vs PEFT), the base's prefix cache shared",
+                  60),
 }
 DEFAULT_STEPS = tuple(STEPS)
-BUDGET_S = 390
+BUDGET_S = 400
 # --device cpu (the dry run): a 2-core box starts two engines in 20-50 s where a GPU box takes ~10 s
 CPU_SLACK = 5
 

@@ -6,7 +6,7 @@
 #   bash bench/gpu_check.sh --device cpu --steps env,tokens,lora,speed   # the CPU dry run (CI)
 # On the lent box (torch, no vLLM, no network) the payload of bench/gpu_payload.sh comes first:
 # PAYLOAD=/tmp/p (a folder holding its part.* chunks) unpacks it to /tmp/site and puts it on PYTHONPATH.
-# Time limits: 45 s to unpack + 400 s for the steps (their own limits add up to 390 s) = 445 s.
+# Time limits: 45 s to unpack + 405 s for the steps (their own limits add up to 400 s) = 450 s.
 # Exit: 0 pass, 1 a check failed, 2 no CUDA GPU (nothing run).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -42,4 +42,4 @@ if [[ " $* " != *" --device cpu "* ]]; then
     exit 2
   fi
 fi
-exec timeout 400 "$PY" bench/gpu_check.py "$@"
+exec timeout 405 "$PY" bench/gpu_check.py "$@"

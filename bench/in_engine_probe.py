@@ -10,6 +10,9 @@ serves them; float32, so greedy tokens compare with transformers on the same dev
 - sharing: the four adapters at once over one long prompt of one tenant: every full block before
   the hand-over point read from the base's prefix cache (``num_cached_tokens``), vLLM's own
   ``vllm:prefix_cache_*`` counters over the fan-out, and another tenant's request that reads none.
+- alora: two Activated LoRA adapters made here with PEFT's own aLoRA support (bench/alora.py) in
+  the same engine: their greedy tokens against PEFT's ``generate()`` on two prompts each, and a
+  fan-out of both over the long context, each invoked at its end, which computes it once.
 
     python -m bench.in_engine_probe --device cuda|cpu --out FILE.json
 
@@ -67,6 +70,7 @@ def _counters() -> dict[str, float]:
 
 
 async def probe(args) -> dict:
+    from bench import alora
     from prefillshare.app.engine.async_engine import Engine, EngineConfig
     from prefillshare.app.engine_args import CPU_ENGINE_ENV
     from prefillshare.app.sampling import Sampling
@@ -75,7 +79,9 @@ async def probe(args) -> dict:
     ck = Path(args.checkpoints)
     tok = load_tokenizer(ck / "base")
     prompts = _prompts(ck, tok)
+    activated = alora.train(Path(args.work) / "alora", ALORA, steps=40, ckpt=ck)
     adapters = tuple((f"chat-{a}", str(ck / "chat" / "adapters" / a)) for a in AGENTS)
+    adapters += tuple((n, str(p)) for n, p in activated.items())
     gpu = {"gpu_memory_utilization": 0.3} if args.device == "cuda" else {
         "extra_env": {**CPU_ENGINE_ENV, "VLLM_CPU_OMP_THREADS_BIND": "nobind"}}
     t0 = time.perf_counter()
@@ -98,8 +104,17 @@ async def probe(args) -> dict:
         await asyncio.sleep(0.5)  # vLLM's stat logger records the last step's counters
         after = _counters()
         other = await engine.complete(long, greedy, lora="chat-route", cache_salt="another-tenant")
+        invoked = {n: _invoked(prompts, tok, n) for n in ALORA}
+        a_served = {n: [list((await engine.complete(p, greedy, lora=n, cache_salt="alora")).token_ids) for p in ps]
+                    for n, ps in invoked.items()}
+        a_long = {n: long[: 1024 - MAX_NEW - 16] + alora.invocation_ids(tok, n) for n in ALORA}
+        a_before = _counters()
+        a_fan = await asyncio.gather(*[engine.complete(p, greedy, lora=n, cache_salt="alora-fan") for n, p in a_long.items()])
+        await asyncio.sleep(0.5)
+        a_after = _counters()
     finally:
         engine.shutdown()
+    result["alora"] = _alora_result(activated, invoked, a_served, a_long, a_fan, a_before, a_after, ck, args.device)
     result["tokens"] = _compare(ck, prompts, served, tok.eos_token_id, args.device)
     expected = (len(long) - 1) // BLOCK * BLOCK  # every full block before the hand-over point
     queries = after.get("vllm:prefix_cache_queries_total", 0.0) - before.get("vllm:prefix_cache_queries_total", 0.0)
@@ -120,8 +135,39 @@ async def probe(args) -> dict:
         failures.append(f"sharing: the fan-out computed {result['sharing']['computed_over_one_prompt']} prompts")
     if other.num_cached_tokens:
         failures.append(f"sharing: another tenant read {other.num_cached_tokens} cached tokens")
+    failures += [f"alora: {f}" for f in result["alora"]["failures"]]
     result["failures"] = failures
     return result
+
+
+ALORA = ("check", "route")  # bench/alora.py's adapters the probe makes
+
+
+def _invoked(prompts: dict[str, list[list[int]]], tok, name: str) -> list[list[int]]:
+    """Two held-out prompts with the adapter's invocation: at the end, and twice (the last counts)."""
+    from bench import alora
+
+    inv = alora.invocation_ids(tok, name)
+    first, second = prompts[AGENTS[0]][:2]
+    return [first + inv, first[:40] + inv + second[-40:] + inv]
+
+
+def _alora_result(paths, invoked, served, long, fan, before, after, ck: Path, device: str) -> dict:
+    from bench import alora
+
+    failures, compared = [], 0
+    for name, ps in invoked.items():
+        want = alora.peft_greedy(paths[name], ps, MAX_NEW, ck, device)
+        compared += len(ps)
+        failures += [f"{name} prompt {i}: {g} != PEFT's {w}" for i, (g, w) in enumerate(zip(served[name], want)) if g != w]
+    queries = after.get("vllm:prefix_cache_queries_total", 0.0) - before.get("vllm:prefix_cache_queries_total", 0.0)
+    hits = after.get("vllm:prefix_cache_hits_total", 0.0) - before.get("vllm:prefix_cache_hits_total", 0.0)
+    one = len(next(iter(long.values())))
+    computed = round((queries - hits) / one, 3) if queries else None
+    if computed is None or computed > 1.1:
+        failures.append(f"the aLoRA fan-out computed {computed} prompts")
+    return {"compared": compared, "computed_over_one_prompt": computed,
+            "cached_tokens": [o.num_cached_tokens for o in fan], "failures": failures}
 
 
 def _compare(ck: Path, prompts, served, eos: int, device: str) -> dict:
@@ -156,6 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     ap.add_argument("--checkpoints", default=str(ROOT / "checkpoints"))
     ap.add_argument("--out", help="JSON file for the result")
+    ap.add_argument("--work", default=str(ROOT / "runs" / "in_engine_probe"), help="where the aLoRA adapters are made")
     args = ap.parse_args(argv)
     result = asyncio.run(probe(args))
     if args.out:

@@ -52,6 +52,10 @@ class ModelShape:
 
 
 SMALL = ModelShape(hidden=256, layers=2, heads=4, kv_heads=2, intermediate=512, max_position=4096)
+# a real small model's shape (its layer count shows per-layer overheads as that model would): Qwen2.5-0.5B's
+# hidden size, layers, heads and MLP, as a Llama without Qwen's q/k/v biases, over this project's vocabulary
+QWEN25_05B = ModelShape(hidden=896, layers=24, heads=14, kv_heads=2, intermediate=4864, max_position=32768)
+SHAPES = {"default": ModelShape(), "small": SMALL, "qwen2.5-0.5b": QWEN25_05B}
 
 
 def silent_token_ids(tok) -> list[int]:

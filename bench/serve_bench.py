@@ -36,7 +36,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from bench.local_cluster import free_port
-from bench.models import SMALL, ModelShape
+from bench.models import SHAPES, SMALL, ModelShape
 from bench.stock_vllm import STOCK_SYSTEMS
 from bench.systems import CHAT_SYSTEMS, SYSTEMS, Topology, decoder_names
 from bench.workload import WorkloadSpec
@@ -722,6 +722,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     a("--probes", type=int, help="repeats of each unloaded phase-cost probe (default 2)")
     a("--seed", type=int)
     a("--models", choices=["random", "shipped"], help="random-weight Llama (default) or the shipped checkpoints")
+    a("--shape", choices=sorted(SHAPES), help="the random model's shape (default: default, 90M; qwen2.5-0.5b: "
+      "Qwen2.5-0.5B's 24 layers, hidden 896); --hidden etc. change single fields of it")
     a("--hidden", type=int), a("--layers", type=int), a("--heads", type=int), a("--kv-heads", type=int)
     a("--intermediate", type=int)
     a("--kv-cache-gib", type=float, help="KV space per engine (default 0.25)")
@@ -762,7 +764,7 @@ def config_from_args(args: argparse.Namespace) -> ServeBenchConfig:
         kw["rates"] = ()
     if args.systems:
         kw["systems"] = tuple(s.strip() for s in args.systems.split(",") if s.strip())
-    shape = kw.get("shape", ModelShape())
+    shape = SHAPES[args.shape] if getattr(args, "shape", None) else kw.get("shape", ModelShape())
     over = {k: getattr(args, k) for k in ("hidden", "layers", "heads", "kv_heads", "intermediate")
             if getattr(args, k, None) is not None}
     topo = kw.get("topology", Topology())

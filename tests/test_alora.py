@@ -1,6 +1,6 @@
 """PEFT's Activated LoRA adapters served in-engine, unmodified, in a real vLLM engine (float32).
 
-Four adapters made with PEFT's own aLoRA support (tests/alora_adapters.py), each with its own
+Four adapters made with PEFT's own aLoRA support (bench/alora.py), each with its own
 invocation string, are one engine's in-engine adapters (``EngineConfig.handover_adapters``); the
 same weights without the invocation (ordinary LoRA) are served beside them. Checked: each
 adapter's greedy tokens equal PEFT's ``generate()`` on four prompts, one of which holds the
@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests import alora_adapters
-from tests.alora_adapters import ADAPTERS, CKPT
+from bench import alora as alora_adapters
+from bench.alora import ADAPTERS, CKPT
 from tests.engine_child import KV_CACHE_BYTES, run_in_child
 
 MAX_NEW = 8

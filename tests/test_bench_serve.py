@@ -160,6 +160,21 @@ def test_report_remakes_tables_and_plots_of_a_saved_run(tmp_path):
         rerender(tmp_path / "other.json")
 
 
+def test_the_qwen_shaped_random_model_is_chosen_by_name_and_single_fields_still_override_it():
+    import argparse
+
+    from bench.models import QWEN25_05B
+    from bench.serve_bench import config_from_args, configure
+
+    parser = argparse.ArgumentParser()
+    configure(parser)
+    cfg = config_from_args(parser.parse_args(["--shape", "qwen2.5-0.5b"]))
+    assert (cfg.shape.hidden, cfg.shape.layers, cfg.shape.heads, cfg.shape.kv_heads, cfg.shape.intermediate) == (
+        896, 24, 14, 2, 4864) and cfg.shape == QWEN25_05B
+    assert 400e6 < QWEN25_05B.params(151_936) < 520e6  # with Qwen's own vocabulary: ~0.5B, the model it copies
+    assert config_from_args(parser.parse_args(["--shape", "qwen2.5-0.5b", "--layers", "2"])).shape.layers == 2
+
+
 def test_every_system_is_a_valid_app_config(tmp_path):
     """The app systems' configs load and plan (adapters checked, per-adapter KV where it belongs); no engine starts."""
     from bench.models import SMALL, random_models
