@@ -125,7 +125,7 @@ def test_invocation_writes_pefts_activated_lora_form_that_peft_loads_and_the_app
     batch = collate([Encoded(AGENT, (1, 5, 6, *invocation, 9), (7, 2))], 0, Activation(tuple(invocation)))
     assert batch.prefix_ids[0].tolist() == [1, 5, 6] and batch.own_ids[0].tolist()[:len(invocation)] == invocation
     cfg = load_config({"tokenizer": str(base), "prefill_modules": [
-        {"name": "base", "model": str(base), "max_lora_rank": 4,
+        {"name": "base", "model": str(base), "max_lora_rank": 8,
          "lora_decoders": [{"name": AGENT, "path": str(out), "rank": 4}]}]})
     (served,) = plan_app(cfg).decoders
     assert served.in_engine and served.name == AGENT

@@ -301,7 +301,8 @@ def train_decoder(
     args = training_arguments(cfg, state_dir, bool(evals) and cfg.eval_every > 0, progress)
     stopper = _StopAfter(stop_after) if stop_after else None
     trainer = CacheConditionedTrainer(
-        model=model, args=args, method=cfg.method, base=base, data_collator=Collator(batches.pad_id_of(tok), Activation(cfg.invocation)),
+        model=model, args=args, method=cfg.method, base=base,
+        data_collator=Collator(batches.pad_id_of(tok), Activation(cfg.invocation)),
         train_dataset=EncodedDataset(data), eval_dataset=EncodedDataset(evals) if evals else None,
         callbacks=[stopper] if stopper else None)
     t0 = time.perf_counter()
@@ -312,10 +313,20 @@ def train_decoder(
     model = trainer.accelerator.unwrap_model(trainer.model)
     final_loss = next((h["loss"] for h in reversed(trainer.state.log_history) if "loss" in h), result.training_loss)
     training = _training_record(cfg, len(data), float(final_loss), seconds)
+    path = _export(model, cfg, training, agent, base_dir, out_dir, adapter_out, renderer)
+    shutil.rmtree(state_dir, ignore_errors=True)
+    return path
+
+
+def _export(model, cfg: TrainConfig, training: dict, agent: str, base_dir: Path, out_dir: Path,
+            adapter_out: str | Path | None, renderer: Renderer) -> Path:
+    """The trained decoder written out: merged or layer-split weights to ``out_dir``, and with LoRA the
+    adapter alone to ``adapter_out``; an Activated LoRA adapter only as the adapter (merged, it would
+    act on every token), to ``adapter_out`` or else ``out_dir``."""
     base_id, tok_hash = prefill_module_id(base_dir), tokenizer_hash(base_dir)
     dtype = checkpoint.stored_dtype(base_dir)  # trained in float32, stored the way the base is
     extra = renderer.extra_files()
-    if cfg.invocation:  # PEFT's Activated LoRA form; no merged model (merged, it would act on every token)
+    if cfg.invocation:  # PEFT's Activated LoRA form
         lora_cfg = model.peft_config["default"]
         lora_cfg.alora_invocation_tokens, lora_cfg.task_type = list(cfg.invocation), "CAUSAL_LM"
         training["invocation"] = list(cfg.invocation)
@@ -326,7 +337,6 @@ def train_decoder(
                                 DecodeManifest(agent, base_id, tok_hash, training, prompt=renderer.fmt, adapter=adapter),
                                 extra_files=extra, dtype=dtype)
         if cfg.invocation:
-            shutil.rmtree(state_dir, ignore_errors=True)
             return Path(adapter_out)
     if cfg.lora:
         model = model.merge_and_unload()
@@ -336,11 +346,8 @@ def train_decoder(
         training.update(shared_layers=cfg.shared_layers, weights="upper_layers")
     manifest = DecodeManifest(agent, base_id, tok_hash, training, prompt=renderer.fmt)
     if cfg.method == "layer_split":
-        path = checkpoint.save_upper_layers(model, cfg.shared_layers, out_dir, base_dir, manifest, dtype=dtype)
-    else:
-        path = checkpoint.save_model(model, out_dir, base_dir, manifest, extra_files=extra, dtype=dtype)
-    shutil.rmtree(state_dir, ignore_errors=True)
-    return path
+        return checkpoint.save_upper_layers(model, cfg.shared_layers, out_dir, base_dir, manifest, dtype=dtype)
+    return checkpoint.save_model(model, out_dir, base_dir, manifest, extra_files=extra, dtype=dtype)
 
 
 def _encoded(items: Sequence, tok, renderer: Renderer) -> list[batches.Encoded]:
