@@ -1,6 +1,6 @@
 """Stream several agents at once: one async iterator per agent over a single request.
 
-    python examples/sdk_stream.py --url http://127.0.0.1:8000
+    python examples/sdk_stream.py --url http://127.0.0.1:8000 [--models lookup route]
 """
 from __future__ import annotations
 
@@ -24,9 +24,9 @@ def instruction(model: str) -> str:
     return TASKS.get(model, TASKS["lookup"])(RECORD, random.Random(3))[0]
 
 
-async def run(url: str, max_tokens: int) -> int:
+async def run(url: str, max_tokens: int, models: list[str] | None = None) -> int:
     async with AsyncClient(url, timeout=120) as client:
-        models = [m.id for m in await client.models()]
+        models = models or [m.id for m in await client.models()]
         agents = [Agent(m, instruction(m), sampling=Sampling(max_tokens=max_tokens)) for m in models]
         async with client.stream(CONTEXT, agents) as stream:
 
@@ -50,9 +50,10 @@ async def run(url: str, max_tokens: int) -> int:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--url", default=os.environ.get("PREFILLSHARE_URL", "http://127.0.0.1:8000"))
+    p.add_argument("--models", nargs="*", help="decoders to ask (default: every served model)")
     p.add_argument("--max-tokens", type=int, default=16)
     args = p.parse_args(argv)
-    return asyncio.run(run(args.url, args.max_tokens))
+    return asyncio.run(run(args.url, args.max_tokens, args.models))
 
 
 if __name__ == "__main__":

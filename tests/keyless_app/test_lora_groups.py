@@ -17,7 +17,7 @@ import os
 import shutil
 
 import pytest
-from keyless_test_app import MAX_NEW, TOKENIZER, keyless_config
+from keyless_test_app import ALORA, MAX_NEW, TOKENIZER, keyless_config
 
 from tests.engine_child import CPU_TEST_ENGINE_ENV
 
@@ -44,7 +44,7 @@ def test_group_plan_serves_each_adapter_by_name_on_the_base_kv(models):
     cfg = load_config(app_config(models))
     plan = plan_app(cfg)
     by = {d.name: d for d in plan.decoders}
-    assert set(by) == {"lookup", "tool_call", "verify", "ad0", "prüf-ágent-1", "tmpl", "ie0", "ie1"}
+    assert set(by) == {"lookup", "tool_call", "verify", "ad0", "prüf-ágent-1", "tmpl", "ie0", "ie1", ALORA}
     assert by["lookup"].adapter is None and by["lookup"].prefill_module == "base"
     assert all(by[a].prefill_module == "base" and by[a].group == "group" and by[a].adapter == a for a in ("ad0", "prüf-ágent-1"))
     g = cfg.decoders[GROUP]
