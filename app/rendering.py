@@ -14,6 +14,7 @@ shared part is one prefill for all of them. ``system_first`` renders the message
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -31,6 +32,14 @@ OWN_ROLES = ("system", "developer")  # turns that are one agent's own text, not 
 
 class RenderError(PrefillShareLibraryError, ValueError):
     """A prompt cannot be rendered the recorded way; the message names the file or decoder."""
+
+
+class SwitchIgnored(RenderError):
+    """A chat switch the decoder's rendering would leave without effect; ``field`` names it."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(f"{field}: {message}")
+        self.field = field
 
 
 def template_sha256(text: str) -> str:
@@ -120,6 +129,36 @@ class Renderer:
         return {self.fmt.template_file: self.template}
 
     # --- chat templates ---
+    @functools.cached_property
+    def template_variables(self) -> frozenset[str]:
+        """The names the chat template reads (none without a template): the switches it can honour."""
+        if self.format != "chat_template" or not self.template:
+            return frozenset()
+        import jinja2
+        import jinja2.meta
+
+        env = jinja2.Environment(extensions=["jinja2.ext.loopcontrols"])  # as transformers renders templates
+        return frozenset(jinja2.meta.find_undeclared_variables(env.parse(self.template)))
+
+    def check_switches(self, add_generation_prompt: bool = True, template_kwargs: dict | None = None,
+                       continue_final_message: bool = False) -> None:
+        """Refuse a chat switch this rendering would ignore (:class:`SwitchIgnored` naming the field):
+        ``add_generation_prompt: false`` where no generation prompt is rendered (unless it goes with
+        ``continue_final_message``, which needs it), and each ``chat_template_kwargs`` key the
+        template does not read (or any, without a template)."""
+        reads = self.template_variables
+        if not add_generation_prompt and not continue_final_message and "add_generation_prompt" not in reads:
+            raise SwitchIgnored("add_generation_prompt", "false has no effect on this decoder: its rendering ("
+                                f"{self._described}) adds no generation prompt to leave out")
+        for key in template_kwargs or {}:
+            if key not in reads:
+                raise SwitchIgnored(f"chat_template_kwargs.{key}", f"this decoder's rendering ({self._described}) "
+                                    f"does not read {key!r}")
+
+    @property
+    def _described(self) -> str:
+        return "its chat template" if self.format == "chat_template" else f"the {self.format} format, no template"
+
     def _render(self, tok, messages: Messages, add_generation_prompt: bool, continue_final_message: bool = False,
                 template_kwargs: dict | None = None) -> str:
         try:
@@ -165,6 +204,7 @@ class Renderer:
         ``continue_final_message``: the conversation ends in a partial assistant turn, which the
         prompt leaves open. ``template_kwargs`` reach a chat template (the suite and text formats
         have none to read them)."""
+        self.check_switches(add_generation_prompt, template_kwargs, continue_final_message)
         return self._arranged_ids(tok, self.arrange(messages, tools_line), add_generation_prompt,
                                   continue_final_message, template_kwargs)
 

@@ -75,9 +75,11 @@ def run(args) -> dict:
                          args.dtype, lora_rank=args.rank)
     names = [f"agent{i}" for i in range(args.fanout)]
     from prefillshare.app.engine import vllm_plugin
+    from prefillshare.app.prompt_split import Activation
 
     os.environ.update({"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
-                       vllm_plugin.HANDOVER_ADAPTERS_ENV: json.dumps(names), **vllm_plugin.HANDOVER_ENGINE_ENV})
+                       vllm_plugin.HANDOVER_ADAPTERS_ENV: vllm_plugin.adapters_env({n: Activation() for n in names}),
+                       **vllm_plugin.HANDOVER_ENGINE_ENV})
     from vllm import LLM, SamplingParams
     from vllm.lora.request import LoRARequest
 

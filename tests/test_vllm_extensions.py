@@ -3,6 +3,8 @@ in the prompt ids, in the KV salt and in the answer's shape. Their effect on rea
 tests/keyless_app/test_vllm_compat.py."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from prefillshare.app.config import LimitsConfig
@@ -17,6 +19,8 @@ from prefillshare.deployments.ingress.prompt_options import (
 )
 from prefillshare.deployments.ingress.request_options import check_unsupported, sampling_from
 from prefillshare.deployments.ingress.schemas import AgentBody, ChatBody, CompletionBody
+
+ROOT = Path(__file__).resolve().parent.parent
 
 LIMITS = LimitsConfig(max_tokens_default=8, max_tokens_cap=64)
 EOS = 2
@@ -144,6 +148,32 @@ def test_chat_template_switches_render_through_the_decoders_template():
     assert text(r.chat_ids(tok, msgs, template_kwargs={"shout": True})).endswith("<assistant>!")
     cont = r.chat_ids(tok, [*msgs, ("assistant", "hel")], add_generation_prompt=False, continue_final_message=True)
     assert text(cont).endswith("<assistant>hel")
+
+
+def test_a_chat_switch_a_decoders_rendering_would_ignore_is_refused_naming_the_field():
+    """Honoured where the rendering reads it (above), refused where it would change nothing: the
+    shipped chat adapters' template has no generation prompt, the suite format no template."""
+    from transformers import AutoTokenizer
+
+    from bench.random_models import TOKENIZER
+    from prefillshare.app.rendering import Renderer, SwitchIgnored
+
+    tok = AutoTokenizer.from_pretrained(str(TOKENIZER))
+    chat = Renderer.for_decoder(ROOT / "checkpoints" / "chat" / "adapters" / "lookup")
+    assert "add_generation_prompt" not in chat.template_variables
+    msgs = [("user", "order\ncity: oslo"), ("user", "what is the city?")]
+    for renderer in (chat, Renderer()):
+        with pytest.raises(SwitchIgnored, match="add_generation_prompt: false has no effect") as e:
+            renderer.chat_ids(tok, msgs, add_generation_prompt=False)
+        assert e.value.field == "add_generation_prompt"
+        with pytest.raises(SwitchIgnored, match=r"chat_template_kwargs.enable_thinking: .* does not read") as e:
+            renderer.chat_ids(tok, msgs, template_kwargs={"enable_thinking": False})
+        assert e.value.field == "chat_template_kwargs.enable_thinking"
+        # continue_final_message needs add_generation_prompt off, whatever the template reads
+        renderer.chat_ids(tok, [*msgs, ("assistant", "os")], add_generation_prompt=False, continue_final_message=True)
+    shout = Renderer.chat("{% for m in messages %}{{ m.content }}{% endfor %}{% if shout %}!{% endif %}")
+    assert shout.template_variables == {"messages", "shout"}
+    shout.chat_ids(tok, msgs, template_kwargs={"shout": True})
 
 
 def test_answer_shapes_token_ids_and_echoed_prompt_logprobs():

@@ -8,7 +8,7 @@ API (everything a server needs; nothing here knows about Ray):
                        kv_transfer_config=handover.transfer_config("producer", link))  # prefillshare.app.engine.handover
     engine = await Engine.start(cfg)              # or Engine(cfg) from sync code (blocks ~20-50 s)
     async for out in engine.generate(ids, Sampling(max_tokens=16), "req-1", cache_salt="tenant-a"):
-        out.new_token_ids, out.new_text, out.num_generated_tokens, out.finish_reason, out.finished,
+        out.new_token_ids, out.new_text, out.finish_reason, out.finished,
         out.num_prompt_tokens, out.num_cached_tokens, out.kv_transfer_params    # deltas, one per step
     done = await engine.complete(ids, Sampling(max_tokens=16))   # done.token_ids, done.text: the whole output
     res = await engine.prefill(ids, "req-2", cache_salt="tenant-a", kv_transfer_params={"fanout": 3})
@@ -234,7 +234,6 @@ class EngineOutput:
     request_id: str
     new_token_ids: list[int]
     new_text: str  # the text this step added ("" without a tokenizer)
-    num_generated_tokens: int  # generated so far by this sequence, this step's included
     finished: bool  # the request (every sequence) is done
     finish_reason: str | None  # set when this sequence is done
     num_prompt_tokens: int
@@ -269,7 +268,6 @@ class PrefillResult:
     num_prompt_tokens: int
     num_cached_tokens: int
     num_computed_tokens: int
-    first_token_id: int | None
     kv_transfer_params: dict[str, Any] | None = None
 
 
@@ -338,20 +336,17 @@ def _core_processes(llm) -> list:
     return list(getattr(getattr(resources, "engine_manager", None), "processes", None) or [])
 
 
-def _outputs(out, rid: str, ids: list[int], params, generated: dict[int, int]) -> Iterator[EngineOutput]:
-    """One engine step's DELTA outputs (each sequence's new tokens and text) as EngineOutputs;
-    ``generated`` counts each sequence's tokens so far."""
+def _outputs(out, rid: str, ids: list[int], params) -> Iterator[EngineOutput]:
+    """One engine step's DELTA outputs (each sequence's new tokens and text) as EngineOutputs."""
     plps = None
     if params.prompt_logprobs is not None and out.prompt_logprobs:
         plps = prompt_logprobs(out.prompt_token_ids or ids, out.prompt_logprobs, params.prompt_logprobs)
     for j, comp in enumerate(out.outputs):
         new = list(comp.token_ids)
-        generated[comp.index] = generated.get(comp.index, 0) + len(new)
         yield EngineOutput(
             request_id=rid,
             new_token_ids=new,
             new_text=comp.text or "",
-            num_generated_tokens=generated[comp.index],
             finished=out.finished and j == len(out.outputs) - 1,
             finish_reason=comp.finish_reason,
             num_prompt_tokens=len(out.prompt_token_ids or ids),
@@ -465,7 +460,6 @@ class Engine:
         prompt: dict[str, Any] = {"prompt_token_ids": ids}
         if cache_salt is not None:
             prompt["cache_salt"] = cache_salt
-        generated: dict[int, int] = {}  # per sequence (index): tokens generated so far
         agen = self._llm.generate(prompt, params, rid, lora_request=lora_request)
         deadline = asyncio.get_running_loop().time() + self.cfg.request_timeout_s
         queued = len(ids)
@@ -481,7 +475,7 @@ class Engine:
                     raise EngineError(f"request {rid} timed out after {self.cfg.request_timeout_s}s") from e
                 self.queued_prompt_tokens -= queued
                 queued = 0
-                for output in _outputs(out, rid, ids, params, generated):
+                for output in _outputs(out, rid, ids, params):
                     yield output
                 if out.finished:
                     return
@@ -529,7 +523,6 @@ class Engine:
             num_prompt_tokens=out.num_prompt_tokens,
             num_cached_tokens=out.num_cached_tokens,
             num_computed_tokens=out.num_prompt_tokens - out.num_cached_tokens,
-            first_token_id=out.token_ids[0] if out.token_ids else None,
             kv_transfer_params=out.kv_transfer_params,
         )
 

@@ -31,6 +31,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from prefillshare.app.auth import KeyRing, Tenant, load_keyring
 from prefillshare.app.config import AuthConfig
 from prefillshare.app.plan import AppPlan
+from prefillshare.app.rendering import SwitchIgnored
 from prefillshare.app.sampling import Sampling
 from prefillshare.deployments.errors import ApiError, ErrorCode, Failure, error_body
 from prefillshare.deployments.fleet import ReplicaBounds, serve_fleet
@@ -468,6 +469,8 @@ class Router:
         try:
             return (self.prompter.chat_prompt(conversation, model=dp.name, tools_line=line, **chat_switches(body)),
                     conversation)
+        except SwitchIgnored as e:
+            raise ApiError.invalid(e.field, str(e)) from None
         except RenderError as e:
             raise ApiError.invalid("messages", f"messages: {e}") from None
 

@@ -61,7 +61,6 @@ class ToolPlan:
 
     constraint: StructuredOutput
     prompt_line: str  # the tools, rendered as the first (system) turn
-    text_allowed: bool  # tool_choice "auto": the model may answer with {"content": ...}
 
 
 def _call_schema(tool) -> dict[str, Any]:
@@ -95,13 +94,12 @@ def plan_tools(body: ChatBody, tool_call_format: str | None, model: str) -> Tool
         if not chosen:
             raise ApiError.invalid("tool_choice", f"tool_choice: no tool named {name!r} in tools ({names})")
     options = [_call_schema(t) for t in chosen]
-    text_allowed = body.tool_choice in (None, "auto")
-    if text_allowed:
+    if body.tool_choice in (None, "auto"):  # the model may answer with {"content": ...} instead
         options.append({"type": "object", "properties": {"content": {"type": "string"}}, "required": ["content"],
                         "additionalProperties": False})
     schema = options[0] if len(options) == 1 else {"anyOf": options}
     constraint = schema_constraint(schema, "tools")
-    return ToolPlan(constraint, tools_line(body.tools), text_allowed)
+    return ToolPlan(constraint, tools_line(body.tools))
 
 
 def tools_line(tools) -> str:

@@ -267,6 +267,15 @@ def test_chat_template_switches_change_the_prompt_the_decoder_sees(app, referenc
     status, out = _post(app["url"] + "/v1/chat/completions", {"model": "tmpl", "messages": msgs,
                                                               "chat_template": "{{ 'x' }}"})
     assert status == 400 and out["error"]["param"] == "chat_template"
+    # a switch the decoder's rendering would ignore is refused, naming it, for every kind of decoder:
+    # tmpl's template reads no 'think'; lookup (a full decoder), ad0 (a decode group's adapter) and ie0
+    # (in-engine) render in the suite format, which has no template and no generation prompt
+    for model, body, param in [("tmpl", {"chat_template_kwargs": {"think": False}}, "chat_template_kwargs.think"),
+                               *((m, {"add_generation_prompt": False}, "add_generation_prompt")
+                                 for m in ("lookup", "ad0", "ie0")),
+                               ("ie0", {"chat_template_kwargs": {"shout": True}}, "chat_template_kwargs.shout")]:
+        status, out = _post(app["url"] + "/v1/chat/completions", {"model": model, "messages": msgs, **body})
+        assert status == 400 and out["error"]["param"] == param, (model, out)
 
 
 # --- vLLM's extra endpoints --------------------------------------------------------------------
