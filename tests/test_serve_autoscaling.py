@@ -60,7 +60,7 @@ def _states() -> dict[str, int]:
     return {str(k).split(".")[-1]: v for k, v in d.replica_states.items()}
 
 
-def _wait(what: str, cond, timeout_s: float = 400) -> float:
+def _wait(what: str, cond, timeout_s: float = 900) -> float:
     t0 = time.monotonic()
     while time.monotonic() - t0 < timeout_s:  # waiting for engine starts and the controller, not timing them
         if cond():
